@@ -187,6 +187,33 @@ class CkptConfig(Section):
     )
     export_final: bool = Field(True, description="Write final/ in HF format (safetensors) at the end.")
     resumable_final_save: bool = Field(False, description="Also write a full DCP checkpoint at the last step.")
+    remote: str | None = Field(
+        None,
+        description="Object-storage URL ('s3://bucket/prefix') each whole checkpoint is uploaded to in the "
+        "background; a run with no local checkpoint resumes from the newest one there. Credentials come from "
+        "the standard AWS chain (environment, ~/.aws, instance role), never from this file.",
+    )
+    remote_endpoint_url: str | None = Field(
+        None, description="S3-compatible endpoint (R2, MinIO, GCS interop); unset: AWS S3."
+    )
+    remote_keep_last: int | None = Field(
+        3, ge=1, description="Whole checkpoints kept in the bucket; unset: keep all (keep_every applies too)."
+    )
+    remote_compression: Literal["zstd", "gzip"] = Field(
+        "zstd", description="Archive compression of uploads ('zstd' needs the zstandard package, else gzip)."
+    )
+    heartbeat_interval_s: float = Field(
+        180.0, gt=0, description="Seconds between copies of progress.json to the bucket (the monitor's heartbeat)."
+    )
+
+    @model_validator(mode="after")
+    def _remote_is_a_bucket_url(self) -> CkptConfig:
+        if self.remote is not None and not self.remote.startswith("s3://"):
+            raise ValueError(
+                f"ckpt.remote {self.remote!r} must be an s3:// URL (any S3-compatible store: set "
+                "ckpt.remote_endpoint_url for R2, MinIO or GCS)"
+            )
+        return self
 
 
 class SupervisorConfig(Section):
@@ -286,6 +313,52 @@ class RLConfig(Section):
     eval_prompts: int = Field(64, ge=0, description="Held-out prompts for the mean-reward eval.")
 
 
+SKY_CLOUDS = ("aws", "gcp", "azure", "lambda", "runpod", "vast", "primeintellect", "kubernetes")
+
+
+class SpotConfig(Section):
+    name: str | None = Field(None, description="Managed job name; unset: run.name.")
+    accelerators: str = Field("H100:8", description="SkyPilot accelerators per node, e.g. 'H100:8' or 'A100-80GB:4'.")
+    use_spot: bool = Field(True, description="Ask for spot (preemptible) instances.")
+    clouds: list[Literal["aws", "gcp", "azure", "lambda", "runpod", "vast", "primeintellect", "kubernetes"]] = Field(
+        default_factory=list,
+        description="Candidate clouds, as SkyPilot names them; empty: any cloud SkyPilot has credentials for.",
+    )
+    infra: str | None = Field(
+        None, description="SkyPilot infra string ('aws/us-east-1', 'k8s/my-context'); overrides clouds."
+    )
+    disk_size_gb: int = Field(256, ge=10, description="Boot disk per node, in GB.")
+    num_nodes: int = Field(1, ge=1, description="Nodes; each runs `prime-train run` with torchrun's rendezvous.")
+    recovery_strategy: Literal["EAGER_NEXT_REGION", "FAILOVER"] = Field(
+        "EAGER_NEXT_REGION", description="SkyPilot job_recovery strategy after a preemption."
+    )
+    max_restarts_on_errors: int = Field(3, ge=0, description="Recoveries SkyPilot makes after the job itself fails.")
+    recover_on_exit_codes: list[int] = Field(
+        default_factory=lambda: [75],
+        description="Exit codes SkyPilot always recovers from; 75 is 'checkpointed and stopped on request'.",
+    )
+    install: str = Field(
+        "prime-train[engine,s3]",
+        description="pip requirement the setup step installs on each node (a version pin or a git URL works).",
+    )
+    setup: list[str] = Field(default_factory=list, description="Extra setup commands run after the install.")
+    env: dict[str, str] = Field(default_factory=dict, description="Environment of the job on every node.")
+    secrets: list[str] = Field(
+        default_factory=lambda: ["WANDB_API_KEY", "HF_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"],
+        description="Names of local environment variables passed to the job as SkyPilot secrets (values are "
+        "read at launch, never written to the YAML or printed).",
+    )
+    workdir: str | None = Field(None, description="Local directory synced to the nodes (your config files).")
+
+    @model_validator(mode="after")
+    def _infra_names_a_cloud(self) -> SpotConfig:
+        if self.infra is not None:
+            cloud = self.infra.split("/", 1)[0].lower()
+            if cloud not in (*SKY_CLOUDS, "k8s"):
+                raise ValueError(f"spot.infra {self.infra!r}: the cloud must be one of {', '.join(SKY_CLOUDS)}")
+        return self
+
+
 class Config(Section):
     """A whole run."""
 
@@ -300,6 +373,7 @@ class Config(Section):
     job: JobConfig = Field(default_factory=JobConfig, description="An external command instead of the engine.")
     inference: InferenceConfig = Field(default_factory=InferenceConfig, description="Rollout workers for RL.")
     rl: RLConfig = Field(default_factory=RLConfig, description="GRPO and its environment.")
+    spot: SpotConfig = Field(default_factory=SpotConfig, description="`run --spot`: a SkyPilot managed job.")
 
     @property
     def run_dir(self) -> str:

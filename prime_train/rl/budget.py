@@ -60,9 +60,12 @@ def _byte_count(text: str) -> int:
 def _tokenizer_json(source: str) -> Path | None:
     """tokenizer.json of a local directory, or of a hub id already in the HF cache (never downloads)."""
     local = Path(os.path.expanduser(source))
-    if local.is_dir():
-        found = local / "tokenizer.json"
-        return found if found.is_file() else None
+    try:
+        if local.is_dir():
+            found = local / "tokenizer.json"
+            return found if found.is_file() else None
+    except OSError:  # a name the filesystem refuses (too long, bad bytes): not a local directory
+        return None
     try:
         from huggingface_hub import try_to_load_from_cache
 
