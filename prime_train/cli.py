@@ -285,6 +285,57 @@ def run(
 
 
 @app.command(context_settings=OVERRIDES)
+def profile(
+    ctx: typer.Context,
+    files: RunConfigFiles = None,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Steps recorded under torch.profiler.")] = 5,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Steps run first and not counted.")] = 2,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """Run a few real steps under torch.profiler and name the bottleneck, with the evidence.
+
+    Times data wait, forward, backward, optimizer, communication and one checkpoint save (for RL:
+    rollout latency against trainer time), writes a Chrome trace, and says what to change. Runs in
+    <output_dir>/<name>-profile: the real run's directory is not touched.
+
+    Examples:
+
+      prime-train profile configs/tiny-sft.toml
+
+      prime-train profile configs/tiny-rl.toml --steps 3 --json
+    """
+    from prime_train.profile_run import profile_config, render_profile, run_profile, summary_json
+    from prime_train.resilience.console import ConsoleObserver
+
+    paths, overrides = _split_overrides(files, ctx.args)
+    cfg = _load(paths or [default_config()], overrides)
+    if cfg.job.command:
+        _console(stderr=True).print("[red]error[/red]: profile runs the embedded engine; [job].command is set")
+        raise typer.Exit(78)
+    _require_engine(cfg)
+    console = _console(stderr=as_json)
+    from prime_train.validator.preflight import preflight_command
+
+    pcfg = profile_config(cfg, warmup, steps)
+    code = preflight_command(pcfg, as_json=False, quiet_pass=True, stderr=as_json)
+    if code != 0:
+        console.print("[red]preflight failed[/red]: fix the above first")
+        raise typer.Exit(code)
+    with ConsoleObserver(console) as observer:
+        code, summary, root = run_profile(pcfg, warmup=warmup, steps=steps, observer=observer)
+    if summary is None:
+        _console(stderr=True).print(
+            f"[red]error[/red]: the profiled job wrote no summary (exit {code}); see {root}/logs/latest"
+        )
+        raise typer.Exit(code or 1)
+    if as_json:
+        print(summary_json(summary))
+    else:
+        render_profile(summary, console)
+    raise typer.Exit(code)
+
+
+@app.command(context_settings=OVERRIDES)
 def preflight(
     ctx: typer.Context,
     files: RunConfigFiles = None,

@@ -36,7 +36,7 @@ from prime_train.validator.preflight import (
 )
 
 GIB = 1 << 30
-CHECK_NAMES = ["open_files", "cuda", "output_dir", "disk", "ports", "secrets", "memory_fit"]
+CHECK_NAMES = ["open_files", "model_source", "cuda", "output_dir", "disk", "ports", "secrets", "memory_fit"]
 
 # config.json fields of public models; the totals are the parameter counts transformers reports (FACTS.md)
 QWEN25_7B = {
@@ -403,7 +403,7 @@ def test_preflight_on_the_tiny_config_passes_with_exit_0_and_one_line_per_check(
     assert preflight_command(cfg, as_json=False) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert [line.split(":")[0] for line in lines[:-1]] == [f"✓ {name}" for name in CHECK_NAMES]
-    assert lines[-1] == "preflight: 7 passed, 0 warning(s), 0 failed"
+    assert lines[-1] == "preflight: 8 passed, 0 warning(s), 0 failed"
 
 
 def test_preflight_json_is_a_list_of_checks_and_a_fail_exits_78(tmp_path, capsys):
@@ -436,3 +436,19 @@ def test_run_preflight_uses_the_injected_probe_for_gpu_memory(tmp_path, monkeypa
     assert by_name["cuda"].status == PASS
     # the tiny model does not fit a 1 MiB GPU: the memory check read the probe's figure, not host RAM
     assert by_name["memory_fit"].status == FAIL and "one GPU's memory" in by_name["memory_fit"].message
+
+
+def test_model_source_that_does_not_exist_fails_with_the_key_and_the_working_directory(tmp_path, monkeypatch):
+    from prime_train.validator.preflight import check_model_source
+
+    monkeypatch.chdir(tmp_path)
+    missing = Config.model_validate({"model": {"path": "runs/tiny-sft/final"}})
+    result = check_model_source(missing)
+    assert result.status == FAIL
+    assert "model.path = 'runs/tiny-sft/final' does not exist" in result.message and str(tmp_path) in result.fix
+    # a hub id is left to the loader (it may be in the cache, or online); an existing directory passes
+    assert check_model_source(Config.model_validate({"model": {"path": "Qwen/Qwen2.5-0.5B"}})).status == PASS
+    (tmp_path / "m").mkdir()
+    assert check_model_source(Config.model_validate({"model": {"path": "m"}})).status == PASS
+    (tmp_path / "f").write_text("x")
+    assert check_model_source(Config.model_validate({"model": {"tokenizer": "f"}})).status == FAIL

@@ -155,3 +155,23 @@ def test_a_prompt_that_cannot_fit_is_refused_surfaced_and_classified_not_waited_
     failure = next(e for e in events if e["event"] == "failure")
     assert failure["kind"] == "config_error"
     assert any(e["event"] == "log_finding" and e.get("process") == "inference-0" for e in events)
+
+
+@pytest.mark.slow
+def test_profile_of_tiny_rl_weighs_rollout_latency_against_training(tmp_path, sft_model):
+    import json
+
+    result = subprocess.run(
+        cli("profile", str(TINY_RL), "--steps", "2", "--warmup", "1", "--json", *rl_args(tmp_path, sft_model, "prl")),
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    assert summary["job"] == "rl" and summary["profiled_steps"] == 2
+    assert summary["rollout_latency_s"] > 0
+    assert summary["phases_s"]["weight_sync"] > 0 and "rollout_wait" in summary["phases_s"]
+    assert summary["bottleneck"]["kind"] in {"latency-bound rollouts", "compute-bound"}
+    assert (tmp_path / "prl-profile" / "profile" / "trace-rank0.json").is_file()

@@ -173,6 +173,15 @@ class RLTrainer:
         self._rollouts: queue.Queue = queue.Queue(maxsize=max(1, cfg.rl.max_async_level))
         self._rollout_error: BaseException | None = None
         self._rollout_thread: threading.Thread | None = None
+        from prime_train.engine.profiling import NullTimer, ProfileSession, profile_request
+
+        request = profile_request()
+        self.profile = (
+            ProfileSession(self.run_dir.root, *request, device=self.dist.device, rank=self.dist.rank, job="rl")
+            if request
+            else None
+        )
+        self.timer = self.profile.timer if self.profile else NullTimer()
 
     # ------------------------------------------------------------------ rollouts
 
@@ -241,19 +250,21 @@ class RLTrainer:
     def train_step(self) -> dict[str, float]:
         from prime_train.engine import parallel
 
-        cfg, dist = self.cfg, self.dist
-        batch = self.next_batch()
-        lag = self.state.step - batch.policy_step
-        while lag > cfg.rl.max_async_level:
-            # rollouts from a policy older than rl.max_async_level are dropped, never trained on
-            logger.warning(
-                "dropping rollouts %d steps off-policy (rl.max_async_level = %d)", lag, cfg.rl.max_async_level
-            )
+        cfg, dist, timer = self.cfg, self.dist, self.timer
+        with timer("rollout_wait"):
             batch = self.next_batch()
             lag = self.state.step - batch.policy_step
+            while lag > cfg.rl.max_async_level:
+                # rollouts from a policy older than rl.max_async_level are dropped, never trained on
+                logger.warning(
+                    "dropping rollouts %d steps off-policy (rl.max_async_level = %d)", lag, cfg.rl.max_async_level
+                )
+                batch = self.next_batch()
+                lag = self.state.step - batch.policy_step
         samples = batch.samples
         tokens = sum(len(s.completion_ids) for s in samples)
-        total = max(1.0, float(parallel.all_reduce_sum(torch.tensor([float(tokens)]), dist)[0]))
+        with timer("communication"):
+            total = max(1.0, float(parallel.all_reduce_sum(torch.tensor([float(tokens)]), dist)[0]))
         loss_sum = kl_sum = clip_sum = 0.0
         mbs = cfg.train.micro_batch_size
         chunks = [samples[i : i + mbs] for i in range(0, len(samples), mbs)] or [[]]
@@ -262,40 +273,46 @@ class RLTrainer:
             if not chunk:
                 continue
             with parallel.grad_sync(self.model, enabled=i == len(chunks) - 1), self._autocast():
-                new_logp, mask = completion_logprobs(
-                    self.model, chunk, dist.device, cfg.rl.temperature, self.tokenizer.pad_token_id
-                )
-                old = torch.zeros_like(new_logp)
-                for row, s in enumerate(chunk):
-                    old[row, : len(s.old_logprobs)] = torch.tensor(s.old_logprobs[: new_logp.size(1)])
-                ref = None
-                if self.reference is not None:
-                    with torch.no_grad():
-                        ref, _ = completion_logprobs(
-                            self.reference, chunk, dist.device, cfg.rl.temperature, self.tokenizer.pad_token_id
-                        )
-                adv = torch.tensor([s.advantage for s in chunk], device=dist.device)
-                loss, kl, clipped = grpo_loss(new_logp, old, mask, adv, cfg.rl.clip_eps, ref, cfg.rl.kl_coef)
-                (loss * (dist.world_size / total)).backward()
+                with timer("forward"):
+                    new_logp, mask = completion_logprobs(
+                        self.model, chunk, dist.device, cfg.rl.temperature, self.tokenizer.pad_token_id
+                    )
+                    old = torch.zeros_like(new_logp)
+                    for row, s in enumerate(chunk):
+                        old[row, : len(s.old_logprobs)] = torch.tensor(s.old_logprobs[: new_logp.size(1)])
+                    ref = None
+                    if self.reference is not None:
+                        with torch.no_grad():
+                            ref, _ = completion_logprobs(
+                                self.reference, chunk, dist.device, cfg.rl.temperature, self.tokenizer.pad_token_id
+                            )
+                    adv = torch.tensor([s.advantage for s in chunk], device=dist.device)
+                    loss, kl, clipped = grpo_loss(new_logp, old, mask, adv, cfg.rl.clip_eps, ref, cfg.rl.kl_coef)
+                with timer("backward"):
+                    (loss * (dist.world_size / total)).backward()
             loss_sum += float(loss.detach())
             kl_sum += float(kl)
             clip_sum += float(clipped)
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = cfg.train.grad_clip if cfg.train.grad_clip is not None else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.tensor(0.0)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with timer("optimizer"):
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            max_norm = cfg.train.grad_clip if cfg.train.grad_clip is not None else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.tensor(0.0)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         rewards = [s.reward for s in samples]
-        reduced = parallel.all_reduce_sum(
-            torch.tensor([loss_sum, kl_sum, clip_sum, sum(rewards), float(len(rewards))], dtype=torch.float64), dist
-        )
+        with timer("communication"):
+            reduced = parallel.all_reduce_sum(
+                torch.tensor([loss_sum, kl_sum, clip_sum, sum(rewards), float(len(rewards))], dtype=torch.float64),
+                dist,
+            )
         self.state.step += 1
         self.state.tokens_seen += int(total)
-        self.publish_weights()
+        with timer("weight_sync"):
+            self.publish_weights()
         n = max(1.0, float(reduced[4]))
         return {
             "loss": float(reduced[0]) / total,
@@ -353,6 +370,8 @@ class RLTrainer:
         self.metrics.heartbeat(self.state.step, phase="starting")
         self.pool.wait_healthy(cfg.inference.startup_timeout_s)
         self.publish_weights()  # workers start from the trainer's weights, also after a resume
+        if self.profile is not None:
+            return self.profile_fit()
         if self.state.step == 0:
             self.metrics.log(0, self.evaluate())
         t_start, start_step = time.time(), self.state.step
@@ -391,6 +410,44 @@ class RLTrainer:
             export_hf(self.model, self.tokenizer, self.run_dir.final_dir, rank=self.dist.rank)
         self.metrics.heartbeat(self.state.step, phase="done", loss=last_loss)
         return EXIT_OK
+
+    def profile_fit(self) -> int:
+        """`prime-train profile` for RL: rollout latency against trainer time, one timed checkpoint save."""
+        from prime_train.engine.profiling import timed_checkpoint
+        from prime_train.engine.train import EXIT_OK
+
+        prof = self.profile
+        logger.info("profiling: %d warmup step(s), then %d step(s) under torch.profiler", prof.warmup, prof.steps)
+        latencies: list[float] = []
+        tokens = 0.0
+        prof.timer.reset()
+        for i in range(prof.total_steps):
+            m = self.train_step()
+            prof.after_step()
+            if i >= prof.warmup:
+                latencies.append(m["rollout_s"])
+            tokens = m["completion_tokens"]
+            self.metrics.log(self.state.step, m)
+            self.metrics.heartbeat(self.state.step, phase="training", loss=m["loss"], reward=m["reward"])
+        checkpoint_s = timed_checkpoint(self)
+        summary = prof.finish(
+            world_size=self.dist.world_size,
+            tokens_per_step=tokens,
+            checkpoint_s=checkpoint_s,
+            extra={
+                "ckpt_interval": self.cfg.ckpt.interval,
+                "rollout_latency_s": sum(latencies) / max(1, len(latencies)),
+                "max_async_level": self.cfg.rl.max_async_level,
+                "device": str(self.dist.device),
+            },
+        )
+        logger.info("profile: %s", summary["bottleneck"]["kind"])
+        self.metrics.heartbeat(self.state.step, phase="done")
+        return EXIT_OK
+
+    def save(self, *, final: bool = False) -> None:
+        self.metrics.heartbeat(self.state.step, phase="saving")
+        self.checkpointer.save(self.state, self.state.step, final=final)
 
     def close(self) -> None:
         import gc

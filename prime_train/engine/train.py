@@ -132,6 +132,15 @@ class Trainer:
         device_name = torch.cuda.get_device_name(self.dist.device) if self.dist.device.type == "cuda" else "cpu"
         self.peak_flops = peak_flops(device_name)  # FLOP/s per device, None when unknown (never a guess)
         self.stop = StopFlag()
+        from prime_train.engine.profiling import NullTimer, ProfileSession, profile_request
+
+        request = profile_request()
+        self.profile = (
+            ProfileSession(self.run_dir.root, *request, device=self.dist.device, rank=self.dist.rank, job=cfg.run.job)
+            if request
+            else None
+        )
+        self.timer = self.profile.timer if self.profile else NullTimer()
         self._last_loss: float | None = None
         self._env = None
         self._env_prompts: list = []
@@ -164,36 +173,44 @@ class Trainer:
         from prime_train.engine import parallel
 
         cfg, dist = self.cfg, self.dist
+        timer = self.timer
         accum = self._global_batch() // (cfg.train.micro_batch_size * dist.world_size)
-        batches = [next(self.loader) for _ in range(accum)]
+        with timer("data"):
+            batches = [next(self.loader) for _ in range(accum)]
         # normalise by the labelled tokens of the whole global batch, so the loss and its gradient do not
         # depend on how the batch is split over ranks and micro-steps
         local_tokens = sum(int((b.labels[:, 1:] != -100).sum()) for b in batches)
-        global_tokens = max(1.0, float(parallel.all_reduce_sum(torch.tensor([float(local_tokens)]), dist)[0]))
+        with timer("communication"):
+            global_tokens = max(1.0, float(parallel.all_reduce_sum(torch.tensor([float(local_tokens)]), dist)[0]))
         from prime_train.engine.evaluate import token_losses
 
         loss_sum = torch.zeros((), dtype=torch.float64)
         tokens = 0
         t0 = time.perf_counter()
         for i, batch in enumerate(batches):
-            ids = batch.input_ids.to(dist.device, non_blocking=True)
-            pos = batch.position_ids.to(dist.device, non_blocking=True)
-            labels = batch.labels.to(dist.device, non_blocking=True)
+            with timer("data"):
+                ids = batch.input_ids.to(dist.device, non_blocking=True)
+                pos = batch.position_ids.to(dist.device, non_blocking=True)
+                labels = batch.labels.to(dist.device, non_blocking=True)
             with parallel.grad_sync(self.model, enabled=i == accum - 1), self._autocast():
-                part, _ = token_losses(self.model, ids, pos, labels)
+                with timer("forward"):
+                    part, _ = token_losses(self.model, ids, pos, labels)
                 # DDP and FSDP average gradients over ranks; scale back up so the result is a global sum
-                (part * (dist.world_size / global_tokens)).backward()
+                with timer("backward"):
+                    (part * (dist.world_size / global_tokens)).backward()
             loss_sum += part.detach().double().cpu()
             tokens += batch.num_tokens
-        grad_norm = self._clip_gradients()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with timer("optimizer"):
+            grad_norm = self._clip_gradients()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         if dist.device.type == "cuda":
             torch.cuda.synchronize(dist.device)
         step_time = time.perf_counter() - t0
-        reduced = parallel.all_reduce_sum(torch.tensor([float(loss_sum), float(tokens)], dtype=torch.float64), dist)
+        with timer("communication"):
+            reduced = parallel.all_reduce_sum(torch.tensor([float(loss_sum), float(tokens)], dtype=torch.float64), dist)
         loss = float(reduced[0]) / global_tokens
         step_tokens = int(reduced[1])
         self.state.step += 1
@@ -290,6 +307,8 @@ class Trainer:
     def fit(self) -> int:
         cfg = self.cfg
         self.stop.install()
+        if self.profile is not None:
+            return self.profile_fit()
         self.resume()
         if self.dist.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.dist.device)
@@ -332,6 +351,38 @@ class Trainer:
 
             export_hf(self.model, self.tokenizer, self.run_dir.final_dir, rank=self.dist.rank)
         self.metrics.heartbeat(self.state.step, phase="done", tokens=self.state.tokens_seen, loss=self._last_loss)
+        return EXIT_OK
+
+    def profile_fit(self) -> int:
+        """`prime-train profile`: warmup steps, profiled steps, one timed checkpoint save; no eval, no export."""
+        from prime_train.engine.profiling import timed_checkpoint
+
+        prof = self.profile
+        logger.info("profiling: %d warmup step(s), then %d step(s) under torch.profiler", prof.warmup, prof.steps)
+        self.metrics.heartbeat(0, phase="training", tokens=0)
+        tokens = 0.0
+        prof.timer.reset()
+        for _ in range(prof.total_steps):
+            m = self.train_step()
+            tokens = m["tokens_per_s"] * m["step_time_s"]
+            prof.after_step()
+            self.metrics.log(self.state.step, m)
+            self.metrics.heartbeat(self.state.step, phase="training", tokens=self.state.tokens_seen, loss=m["loss"])
+        checkpoint_s = timed_checkpoint(self)
+        summary = prof.finish(
+            world_size=self.dist.world_size,
+            tokens_per_step=tokens,
+            checkpoint_s=checkpoint_s,
+            extra={
+                "ckpt_interval": self.cfg.ckpt.interval,
+                "mfu": m.get("mfu"),
+                "device": str(self.dist.device),
+                "strategy": self.strategy,
+                "num_params": self.num_params,
+            },
+        )
+        logger.info("profile: %s", summary["bottleneck"]["kind"])
+        self.metrics.heartbeat(self.state.step, phase="done", tokens=self.state.tokens_seen)
         return EXIT_OK
 
     def _newest_saved_step(self) -> int | None:

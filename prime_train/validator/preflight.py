@@ -13,6 +13,7 @@ import ipaddress
 import json
 import netrc
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -356,6 +357,38 @@ def model_shape(cfg: Config) -> tuple[dict[str, Any] | None, str]:
     return hf, path
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def check_model_source(cfg: Config) -> CheckResult:
+    """model.path (and model.tokenizer) must be a local directory or something that reads as a hub id."""
+    for key in ("path", "tokenizer"):
+        value = getattr(cfg.model, key)
+        if value is None:
+            continue
+        local = Path(os.path.expanduser(value))
+        try:
+            exists = local.exists()
+        except OSError:
+            exists = False
+        if exists:
+            if not local.is_dir():
+                return CheckResult(
+                    "model_source", FAIL, f"model.{key} = {value!r} is a file, not a model directory",
+                    f"point model.{key} at the directory holding config.json",
+                )  # fmt: skip
+            continue
+        looks_local = value.startswith((".", "/", "~")) or value.count("/") != 1 or not HUB_ID.match(value)
+        if looks_local:
+            return CheckResult(
+                "model_source", FAIL,
+                f"model.{key} = {value!r} does not exist here, and is not a hub id ('namespace/name')",
+                f"create it first (a previous run's final/ directory: run that run), or fix the path"
+                f" (relative paths are from {os.getcwd()})",
+            )  # fmt: skip
+    return CheckResult("model_source", PASS, "model source found" if cfg.model.path else "random-initialised model")
+
+
 def _human(num_bytes: float) -> str:
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
         if num_bytes >= size:
@@ -679,6 +712,7 @@ def run_preflight(
     gpu_run = bool(cuda.details.get("gpu_run"))
     return [
         check_open_files(inference_workers),
+        check_model_source(cfg),
         cuda,
         check_output_dir(cfg),
         check_disk(cfg, disk_usage),
@@ -693,7 +727,7 @@ _MARKS = {PASS: ("✓", "green"), WARN: ("!", "yellow"), FAIL: ("✗", "red")}
 
 
 def preflight_command(
-    cfg: Config, as_json: bool = False, *, quiet_pass: bool = False, inference_workers: int = 0
+    cfg: Config, as_json: bool = False, *, quiet_pass: bool = False, inference_workers: int = 0, stderr: bool = False
 ) -> int:
     """`prime-train preflight`: print one line per check (or a JSON list); 0 when nothing failed, else 78."""
     results = run_preflight(cfg, inference_workers=inference_workers)
@@ -705,7 +739,7 @@ def preflight_command(
     from rich.console import Console
     from rich.text import Text
 
-    console = Console(highlight=False, soft_wrap=True)
+    console = Console(highlight=False, soft_wrap=True, stderr=stderr)
     for r in results:
         if quiet_pass and r.status == PASS:
             continue

@@ -1,0 +1,97 @@
+"""`prime-train profile CFG`: a few real steps of the job under the supervisor, timed, and the bottleneck named.
+
+The job runs in its own run directory, `<output_dir>/<name>-profile`, so the real run's checkpoints,
+metrics and resume state are never touched. The supervisor starts it exactly as `prime-train run`
+would (torchrun for several processes, inference workers for RL); the engine sees
+PRIME_TRAIN_PROFILE and times its phases (prime_train/engine/profiling.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from prime_train.config.schema import Config
+
+MARKER = ".prime-train-profile"
+
+
+def profile_config(cfg: Config, warmup: int, steps: int) -> Config:
+    """The run config of a profile: its own run directory, fresh start, no restarts, no export."""
+    data = cfg.model_dump()
+    data["run"]["name"] = f"{cfg.run.name}-profile"
+    data["train"]["max_steps"] = warmup + steps
+    data["ckpt"].update(resume="never", export_final=False, resumable_final_save=False, remote=None)
+    data["ckpt"]["interval"] = max(cfg.ckpt.interval, warmup + steps + 1)  # only the timed save
+    data["supervisor"]["max_restarts"] = 0
+    out = Config.model_validate(data)
+    return out
+
+
+def _clear_previous(root: Path) -> None:
+    """Remove an earlier profile's directory: only one this command made (it carries the marker)."""
+    if (root / MARKER).is_file() and not root.is_symlink():
+        shutil.rmtree(root)
+
+
+def run_profile(pcfg: Config, *, warmup: int, steps: int, observer) -> tuple[int, dict | None, Path]:
+    """Run a profile config (from `profile_config`) under the supervisor; returns (exit code, summary or None,
+    profile run directory)."""
+    from prime_train.engine.profiling import PROFILE_ENV, read_summary
+    from prime_train.resilience.supervisor import Supervisor, SupervisorOptions
+
+    root = Path(pcfg.run_dir)
+    _clear_previous(root)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / MARKER).write_text("made by prime-train profile; removed by the next one\n")
+    previous = os.environ.get(PROFILE_ENV)
+    os.environ[PROFILE_ENV] = f"{warmup},{steps}"
+    try:
+        sup = Supervisor(pcfg, observer, SupervisorOptions())
+        code = sup.run()
+    finally:
+        if previous is None:
+            os.environ.pop(PROFILE_ENV, None)
+        else:
+            os.environ[PROFILE_ENV] = previous
+    return code, read_summary(root), root
+
+
+def render_profile(summary: dict, console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"where a step goes ({summary['profiled_steps']} profiled steps, {summary['device']})")
+    table.add_column("phase")
+    table.add_column("seconds / step", justify="right")
+    table.add_column("share", justify="right")
+    for phase, seconds in summary["phases_s"].items():
+        share = summary["shares"].get(phase, 0.0)
+        table.add_row(phase, f"{seconds:.4f}", f"{share:.0%}")
+    table.add_row("[bold]step[/bold]", f"[bold]{summary['step_s']:.4f}[/bold]", "100%")
+    console.print(table)
+    extra = [f"{summary['tokens_per_s']:,.0f} tokens/s"]
+    if summary.get("mfu") is not None:
+        extra.append(f"MFU {summary['mfu']:.1%}")
+    if summary.get("communication_in_trace_s"):
+        extra.append(f"collectives in the trace {summary['communication_in_trace_s']:.4f}s/step")
+    if summary.get("checkpoint_save_s") is not None:
+        extra.append(f"one checkpoint save {summary['checkpoint_save_s']:.2f}s")
+    if summary.get("rollout_latency_s") is not None:
+        extra.append(f"rollout batch latency {summary['rollout_latency_s']:.2f}s")
+    console.print(" · ".join(extra), highlight=False)
+    b = summary["bottleneck"]
+    console.print(f"[bold]bottleneck: {b['kind']}[/bold]", highlight=False)
+    console.print(f"  evidence: {b['evidence']}", highlight=False, markup=False)
+    console.print(f"  change:   {b['advice']}", highlight=False, markup=False)
+    for note in b.get("notes", []):
+        console.print(f"  note:     {note}", highlight=False, markup=False)
+    if summary.get("trace"):
+        console.print(f"Chrome trace: {summary['trace']} (chrome://tracing or ui.perfetto.dev)", highlight=False)
+    if str(summary.get("device", "")).startswith("cuda"):
+        console.print("(phase timers synchronise the GPU, so a profiled step is a little slower than a normal one)")
+
+
+def summary_json(summary: dict) -> str:
+    return json.dumps(summary, indent=2)
