@@ -335,6 +335,86 @@ def profile(
     raise typer.Exit(code)
 
 
+@app.command()
+def init(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the config.")] = Path(
+        "prime-train.toml"
+    ),
+    job: Annotated[Optional[str], typer.Option(help="sft, pretrain or rl.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="'tiny' (random-initialised, CPU), an HF id or a path.")] = None,
+    hardware: Annotated[Optional[str], typer.Option(help="'cpu' or '<GPU>:<count>', e.g. H100:8.")] = None,
+    nodes: Annotated[Optional[int], typer.Option(min=1, help="Nodes.")] = None,
+    name: Annotated[Optional[str], typer.Option(help="Run name.")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(min=8, help="Tokens per sequence.")] = None,
+    max_steps: Annotated[Optional[int], typer.Option(min=1, help="Optimizer steps.")] = None,
+    environment: Annotated[Optional[str], typer.Option(help="RL environment.")] = None,
+    dataset: Annotated[Optional[str], typer.Option(help="SFT/pretrain data: a local file, directory or glob.")] = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Save without asking.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+) -> None:
+    """Write a lint-clean run config by answering a few questions (job, model, hardware).
+
+    Every question is also a flag; without a terminal nothing is asked and defaults fill the rest.
+
+    Examples:
+
+      prime-train init
+
+      prime-train init --job rl --model Qwen/Qwen2.5-1.5B-Instruct --hardware H100:8 -o rl.toml --yes
+    """
+    import tempfile
+
+    from rich.syntax import Syntax
+
+    from prime_train.init_wizard import Answers, build_config, check_text
+
+    console = _console()
+    interactive = sys.stdin.isatty() and not yes
+    a = Answers()
+
+    def ask(value, prompt: str, default):
+        if value is not None:
+            return value
+        if not interactive:
+            return default
+        return typer.prompt(prompt, default=default, type=type(default))
+
+    a.job = ask(job, "Job (sft, pretrain, rl)", a.job)
+    a.model = ask(model, "Model ('tiny', an HF id or a local path)", a.model)
+    a.hardware = ask(hardware, "Hardware ('cpu' or GPU:count, e.g. H100:8)", a.hardware)
+    a.nodes = ask(nodes, "Nodes", a.nodes)
+    if a.job == "rl":
+        a.environment = ask(environment, "RL environment", a.environment)
+    a.name, a.seq_len, a.max_steps, a.dataset = name, seq_len, max_steps, dataset
+    try:
+        text = build_config(a)
+    except ValueError as exc:
+        _console(stderr=True).print(f"[red]error[/red]: {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    with tempfile.TemporaryDirectory() as tmp:
+        problems = check_text(text, Path(tmp) / output.name)
+    for p in problems:
+        p.file = str(output)
+    if console.is_terminal:
+        console.print(Syntax(text, "toml", line_numbers=False, word_wrap=True))
+    else:
+        console.print(text, markup=False, highlight=False, end="")
+    for note in a.notes:
+        console.print(f"[yellow]note[/yellow]: {note}", highlight=False)
+    if problems:
+        _print_problems(problems)
+        if any(p.severity == "error" for p in problems):
+            console.print("[red]not saved[/red]: the generated config does not lint (a bug: please report it)")
+            raise typer.Exit(1)
+    if output.exists() and not force:
+        _console(stderr=True).print(f"[red]error[/red]: {output} exists; pass --force to overwrite it")
+        raise typer.Exit(1)
+    if interactive and not typer.confirm(f"Save to {output}?", default=True):
+        raise typer.Exit(1)
+    output.write_text(text)
+    console.print(f"[green]saved[/green] {output}; next: prime-train preflight {output}", highlight=False)
+
+
 @app.command(context_settings=OVERRIDES)
 def preflight(
     ctx: typer.Context,

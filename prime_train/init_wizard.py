@@ -1,0 +1,273 @@
+"""`prime-train init`: ask what the run is (job, model, hardware), write a lint-clean config that explains itself.
+
+Every question has a flag; with no terminal (CI, scripts) nothing is asked and unanswered questions
+take their defaults. The config is shown before it is saved, and checked by the same lint as
+`prime-train lint`: the wizard never writes a config that lint rejects.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+JOBS = ("sft", "pretrain", "rl")
+ENVIRONMENTS = ("reverse-text", "arithmetic", "sorting")
+TINY = "tiny"
+
+
+@dataclass
+class Answers:
+    """What the user told us (or the defaults)."""
+
+    job: str = "sft"
+    model: str = TINY  # 'tiny' (random-initialised, CPU) or an HF id / local directory
+    hardware: str = "cpu"  # 'cpu' or '<GPU>:<count>', e.g. 'H100:8'
+    nodes: int = 1
+    name: str | None = None
+    seq_len: int | None = None
+    max_steps: int | None = None
+    environment: str = "reverse-text"
+    dataset: str | None = None  # local file/dir/glob for sft/pretrain; unset: a built-in task
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpu: str | None
+    count: int
+    memory_gib: float | None
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.gpu is not None
+
+
+def _gpu_table() -> dict[str, dict[str, Any]]:
+    """GPU name (lower case) -> its entry in the shipped GPU table (memory, peak FLOP/s)."""
+    path = Path(__file__).parent / "validator" / "data" / "gpus.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    entries = raw.get("gpus", raw) if isinstance(raw, dict) else raw
+    out: dict[str, dict[str, Any]] = {}
+    if isinstance(entries, dict):
+        entries = [{"name": k, **v} for k, v in entries.items() if isinstance(v, dict)]
+    for e in entries:
+        if isinstance(e, dict) and "name" in e:
+            out[str(e["name"]).lower()] = e
+            for alias in e.get("aliases", []):
+                out[str(alias).lower()] = e
+    return out
+
+
+def _memory_gib(entry: dict[str, Any]) -> float | None:
+    for key in ("memory_gib", "memory_gb", "memory"):
+        if key in entry:
+            return float(entry[key])
+    return None
+
+
+def parse_hardware(text: str) -> Hardware:
+    """'cpu', 'H100', 'H100:8', 'A100-80GB:4' -> Hardware; an unknown GPU keeps memory None (no guess)."""
+    text = text.strip()
+    if text.lower() == "cpu":
+        return Hardware(None, 1, None)
+    name, _, count = text.partition(":")
+    try:
+        n = int(count) if count else 1
+    except ValueError:
+        raise ValueError(f"hardware {text!r}: the count after ':' must be a whole number, e.g. 'H100:8'") from None
+    if n < 1:
+        raise ValueError(f"hardware {text!r}: at least one GPU")
+    entry = _gpu_table().get(name.lower())
+    return Hardware(name, n, _memory_gib(entry) if entry else None)
+
+
+def _model_shape(model: str) -> tuple[dict[str, Any] | None, int | None]:
+    """The HF config of a local or cached model, and its parameter count (None when unknown offline)."""
+    if model == TINY:
+        return None, None
+    from prime_train.config.schema import Config
+    from prime_train.validator.preflight import count_parameters, model_shape
+
+    hf, _ = model_shape(Config.model_validate({"model": {"path": model}}))
+    if hf is None:
+        return None, None
+    try:
+        return hf, count_parameters(hf)
+    except (KeyError, TypeError, ValueError):
+        return hf, None
+
+
+def build_config(a: Answers) -> str:
+    """The TOML text of the run, with a comment on each choice."""
+    if a.job not in JOBS:
+        raise ValueError(f"job {a.job!r}: choose one of {', '.join(JOBS)}")
+    if a.nodes < 1:
+        raise ValueError("nodes must be at least 1")
+    hw = parse_hardware(a.hardware)
+    if a.model == TINY and hw.is_gpu:
+        a.notes.append("the tiny model on a GPU is a smoke test; name a real model for a real run")
+    if a.job == "rl" and a.model == TINY:
+        a.notes.append(
+            "RL from a random model has no reward to learn from: run the tiny SFT job first and set "
+            "model.path = 'runs/tiny-sft/final' (as configs/tiny-rl.toml does)"
+        )
+    hf, params = _model_shape(a.model)
+    # RL on several GPUs: a quarter of a node's GPUs serve rollouts (one vLLM worker each), the rest train
+    inference_gpus = max(1, hw.count // 4) if a.job == "rl" and hw.is_gpu and hw.count > 1 else 0
+    trainer_gpus = hw.count - inference_gpus
+    world = trainer_gpus * a.nodes
+    name = a.name or (f"tiny-{a.job}" if a.model == TINY else f"{a.model.rstrip('/').split('/')[-1].lower()}-{a.job}")
+    name = name.replace("/", "-")
+    lines: list[str] = [
+        "# Written by `prime-train init`. Check it with `prime-train lint` and `prime-train preflight`,",
+        "# estimate memory with `prime-train memory` and cost with `prime-train cost`, then `prime-train run`.",
+        "",
+        "[run]",
+        f'name = "{name}"',
+        'output_dir = "runs"',
+        "seed = 1234",
+        f'job = "{a.job}"',
+        "",
+        "[model]",
+    ]
+    if a.model == TINY:
+        lines += ["# a random-initialised Llama-shaped model with the built-in byte tokenizer: no download"]
+        max_len = 512
+    else:
+        lines += [f'path = "{a.model}"']
+        max_len = int(hf.get("max_position_embeddings", 4096)) if hf else 4096
+        if params is not None:
+            lines.append(f"# {params / 1e9:.2f}B parameters (from its config.json)")
+        else:
+            lines.append("# size unknown here (no local config.json): memory advice below is generic")
+    big = params is not None and params >= 1e9
+    if big:
+        lines += [
+            "activation_checkpointing = true   # recompute layer activations: models of 1B+ rarely fit without it"
+        ]
+
+    # ---- data
+    seq_len = a.seq_len or (128 if a.model == TINY else min(4096, max_len))
+    if seq_len > max_len:
+        raise ValueError(f"seq_len {seq_len} is longer than the model's context ({max_len})")
+    lines += ["", "[data]", f"seq_len = {seq_len}"]
+    if a.job != "rl":
+        if a.dataset:
+            lines += ["[[data.datasets]]", f'path = "{a.dataset}"']
+        else:
+            lines += [
+                "# a built-in generated task so the config runs as is; replace with your data:",
+                '# [[data.datasets]]  path = "data/*.parquet"   (or .jsonl / .txt; hub = "org/name" online)',
+                "[[data.datasets]]",
+                'task = "reverse-text"',
+            ]
+
+    # ---- the loop
+    micro = 16 if not hw.is_gpu else (4 if big else 8)
+    per_step = micro * world
+    global_batch = per_step * max(1, math.ceil(64 / per_step))
+    group_size = 8
+    if a.job == "rl":  # one step trains on prompts_per_step × group_size completions
+        while global_batch % group_size:
+            global_batch += per_step
+    max_steps = a.max_steps or (300 if a.model == TINY else 1000)
+    precision = "bf16" if hw.is_gpu else "fp32"
+    lr = 3e-3 if a.model == TINY else (1e-6 if a.job == "rl" else 1e-5)
+    lines += [
+        "",
+        "[train]",
+        f"max_steps = {max_steps}",
+        f"global_batch_size = {global_batch}   # sequences per optimizer step, over all {world} process(es)",
+        f"micro_batch_size = {micro}   # per forward/backward; lower it first if memory runs out",
+        f"lr = {lr:g}   # {'tiny models learn fast' if a.model == TINY else 'fine-tuning a pretrained model'}",
+        f'precision = "{precision}"   # {"bf16 autocast on GPUs" if hw.is_gpu else "the CPU trains in fp32"}',
+    ]
+    if a.job == "rl":
+        lines += ['scheduler = "constant"', "warmup_steps = 0"]
+    lines += ["eval_interval = 100" if a.model != TINY else "eval_interval = 50"]
+
+    # ---- distributed
+    lines += ["", "[distributed]"]
+    if world == 1:
+        strategy, why = "none", "one process"
+    elif big or (hw.memory_gib is not None and params is not None and params * 16 / 2**30 > 0.5 * hw.memory_gib):
+        strategy, why = "fsdp", "shards weights, gradients and optimizer states: the full states do not fit one GPU"
+        if a.nodes > 1:
+            strategy, why = "hsdp", "FSDP inside each node, replicas across nodes: less cross-node traffic"
+    else:
+        strategy, why = "ddp", "the model fits one GPU: replicate it and all-reduce gradients"
+    lines.append(f'strategy = "{strategy}"   # {why}')
+    if hw.is_gpu:
+        lines.append(f"nproc_per_node = {trainer_gpus}")
+    if a.nodes > 1:
+        lines.append(f"nnodes = {a.nodes}   # rendezvous from SKYPILOT_NODE_IPS / SKYPILOT_NODE_RANK on SkyPilot")
+
+    # ---- checkpoints
+    interval = 50 if a.model == TINY else 200
+    lines += [
+        "",
+        "[ckpt]",
+        f"interval = {interval}",
+        "keep_last = 3   # the newest whole checkpoint is never deleted",
+    ]
+
+    # ---- RL
+    if a.job == "rl":
+        if a.environment not in ENVIRONMENTS and ":" not in a.environment:
+            raise ValueError(
+                f"environment {a.environment!r}: a built-in ({', '.join(ENVIRONMENTS)}), 'pkg.module:load_environment' "
+                "or 'verifiers:<id>'"
+            )
+        model_len = min(max_len, 512 if a.model == TINY else 4096)
+        lines += [
+            "",
+            "[rl]",
+            f'environment = "{a.environment}"',
+            f"prompts_per_step = {global_batch // group_size}   # × group_size = train.global_batch_size",
+            f"group_size = {group_size}   # completions per prompt; advantages are normalised within each group",
+            f"max_tokens = {16 if a.model == TINY else 1024}",
+            "max_async_level = 1   # rollouts at most one step off-policy",
+            "",
+            "[inference]",
+        ]
+        if not hw.is_gpu:
+            lines += ['backend = "embedded"   # the CPU worker: same OpenAI-compatible HTTP as vLLM']
+        elif world == 1:
+            lines += [
+                'backend = "vllm"',
+                "colocate = true   # one GPU: vLLM and the trainer share it",
+                "gpu_memory_utilization = 0.4   # leave the trainer the rest; `prime-train memory` refines the split",
+            ]
+        else:
+            lines += [
+                'backend = "vllm"',
+                f"num_workers = {inference_gpus}   # {inference_gpus} of the {hw.count} GPUs a node has serve "
+                f"rollouts, {trainer_gpus} train",
+                "gpus_per_worker = 1",
+            ]
+        lines += [f"max_model_len = {model_len}   # prompt + max_tokens must fit: lint checks the token budget"]
+
+    lines += [
+        "",
+        "[supervisor]",
+        "max_restarts = 3",
+        "",
+        "[logging]",
+        f"log_interval = {10 if a.model == TINY else 20}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def check_text(text: str, path: Path) -> list:
+    """Every lint problem (errors and warnings) of the generated text, as `prime-train lint` reports them."""
+    from prime_train.validator.lint import lint_files
+
+    path.write_text(text)
+    problems, _ = lint_files([str(path)], [])
+    return problems

@@ -1,0 +1,109 @@
+"""`prime-train init`: flags alone (no terminal) write a config that lints clean and explains its choices."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from prime_train.config.loader import load_config
+from prime_train.init_wizard import Answers, build_config, parse_hardware
+from prime_train.validator.lint import lint_files
+
+
+def init(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "prime_train", "init", *args],
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [],
+        ["--job", "pretrain", "--max-steps", "50"],
+        ["--job", "rl"],
+        ["--job", "sft", "--hardware", "H100:8"],
+        ["--job", "sft", "--hardware", "A100-80GB:4", "--nodes", "2"],
+        ["--job", "rl", "--hardware", "H100:1"],
+        ["--job", "rl", "--hardware", "H100:8", "--environment", "arithmetic"],
+    ],
+)
+def test_flags_alone_write_a_config_that_lints_clean(tmp_path, flags):
+    result = init(tmp_path, "-o", "run.toml", *flags)
+    assert result.returncode == 0, result.stdout + result.stderr
+    path = tmp_path / "run.toml"
+    problems, cfg = lint_files([str(path)], [])
+    assert problems == [] and cfg is not None
+    text = path.read_text()
+    assert "# " in text and "[train]" in text, "choices are explained in comments"
+    assert text in result.stdout, "the config is shown before it is saved"
+    if "--job" in flags:
+        assert cfg.run.job == flags[flags.index("--job") + 1]
+
+
+def test_gpu_choices_follow_the_hardware(tmp_path):
+    assert init(tmp_path, "-o", "a.toml", "--hardware", "H100:8", "--nodes", "2").returncode == 0
+    cfg = load_config([str(tmp_path / "a.toml")])
+    assert cfg.distributed.nproc_per_node == 8 and cfg.distributed.nnodes == 2
+    assert cfg.train.precision == "bf16"
+    assert cfg.train.global_batch_size % (cfg.train.micro_batch_size * 16) == 0
+    # RL on 8 GPUs: some serve rollouts, the rest train, and the batch is whole groups
+    assert init(tmp_path, "-o", "rl.toml", "--job", "rl", "--hardware", "H100:8").returncode == 0
+    rl = load_config([str(tmp_path / "rl.toml")])
+    assert rl.inference.backend == "vllm"
+    assert rl.distributed.nproc_per_node + rl.inference.num_workers * rl.inference.gpus_per_worker == 8
+    assert rl.train.global_batch_size == rl.rl.prompts_per_step * rl.rl.group_size
+    one = init(tmp_path, "-o", "one.toml", "--job", "rl", "--hardware", "H100:1")
+    assert one.returncode == 0
+    assert load_config([str(tmp_path / "one.toml")]).inference.colocate is True
+
+
+def test_an_existing_file_is_not_overwritten_without_force(tmp_path):
+    (tmp_path / "run.toml").write_text("keep me\n")
+    result = init(tmp_path, "-o", "run.toml")
+    assert result.returncode == 1 and "--force" in result.stderr
+    assert (tmp_path / "run.toml").read_text() == "keep me\n"
+    assert init(tmp_path, "-o", "run.toml", "--force").returncode == 0
+    assert (tmp_path / "run.toml").read_text() != "keep me\n"
+
+
+def test_bad_answers_are_named():
+    with pytest.raises(ValueError, match="job 'dpo'"):
+        build_config(Answers(job="dpo"))
+    with pytest.raises(ValueError, match="count after ':'"):
+        parse_hardware("H100:eight")
+    with pytest.raises(ValueError, match="environment 'nope'"):
+        build_config(Answers(job="rl", environment="nope"))
+
+
+def test_a_local_model_is_read_for_its_size(tmp_path):
+    import json
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 4096,
+                "num_hidden_layers": 32,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "intermediate_size": 14336,
+                "vocab_size": 128256,
+                "tie_word_embeddings": False,
+                "max_position_embeddings": 131072,
+            }
+        )
+    )
+    text = build_config(Answers(job="sft", model=str(model), hardware="H100:8"))
+    assert "8.03B parameters" in text
+    assert "activation_checkpointing = true" in text and 'strategy = "fsdp"' in text
