@@ -77,12 +77,6 @@ def test_workers_take_the_first_gpus_and_the_trainer_the_rest():
     assert gpu_split(cfg, 0) == ([], [[], []])
 
 
-def test_vllm_backend_is_refused_until_its_weight_route_exists():
-    cfg = Config.model_validate({"run": {"job": "rl"}, "inference": {"backend": "vllm"}})
-    with pytest.raises(ValueError, match=r"inference\.backend"):
-        inference_specs(cfg, "c.toml", 1)
-
-
 class Health(BaseHTTPRequestHandler):
     state: ClassVar[dict] = {"mode": "ok"}
 

@@ -17,15 +17,30 @@ from prime_train.config.schema import Config
 from prime_train.resilience.process import ProcessSpec
 
 
-def resolve_backend(cfg: Config, num_gpus: int) -> str:
-    """'embedded' or 'vllm'. The vLLM path needs the weight-update route that is not written yet."""
+def vllm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def resolve_backend(cfg: Config, num_gpus: int, *, have_vllm: bool | None = None) -> str:
+    """'embedded' or 'vllm': vLLM needs CUDA GPUs and the vllm package; 'auto' takes it when both are there."""
     backend = cfg.inference.backend
+    have_vllm = vllm_installed() if have_vllm is None else have_vllm
+    if backend == "embedded":
+        return "embedded"
     if backend == "vllm":
-        raise ValueError(
-            "inference.backend = 'vllm' is not supported yet: serving vLLM with a /update_weights route is the "
-            "next step; use 'embedded' (or 'auto') for now"
-        )
-    return "embedded"
+        if num_gpus == 0:
+            raise ValueError(
+                "inference.backend = 'vllm' needs CUDA GPUs and none are visible; use 'embedded' (or 'auto') on CPU"
+            )
+        if not have_vllm:
+            raise ValueError(
+                "inference.backend = 'vllm' but vllm is not installed: pip install vllm (a CUDA build of torch comes "
+                "with it), or use 'embedded'"
+            )
+        return "vllm"
+    return "vllm" if num_gpus > 0 and have_vllm and cfg.model.path is not None else "embedded"
 
 
 def gpu_split(cfg: Config, num_gpus: int) -> tuple[list[int], list[list[int]]]:
@@ -53,8 +68,11 @@ def worker_url(cfg: Config, index: int) -> str:
     return f"http://{cfg.inference.host}:{cfg.inference.base_port + index}"
 
 
-def inference_specs(cfg: Config, config_path: str, num_gpus: int) -> list[ProcessSpec]:
-    resolve_backend(cfg, num_gpus)
+def inference_specs(
+    cfg: Config, config_path: str, num_gpus: int, *, have_vllm: bool | None = None
+) -> list[ProcessSpec]:
+    backend = resolve_backend(cfg, num_gpus, have_vllm=have_vllm)
+    module = "prime_train.engine.vllm_server" if backend == "vllm" else "prime_train.engine.inference"
     _, devices = gpu_split(cfg, num_gpus)
     specs = []
     for i in range(cfg.inference.num_workers):
@@ -63,7 +81,7 @@ def inference_specs(cfg: Config, config_path: str, num_gpus: int) -> list[Proces
         env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
         if num_gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices[i]))
-        argv = [sys.executable, "-m", "prime_train.engine.inference", "--config", config_path, "--index", str(i)]
+        argv = [sys.executable, "-m", module, "--config", config_path, "--index", str(i)]
         specs.append(ProcessSpec(f"inference-{i}", argv, env, role="inference"))
     return specs
 
