@@ -17,7 +17,8 @@ from prime_train import __version__
 
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 RunConfigFiles = Annotated[
-    Optional[list[Path]], typer.Argument(help="Config files merged in order; none: the tiny CPU default.")
+    # str, not Path: click also hands `--key value` overrides through here, and Path("s3://b/x") would become "s3:/b/x"
+    Optional[list[str]], typer.Argument(help="Config files merged in order; none: the tiny CPU default.")
 ]
 
 app = typer.Typer(
@@ -37,7 +38,7 @@ def _console(stderr: bool = False):
     return Console(stderr=stderr, highlight=False, soft_wrap=True)
 
 
-def _split_overrides(files: list[Path] | None, extra: list[str]) -> tuple[list[str], list[str]]:
+def _split_overrides(files: list[str] | list[Path] | None, extra: list[str]) -> tuple[list[str], list[str]]:
     """Click hands unknown `--section.key` options to the file list; everything from the first one on is overrides."""
     tokens = [str(f) for f in files or []] + list(extra)
     for i, token in enumerate(tokens):
@@ -100,7 +101,7 @@ def _root(
 @app.command(context_settings=OVERRIDES)
 def lint(
     ctx: typer.Context,
-    files: Annotated[list[Path], typer.Argument(help="Config files; each is linted on its own unless --merge.")],
+    files: Annotated[list[str], typer.Argument(help="Config files; each is linted on its own unless --merge.")],
     merge: Annotated[bool, typer.Option("--merge", help="Lint the files as one config merged in order.")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Warnings fail too.")] = False,
     fmt: Annotated[str, typer.Option("--format", help="text or json.")] = "text",
@@ -139,7 +140,7 @@ def lint(
 @config_app.command("show", context_settings=OVERRIDES)
 def config_show(
     ctx: typer.Context,
-    files: Annotated[Optional[list[Path]], typer.Argument(help="Config files merged in order.")] = None,
+    files: Annotated[Optional[list[str]], typer.Argument(help="Config files merged in order.")] = None,
 ) -> None:
     """Print the resolved config (defaults, files and overrides merged) as TOML.
 

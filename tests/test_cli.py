@@ -235,3 +235,17 @@ def test_usage_mistakes_exit_two_with_a_message_not_a_traceback(args):
     assert result.exit_code == 2
     assert "Traceback" not in result.output
     assert "Error" in result.output or "error" in result.output
+
+
+def test_url_values_in_overrides_keep_their_double_slash(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "prime_train", "config", "show", "--ckpt.remote", "s3://bucket/runs/x",
+         "--ckpt.remote_endpoint_url", "http://127.0.0.1:9000"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert 'remote = "s3://bucket/runs/x"' in result.stdout
+    assert 'remote_endpoint_url = "http://127.0.0.1:9000"' in result.stdout

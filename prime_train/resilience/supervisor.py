@@ -93,6 +93,7 @@ class Supervisor:
         self._step_times: list[float] = []
         self._last_status: dict[str, Any] = {}
         self._cloud_notice: dict[str, Any] | None = None
+        self._backup = None  # BackupWatcher when ckpt.remote is set: one for the whole run, across attempts
 
     # ------------------------------------------------------------------ public
 
@@ -113,6 +114,11 @@ class Supervisor:
                 "env_warning", variable="VLLM_USE_V1", detail="ignored since vLLM 0.11 (V1 is the only engine)"
             )
             self.observer.message("warning: VLLM_USE_V1 is set but does nothing since vLLM 0.11; unset it")
+        restart_error = self._start_backup()
+        if restart_error is not None:
+            self._set_state("failed")
+            self._write_state(final=True)
+            return EXIT_FAILED
         restarts = 0
         code = EXIT_FAILED
         while True:
@@ -161,8 +167,52 @@ class Supervisor:
                 self._set_state("stopped")
                 code = EXIT_STOPPED
                 break
+        self._finish_backup(code)
         self._write_state(final=True)
         return code
+
+    # ------------------------------------------------------------------ object storage
+
+    def _start_backup(self) -> str | None:
+        """With ckpt.remote: pull the newest whole checkpoint when there is none here, then back up each new one.
+
+        Returns an error message when the bucket cannot be read (a run must not silently start from scratch).
+        """
+        ck = self.cfg.ckpt
+        if ck.remote is None or self.cfg.job.command:
+            return None
+        from prime_train.integrations.storage import CheckpointStore, StorageError
+        from prime_train.resilience.backup import BackupWatcher, restore_before_start
+
+        try:
+            store = CheckpointStore(ck.remote, endpoint_url=ck.remote_endpoint_url, compression=ck.remote_compression)
+            if ck.resume == "auto":
+                step = restore_before_start(self.run_dir.checkpoints_dir, store, self.events)
+                if step is not None:
+                    self.observer.message(f"restored checkpoint step-{step} from {ck.remote}")
+        except (StorageError, ImportError) as exc:
+            message = f"cannot read checkpoints from ckpt.remote = {ck.remote!r}: {exc}"
+            self.events.emit("remote_restore_failed", reason=message)
+            self.observer.message(message)
+            return message
+        self._backup = BackupWatcher(
+            self.run_dir.checkpoints_dir,
+            store,
+            keep_last=ck.remote_keep_last,
+            keep_every=ck.keep_every,
+            heartbeat_path=self.run_dir.progress_path,
+            heartbeat_interval_s=ck.heartbeat_interval_s,
+        )
+        return None
+
+    def _finish_backup(self, code: int) -> None:
+        """Upload what the last attempt saved (the SIGTERM checkpoint on a preemption) before exiting."""
+        if self._backup is None:
+            return
+        # a preempted instance has about two minutes (AWS) or thirty seconds (GCP) left
+        timeout = 25.0 if self._cloud_notice is not None else self.cfg.supervisor.term_grace_s * 5
+        for event in self._backup.flush(timeout):
+            self.events.emit(**event)
 
     # ------------------------------------------------------------------ one attempt
 
@@ -416,6 +466,8 @@ class Supervisor:
 
             urls = {f"inference-{i}": worker_url(self.cfg, i) for i in range(self.cfg.inference.num_workers)}
             watchers.append(InferenceHealthWatcher(urls, timeout_s=self.cfg.inference.health_timeout_s))
+        if self._backup is not None:
+            watchers.append(self._backup)
         gpu = self._gpu_watcher(progress)
         if gpu is not None:
             watchers.append(gpu)

@@ -1,0 +1,808 @@
+"""Checkpoints in object storage: whole step-N directories as verified archives in an S3 bucket.
+
+A spot instance takes its local disk with it, so every whole checkpoint is also copied to a bucket
+(`ckpt.remote = "s3://bucket/prefix"`, any S3-compatible store through `ckpt.remote_endpoint_url`).
+Layout under the prefix:
+```
+<prefix>/checkpoints/step-<N>.tar.zst        the whole step-N directory (or .tar.gz)
+<prefix>/checkpoints/step-<N>.manifest.json  sha256 and size of every file, and of the archive
+<prefix>/progress.json                       the run's heartbeat, copied every heartbeat_interval_s
+```
+The manifest is written last and deleted first. So, as with step-N on disk, a checkpoint is whole in
+the bucket exactly when its manifest is there: an archive without one is an upload that did not
+finish (or a deletion that did not), and is never restored.
+
+Credentials come only from boto3's standard chain (environment, ~/.aws, instance role), never from a
+run config, and they never reach a message: every error is described by its S3 error code and
+scrubbed of the credential values in use before it leaves this module.
+
+boto3 and zstandard are imported lazily: the supervisor and `prime-train lint` import this module
+without them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import gzip
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import re
+import socket
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, BinaryIO, Protocol
+
+from prime_train.resilience.redact import REDACTED, redact
+from prime_train.rundir import fsync_dir, read_json, safe_remove_checkpoint, select_for_deletion
+
+logger = logging.getLogger("prime_train.storage")
+
+MANIFEST_FORMAT = 1
+CHUNK = 1 << 20  # bytes per read while hashing, archiving and extracting
+ZSTD_LEVEL = 3  # fast; checkpoint weights compress little, so a higher level buys almost nothing
+# S3 allows at most 10,000 parts per upload, each >= 5 MiB (except the last)
+MIN_PART_BYTES = 5 * 1024 * 1024
+MAX_PARTS = 10_000
+DEFAULT_PART_BYTES = 64 * 1024 * 1024
+STAGING_PREFIX = ".remote-"  # temp archives in a checkpoint directory; never matches step-N / step-N.tmp
+
+_SUFFIX = {"zstd": ".tar.zst", "gzip": ".tar.gz"}
+_KEY_RE = re.compile(r"^step-(\d+)(\.manifest\.json|\.tar\.zst|\.tar\.gz)$")
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._\-]{1,61}[a-z0-9]$")
+
+
+class StorageError(RuntimeError):
+    """The bucket could not be reached or used; the message is safe to show (no credentials)."""
+
+
+class CorruptCheckpoint(StorageError):
+    """A remote checkpoint whose archive or files do not match its manifest, or an unsafe archive."""
+
+    def __init__(self, step: int, file: str, detail: str):
+        self.step = step
+        self.file = file
+        self.detail = detail
+        super().__init__(f"remote checkpoint step-{step} is corrupt: {file}: {detail}")
+
+
+class UnsafeArchive(CorruptCheckpoint):
+    """An archive member that would land outside the checkpoint (tar-slip), or a link or device."""
+
+
+class EventSink(Protocol):
+    """What restore reports to: resilience.events.EventLog fits."""
+
+    def emit(self, event: str, **fields: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class RemoteCheckpoint:
+    """A whole checkpoint in the bucket (its manifest is present)."""
+
+    step: int
+    archive_key: str
+    manifest_key: str
+    archive_bytes: int | None = None
+
+
+def parse_remote(url: str) -> tuple[str, str]:
+    """("bucket", "prefix") of "s3://bucket/prefix"; the prefix has no leading or trailing slash."""
+    if not isinstance(url, str) or not url.startswith("s3://"):
+        raise ValueError(f"ckpt.remote {url!r} must look like s3://bucket/prefix")
+    rest = url[len("s3://") :]
+    if any(c in rest for c in "?#") or any(c.isspace() for c in rest):
+        raise ValueError(f"ckpt.remote {url!r}: no spaces, '?' or '#' allowed in a bucket URL")
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise ValueError(f"ckpt.remote {url!r} names no bucket (expected s3://bucket/prefix)")
+    if not _BUCKET_RE.match(bucket) or ".." in bucket:
+        raise ValueError(
+            f"ckpt.remote {url!r}: {bucket!r} is not a valid bucket name "
+            "(3-63 characters: lowercase letters, digits, '.', '-', '_')"
+        )
+    prefix = prefix.strip("/")
+    parts = prefix.split("/") if prefix else []
+    if any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"ckpt.remote {url!r}: the prefix {prefix!r} has an empty, '.' or '..' part")
+    return bucket, prefix
+
+
+# ---------------------------------------------------------------- streams that hash what passes
+
+
+class _HashingWriter(io.RawIOBase):
+    """Writes to `raw` and hashes and counts every byte: the archive's sha256 without a second read."""
+
+    def __init__(self, raw: BinaryIO):
+        self.raw = raw
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:  # type: ignore[override]
+        view = memoryview(b)
+        self.sha.update(view)
+        self.size += view.nbytes
+        self.raw.write(view)
+        return view.nbytes
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+class _HashingReader:
+    """Reads from `raw` and hashes what tarfile copies into the archive: one read per file."""
+
+    def __init__(self, raw: BinaryIO):
+        self.raw = raw
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.sha.update(data)
+        self.size += len(data)
+        return data
+
+
+def _sha256_file(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def _zstandard():
+    """The zstandard module, or None when it is not installed."""
+    try:
+        import zstandard
+    except ImportError:
+        return None
+    return zstandard
+
+
+def remove_stale_staging(directory: str | os.PathLike[str]) -> list[Path]:
+    """Delete temp archives a killed upload or download left in `directory` (only our own names)."""
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return removed
+    for entry in entries:
+        if entry.name.startswith(STAGING_PREFIX) and entry.is_file(follow_symlinks=False):
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+    return removed
+
+
+# ---------------------------------------------------------------- the store
+
+
+class CheckpointStore:
+    """Whole checkpoints and the heartbeat of one run under s3://bucket/prefix.
+
+    Thread-safe for one upload and one heartbeat at a time (boto3 clients may be shared by threads).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        endpoint_url: str | None = None,
+        compression: str = "zstd",
+        client: Any = None,
+        staging_dir: str | os.PathLike[str] | None = None,
+        part_bytes: int = DEFAULT_PART_BYTES,
+        multipart_threshold: int | None = None,
+        connect_timeout_s: float = 10.0,
+        read_timeout_s: float = 120.0,
+        max_attempts: int = 5,
+    ):
+        if compression not in _SUFFIX:
+            raise ValueError(f"ckpt.remote_compression must be 'zstd' or 'gzip', got {compression!r}")
+        if part_bytes < MIN_PART_BYTES:
+            raise ValueError(f"part_bytes must be at least {MIN_PART_BYTES} (S3's smallest part), got {part_bytes}")
+        self.url = url
+        self.bucket, self.prefix = parse_remote(url)
+        self.endpoint_url = endpoint_url
+        self.notes: list[str] = []
+        if compression == "zstd" and _zstandard() is None:
+            note = "the zstandard package is not installed: uploading gzip archives (pip install zstandard)"
+            self.notes.append(note)
+            logger.warning(note)
+            compression = "gzip"
+        self.compression = compression
+        self.staging_dir = Path(staging_dir) if staging_dir is not None else None
+        self.part_bytes = part_bytes
+        self.multipart_threshold = multipart_threshold if multipart_threshold is not None else part_bytes
+        self._session = None
+        if client is None:
+            client = self._make_client(connect_timeout_s, read_timeout_s, max_attempts)
+        self.client = client
+
+    def __repr__(self) -> str:
+        endpoint = f", endpoint_url={self.endpoint_url!r}" if self.endpoint_url else ""
+        return f"CheckpointStore({self.url!r}{endpoint})"
+
+    def _make_client(self, connect_timeout_s: float, read_timeout_s: float, max_attempts: int) -> Any:
+        try:
+            import boto3
+            from botocore.config import Config as BotoConfig
+        except ImportError:
+            raise StorageError(
+                "ckpt.remote needs boto3 (and zstandard for zstd archives): pip install 'prime-train[s3]'"
+            ) from None
+        s3_options: dict[str, Any] = {}
+        if self.endpoint_url:
+            # MinIO and most S3-compatible stores only route path-style requests; R2 and GCS accept them too
+            s3_options["addressing_style"] = "path"
+        config = BotoConfig(
+            connect_timeout=connect_timeout_s,
+            read_timeout=read_timeout_s,
+            retries={"max_attempts": max_attempts, "mode": "standard"},
+            s3=s3_options or None,
+        )
+        # the standard chain only: environment, shared files, instance role; never the run config
+        self._session = boto3.session.Session()
+        try:
+            return self._session.client("s3", endpoint_url=self.endpoint_url, config=config)
+        except Exception as exc:
+            raise StorageError(self._explain(exc, "cannot create an S3 client for")) from None
+
+    # ------------------------------------------------------------ keys
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    @property
+    def checkpoints_prefix(self) -> str:
+        return self._key("checkpoints/")
+
+    def archive_key(self, step: int, compression: str | None = None) -> str:
+        return self.checkpoints_prefix + f"step-{step}{_SUFFIX[compression or self.compression]}"
+
+    def manifest_key(self, step: int) -> str:
+        return self.checkpoints_prefix + f"step-{step}.manifest.json"
+
+    @property
+    def heartbeat_key(self) -> str:
+        return self._key("progress.json")
+
+    def _where(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}"
+
+    # ------------------------------------------------------------ errors without credentials
+
+    def _secrets(self) -> list[str]:
+        values = [os.environ.get(k, "") for k in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")]
+        if self._session is not None:
+            with contextlib.suppress(Exception):
+                creds = self._session.get_credentials()
+                if creds is not None:
+                    frozen = creds.get_frozen_credentials()
+                    values += [frozen.secret_key or "", frozen.token or "", frozen.access_key or ""]
+        # long first, so a secret containing a shorter one is replaced whole
+        return sorted({v for v in values if len(v) >= 6}, key=len, reverse=True)
+
+    def scrub(self, text: str) -> str:
+        """`text` without the credential values in use and without anything else that looks secret."""
+        for value in self._secrets():
+            text = text.replace(value, REDACTED)
+        return redact(text)
+
+    def _explain(self, exc: BaseException, doing: str, key: str | None = None) -> str:
+        """A one-line description of a boto/OS error: the S3 error code and message, what to check."""
+        where = f" {self._where(key)}" if key is not None else f" s3://{self.bucket}"
+        if self.endpoint_url:
+            where += f" (endpoint {self.endpoint_url})"
+        name = type(exc).__name__
+        detail = f"{name}: {exc}"
+        hint = ""
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict) and "Error" in response:
+            err = response.get("Error") or {}
+            code = str(err.get("Code", "?"))
+            message = str(err.get("Message", "")).strip()
+            # the message alone: S3's error documents may echo a canonical request, never shown here
+            detail = f"{code}: {message}" if message else code
+            hint = {
+                "NoSuchBucket": f"the bucket {self.bucket!r} does not exist (create it, or fix ckpt.remote)",
+                "AccessDenied": "the credentials in use may not read/write this bucket and prefix",
+                "403": "the credentials in use may not read/write this bucket and prefix",
+                "InvalidAccessKeyId": "the access key is not known to this endpoint (check the AWS credentials)",
+                "SignatureDoesNotMatch": "the secret key does not match the access key (check the AWS credentials)",
+                "ExpiredToken": "the session credentials expired; refresh them",
+            }.get(code, "")
+        elif name in ("NoCredentialsError", "PartialCredentialsError"):
+            detail = "no usable AWS credentials found"
+            hint = (
+                "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile in ~/.aws/credentials "
+                "(AWS_PROFILE), or run with an instance role"
+            )
+        elif name in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError"):
+            hint = "the endpoint did not answer; check ckpt.remote_endpoint_url and the network"
+        text = f"{doing}{where}: {detail}" + (f" — {hint}" if hint else "")
+        return self.scrub(text.replace("\n", " "))
+
+    def _fail(self, exc: BaseException, doing: str, key: str | None = None) -> StorageError:
+        return StorageError(self._explain(exc, doing, key))
+
+    # ------------------------------------------------------------ upload
+
+    def upload(self, step_dir: str | os.PathLike[str], step: int) -> dict[str, Any]:
+        """Archive the whole checkpoint directory, upload it, then its manifest; return what was sent.
+
+        The archive is streamed through the compressor into a temp file (never the whole checkpoint in
+        memory); big ones go up in parts. A file that vanishes or changes size while being read (disk
+        retention deleting the directory) fails the upload instead of producing a short archive.
+        """
+        step_dir = Path(step_dir)
+        started = time.monotonic()
+        if not step_dir.is_dir() or step_dir.is_symlink():
+            raise FileNotFoundError(f"checkpoint directory {step_dir} does not exist (or is a symlink)")
+        staging = self.staging_dir or step_dir.parent
+        staging.mkdir(parents=True, exist_ok=True)
+        compression = self.compression
+        suffix = _SUFFIX[compression]
+        fd, tmp_name = tempfile.mkstemp(dir=staging, prefix=f"{STAGING_PREFIX}step-{step}-", suffix=suffix)
+        tmp = Path(tmp_name)
+        archive_key = self.archive_key(step, compression)
+        manifest_key = self.manifest_key(step)
+        try:
+            with os.fdopen(fd, "wb") as raw:
+                files, archive_sha, archive_bytes = self._write_archive(step_dir, raw, compression)
+            if not files:
+                raise StorageError(f"checkpoint directory {step_dir} holds no files; refusing to upload it")
+            manifest = {
+                "format": MANIFEST_FORMAT,
+                "step": step,
+                "archive": PurePosixPath(archive_key).name,
+                "compression": compression,
+                "archive_sha256": archive_sha,
+                "archive_bytes": archive_bytes,
+                "files": files,
+                "created": time.time(),
+                "host": socket.gethostname(),
+            }
+            # a manifest from an earlier upload of this step must not vouch for the new archive
+            self._delete_key(manifest_key)
+            self._put_file(tmp, archive_key, archive_bytes)
+            self._check_size(archive_key, archive_bytes)
+            body = json.dumps(manifest, indent=1, sort_keys=True).encode()
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=manifest_key, Body=body, ContentType="application/json")
+            except Exception as exc:
+                raise self._fail(exc, "cannot write the manifest", manifest_key) from None
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        return {
+            "step": step,
+            "archive_key": archive_key,
+            "manifest_key": manifest_key,
+            "bytes": archive_bytes,
+            "raw_bytes": sum(f["bytes"] for f in files.values()),
+            "files": len(files),
+            "compression": compression,
+            "sha256": archive_sha,
+            "seconds": round(time.monotonic() - started, 3),
+        }
+
+    def _write_archive(
+        self, step_dir: Path, raw: BinaryIO, compression: str
+    ) -> tuple[dict[str, dict[str, Any]], str, int]:
+        hashing = _HashingWriter(raw)
+        files: dict[str, dict[str, Any]] = {}
+        if compression == "zstd":
+            zstd = _zstandard()
+            if zstd is None:  # uninstalled since construction: unlikely, but say what is missing
+                raise StorageError("zstd archives need the zstandard package (pip install zstandard)")
+            compressed = zstd.ZstdCompressor(level=ZSTD_LEVEL).stream_writer(hashing, closefd=False)
+        else:
+            compressed = gzip.GzipFile(fileobj=hashing, mode="wb", compresslevel=6, mtime=0)
+        try:
+            with tarfile.open(fileobj=compressed, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+                for path, rel in _walk(step_dir):
+                    info = tar.gettarinfo(str(path), arcname=rel)
+                    info.uid = info.gid = 0
+                    info.uname = info.gname = ""
+                    if info.isdir():
+                        tar.addfile(info)
+                        continue
+                    if not info.isreg():
+                        raise StorageError(
+                            f"{path} is not a regular file or directory (a link or device); a checkpoint "
+                            "to upload must be self-contained"
+                        )
+                    with open(path, "rb") as f:
+                        reader = _HashingReader(f)
+                        # tarfile copies exactly info.size bytes and raises if the file is shorter now
+                        tar.addfile(info, reader)
+                        if f.read(1):
+                            raise OSError(f"{path} grew while it was archived")
+                    files[rel] = {"sha256": reader.sha.hexdigest(), "bytes": reader.size}
+        finally:
+            compressed.close()
+        raw.flush()
+        os.fsync(raw.fileno())
+        return files, hashing.sha.hexdigest(), hashing.size
+
+    def _transfer_config(self, size: int) -> Any:
+        from boto3.s3.transfer import TransferConfig
+
+        part = max(self.part_bytes, math.ceil(size / (MAX_PARTS - 100)))
+        return TransferConfig(
+            multipart_threshold=self.multipart_threshold, multipart_chunksize=part, max_concurrency=4, use_threads=True
+        )
+
+    def _put_file(self, path: Path, key: str, size: int) -> None:
+        try:
+            self.client.upload_file(str(path), self.bucket, key, Config=self._transfer_config(size))
+        except Exception as exc:
+            raise self._fail(exc, "cannot upload the archive to", key) from None
+
+    def _check_size(self, key: str, size: int) -> None:
+        try:
+            head = self.client.head_object(Bucket=self.bucket, Key=key)
+        except Exception as exc:
+            raise self._fail(exc, "cannot check the uploaded archive", key) from None
+        if int(head.get("ContentLength", -1)) != size:
+            raise StorageError(
+                f"{self._where(key)} holds {head.get('ContentLength')} bytes after the upload, expected {size}"
+            )
+
+    def _delete_key(self, key: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=key)
+        except Exception as exc:
+            raise self._fail(exc, "cannot delete", key) from None
+
+    # ------------------------------------------------------------ list
+
+    def _list_keys(self) -> dict[str, int]:
+        """Every object under <prefix>/checkpoints/ (name relative to it -> size)."""
+        out: dict[str, int] = {}
+        prefix = self.checkpoints_prefix
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+            for page in pages:
+                for obj in page.get("Contents", []) or []:
+                    out[obj["Key"][len(prefix) :]] = int(obj.get("Size", 0))
+        except Exception as exc:
+            raise self._fail(exc, "cannot list", prefix) from None
+        return out
+
+    def _scan(self) -> tuple[list[RemoteCheckpoint], dict[int, list[str]]]:
+        """Whole checkpoints (manifest and archive both present), and the archives of all steps."""
+        manifests: set[int] = set()
+        archives: dict[int, list[str]] = {}
+        keys = self._list_keys()
+        for name in keys:
+            m = _KEY_RE.match(name)
+            if not m:
+                continue
+            step = int(m.group(1))
+            if m.group(2) == ".manifest.json":
+                manifests.add(step)
+            else:
+                archives.setdefault(step, []).append(name)
+        whole: list[RemoteCheckpoint] = []
+        for step in sorted(manifests):
+            names = archives.get(step)
+            if not names:
+                continue  # a manifest whose archive is gone: not restorable, so not whole
+            # with both suffixes present (compression changed), download() follows the manifest
+            name = sorted(names, key=lambda n: n != PurePosixPath(self.archive_key(step)).name)[0]
+            whole.append(
+                RemoteCheckpoint(step, self.checkpoints_prefix + name, self.manifest_key(step), keys.get(name))
+            )
+        return whole, archives
+
+    def list_remote(self) -> list[RemoteCheckpoint]:
+        """Whole checkpoints in the bucket, oldest first; archives without a manifest are left out."""
+        return self._scan()[0]
+
+    # ------------------------------------------------------------ download
+
+    def _get_manifest(self, step: int) -> dict[str, Any]:
+        key = self.manifest_key(step)
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+        except Exception as exc:
+            raise self._fail(exc, "cannot read the manifest", key) from None
+        try:
+            manifest = json.loads(body)
+        except ValueError:
+            raise CorruptCheckpoint(step, PurePosixPath(key).name, "the manifest is not valid JSON") from None
+        ok = (
+            isinstance(manifest, dict)
+            and manifest.get("step") == step
+            and isinstance(manifest.get("files"), dict)
+            and isinstance(manifest.get("archive_sha256"), str)
+            and manifest.get("compression") in _SUFFIX
+            and isinstance(manifest.get("archive"), str)
+            and _KEY_RE.match(manifest["archive"])
+        )
+        if not ok:
+            raise CorruptCheckpoint(step, PurePosixPath(key).name, "the manifest lacks fields or names another step")
+        for name, entry in manifest["files"].items():
+            if not (
+                isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and isinstance(entry.get("bytes"), int)
+            ):
+                raise CorruptCheckpoint(step, name, "its manifest entry has no sha256/bytes")
+        return manifest
+
+    def download(self, step: int, dest_ckpt_dir: str | os.PathLike[str]) -> Path:
+        """Fetch step-N into dest_ckpt_dir/step-N, verified file by file; only a whole one is renamed in.
+
+        Raises CorruptCheckpoint (naming the step and the file) when the archive or any file differs
+        from the manifest or the archive is unsafe; StorageError when the bucket cannot be read.
+        """
+        dest = Path(dest_ckpt_dir)
+        dest.mkdir(parents=True, exist_ok=True)
+        final = dest / f"step-{step}"
+        if final.exists() or final.is_symlink():
+            raise StorageError(f"{final} already exists; not overwriting a local checkpoint with the remote one")
+        manifest = self._get_manifest(step)
+        archive_key = self.checkpoints_prefix + manifest["archive"]
+        compression = manifest["compression"]
+        fd, tmp_name = tempfile.mkstemp(dir=dest, prefix=f"{STAGING_PREFIX}step-{step}-", suffix=_SUFFIX[compression])
+        os.close(fd)
+        archive = Path(tmp_name)
+        work = dest / f"step-{step}.tmp"
+        try:
+            try:
+                self.client.download_file(
+                    self.bucket,
+                    archive_key,
+                    str(archive),
+                    Config=self._transfer_config(manifest.get("archive_bytes", 0)),
+                )
+            except Exception as exc:
+                raise self._fail(exc, "cannot download", archive_key) from None
+            if _sha256_file(archive) != manifest["archive_sha256"]:
+                raise CorruptCheckpoint(step, manifest["archive"], "sha256 differs from the manifest")
+            if work.exists() or work.is_symlink():
+                safe_remove_checkpoint(work, dest)
+            work.mkdir()
+            self._extract(archive, work, step, manifest)
+            fsync_dir(work)
+            os.rename(work, final)  # the commit point, as for a local save
+            fsync_dir(dest)
+        except BaseException:
+            if work.exists() or work.is_symlink():
+                with contextlib.suppress(OSError, ValueError):
+                    safe_remove_checkpoint(work, dest)
+            raise
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                archive.unlink()
+        return final
+
+    def _extract(self, archive: Path, work: Path, step: int, manifest: dict[str, Any]) -> None:
+        expected: dict[str, dict[str, Any]] = manifest["files"]
+        seen: set[str] = set()
+        compression = manifest["compression"]
+        with open(archive, "rb") as raw:
+            if compression == "zstd":
+                zstd = _zstandard()
+                if zstd is None:
+                    raise StorageError(
+                        f"remote checkpoint step-{step} is a zstd archive: install the zstandard package"
+                    )
+                stream: Any = zstd.ZstdDecompressor().stream_reader(raw, closefd=False)
+            else:
+                stream = gzip.GzipFile(fileobj=raw, mode="rb")
+            try:
+                with tarfile.open(fileobj=stream, mode="r|") as tar:
+                    for member in tar:
+                        name = _safe_member(member, work, step)
+                        target = work.joinpath(*PurePosixPath(name).parts)
+                        try:
+                            if member.isdir():
+                                target.mkdir(parents=True, exist_ok=True)
+                                continue
+                            entry = expected.get(name)
+                            if entry is None:
+                                raise CorruptCheckpoint(step, name, "in the archive but not in the manifest")
+                            if member.size != entry["bytes"]:
+                                raise CorruptCheckpoint(
+                                    step, name, f"{member.size} bytes in the archive, {entry['bytes']} in the manifest"
+                                )
+                            target.parent.mkdir(parents=True, exist_ok=True)
+                            source = tar.extractfile(member)
+                            if source is None:
+                                raise UnsafeArchive(step, name, "not a regular file")
+                            sha = hashlib.sha256()
+                            with open(target, "xb") as out:
+                                while chunk := source.read(CHUNK):
+                                    sha.update(chunk)
+                                    out.write(chunk)
+                                out.flush()
+                                os.fsync(out.fileno())
+                        except (FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
+                            raise UnsafeArchive(step, name, f"clashes with another member ({exc.strerror})") from None
+                        if sha.hexdigest() != entry["sha256"]:
+                            raise CorruptCheckpoint(step, name, "sha256 differs from the manifest")
+                        seen.add(name)
+            except (tarfile.TarError, EOFError, gzip.BadGzipFile) as exc:
+                raise CorruptCheckpoint(step, manifest["archive"], f"unreadable archive ({exc})") from None
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise StorageError(f"no space left in {work.parent} to restore step-{step}") from None
+                if exc.errno is None:  # raised by a decoder, not by the filesystem
+                    raise CorruptCheckpoint(step, manifest["archive"], f"unreadable archive ({exc})") from None
+                raise
+            except Exception as exc:
+                if type(exc).__name__ == "ZstdError":
+                    raise CorruptCheckpoint(step, manifest["archive"], f"unreadable archive ({exc})") from None
+                raise
+            finally:
+                stream.close()
+        missing = sorted(set(expected) - seen)
+        if missing:
+            raise CorruptCheckpoint(
+                step, missing[0], f"in the manifest but not in the archive ({len(missing)} missing)"
+            )
+
+    def restore_newest(self, dest_ckpt_dir: str | os.PathLike[str], events: EventSink | None = None) -> int | None:
+        """Download the newest whole remote checkpoint; a corrupt one is reported and the one before tried.
+
+        Returns the step restored, or None when the bucket holds no usable checkpoint. An unreachable
+        bucket raises StorageError: starting from scratch then would quietly throw the run's progress away.
+        """
+        dest = Path(dest_ckpt_dir)
+        remove_stale_staging(dest)
+        for ckpt in reversed(self.list_remote()):
+            started = time.monotonic()
+            try:
+                path = self.download(ckpt.step, dest)
+            except CorruptCheckpoint as exc:
+                logger.warning("%s; trying an older one", exc)
+                if events is not None:
+                    events.emit(
+                        "remote_checkpoint_corrupt", step=exc.step, file=exc.file, reason=exc.detail,
+                        unsafe=isinstance(exc, UnsafeArchive),
+                    )  # fmt: skip
+                continue
+            if events is not None:
+                events.emit(
+                    "remote_checkpoint_restored", step=ckpt.step, path=str(path), bytes=ckpt.archive_bytes,
+                    seconds=round(time.monotonic() - started, 2), source=self._where(ckpt.archive_key),
+                )  # fmt: skip
+            return ckpt.step
+        return None
+
+    # ------------------------------------------------------------ retention
+
+    def apply_retention(self, keep_last: int | None, keep_every: int | None) -> list[int]:
+        """Delete remote checkpoints the disk policy would delete; return their steps.
+
+        Never the newest whole one. The manifest goes first, so a deletion cut short leaves an archive
+        that reads as incomplete, never a manifest pointing at nothing. Archives without a manifest
+        older than the newest whole checkpoint (uploads that died) are removed too.
+        """
+        whole, archives = self._scan()
+        if not whole:
+            return []
+        by_step = {c.step: c for c in whole}
+        doomed = select_for_deletion(list(by_step), keep_last, keep_every)
+        for step in doomed:
+            self._delete_key(by_step[step].manifest_key)
+            for name in archives.get(step, []):
+                self._delete_key(self.checkpoints_prefix + name)
+        newest = whole[-1].step
+        for step, names in archives.items():
+            if step < newest and step not in by_step:
+                for name in names:
+                    self._delete_key(self.checkpoints_prefix + name)
+        return doomed
+
+    # ------------------------------------------------------------ heartbeat
+
+    def put_heartbeat(self, progress_json_path: str | os.PathLike[str]) -> bool:
+        """Copy progress.json to <prefix>/progress.json with the upload time; False when there is none yet."""
+        progress = read_json(progress_json_path)
+        if progress is None:
+            return False
+        record = dict(progress)
+        record["uploaded_at"] = time.time()
+        body = json.dumps(record).encode()
+        try:
+            self.client.put_object(
+                Bucket=self.bucket, Key=self.heartbeat_key, Body=body, ContentType="application/json"
+            )
+        except Exception as exc:
+            raise self._fail(exc, "cannot write the heartbeat", self.heartbeat_key) from None
+        return True
+
+    def get_heartbeat(self) -> dict[str, Any] | None:
+        """The last heartbeat in the bucket, or None when there is none (or it is unreadable)."""
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self.heartbeat_key)["Body"].read()
+        except Exception as exc:
+            code = str(((getattr(exc, "response", None) or {}).get("Error") or {}).get("Code", ""))
+            if code in ("NoSuchKey", "404"):
+                return None
+            raise self._fail(exc, "cannot read the heartbeat", self.heartbeat_key) from None
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return None
+        return obj if isinstance(obj, dict) else None
+
+
+# ---------------------------------------------------------------- archive safety
+
+
+def _walk(root: Path) -> Iterator[tuple[Path, str]]:
+    """(path, posix name relative to root) of every directory and file below root, sorted, top-down.
+
+    Unlike a bare os.walk, an unreadable or vanished directory raises: a checkpoint deleted mid-walk
+    must fail the upload, not yield a short archive that passes for whole.
+    """
+
+    def fail(exc: OSError) -> None:
+        raise exc
+
+    for current, dirs, files in os.walk(root, onerror=fail, followlinks=False):
+        dirs.sort()
+        base = Path(current)
+        for name in dirs:
+            path = base / name
+            yield path, path.relative_to(root).as_posix()
+        for name in sorted(files):
+            path = base / name
+            yield path, path.relative_to(root).as_posix()
+
+
+def _safe_member(member: tarfile.TarInfo, work: Path, step: int) -> str:
+    """The member's normalised name, or UnsafeArchive when it could escape `work` (tar-slip)."""
+    name = member.name
+    if not (member.isreg() or member.isdir()):
+        kind = "link" if (member.issym() or member.islnk()) else "special file"
+        raise UnsafeArchive(step, name, f"a {kind}; checkpoints hold only files and directories")
+    path = PurePosixPath(name)
+    if path.is_absolute() or name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name):
+        raise UnsafeArchive(step, name, "an absolute path")
+    if any(part == ".." for part in path.parts) or "\\" in name or "\x00" in name:
+        raise UnsafeArchive(step, name, "a path that leaves the checkpoint directory")
+    data_filter = getattr(tarfile, "data_filter", None)
+    if data_filter is not None:
+        try:
+            data_filter(member, str(work))
+        except tarfile.TarError as exc:  # FilterError and its subclasses
+            raise UnsafeArchive(step, name, f"refused by tarfile's data filter ({exc})") from None
+    normal = path.as_posix()
+    while normal.startswith("./"):
+        normal = normal[2:]
+    if normal in ("", "."):
+        raise UnsafeArchive(step, name, "an empty name")
+    target = os.path.realpath(work.joinpath(*PurePosixPath(normal).parts))
+    if os.path.commonpath([target, os.path.realpath(work)]) != os.path.realpath(work):
+        raise UnsafeArchive(step, name, "a path that leaves the checkpoint directory")
+    return normal
+
+
+__all__ = [
+    "CheckpointStore",
+    "CorruptCheckpoint",
+    "RemoteCheckpoint",
+    "StorageError",
+    "UnsafeArchive",
+    "parse_remote",
+    "remove_stale_staging",
+]
