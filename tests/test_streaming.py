@@ -179,15 +179,58 @@ def test_data_streaming_dispatches_build_train_loader_to_the_streaming_loader(to
     assert next(loader).input_ids.shape == (2, 128)
 
 
-def test_streaming_several_datasets_or_non_parquet_is_an_error_naming_data_streaming(tok, tmp_path):
-    path = write_shards(tmp_path / "shards", 1, 20)
-    two = DataConfig(datasets=[DatasetConfig(path=path), DatasetConfig(path=path)], streaming=True)
-    with pytest.raises(ValueError, match=r"data\.streaming"):
-        streaming(tok, two)
+def test_streaming_a_task_or_non_parquet_is_an_error_naming_data_streaming(tok, tmp_path):
+    with pytest.raises(ValueError, match=r"data\.streaming reads local parquet.*data\.datasets\[0\]\.task"):
+        streaming(tok, DataConfig(datasets=[DatasetConfig(task="sorting")], streaming=True))
     jsonl = tmp_path / "a.jsonl"
     jsonl.write_text('{"text": "x"}\n')
     with pytest.raises(ValueError, match=r"data\.streaming"):
         streaming(tok, config(str(jsonl)))
+
+
+def _mix(tmp_path, probs):
+    a = write_shards(tmp_path / "a", 2, 200, kind="text")
+    b = write_shards(tmp_path / "b", 1, 300)  # prompt/completion records: a batch tells where it came from
+    return DataConfig(
+        datasets=[DatasetConfig(path=a), DatasetConfig(path=b)], sampling_probs=probs, seq_len=128, streaming=True
+    )
+
+
+def test_several_streamed_datasets_are_mixed_by_sampling_probs(tok, tmp_path):
+    from prime_train.engine.streaming import MixedStreamingLoader
+
+    loader = streaming(tok, _mix(tmp_path, [0.8, 0.2]), mbs=2, buffer=32)
+    assert isinstance(loader, MixedStreamingLoader)
+    sources = []
+    for _ in range(400):
+        batch = next(loader)
+        # the prompt/completion records' prompts end in "?"; the text records have none
+        text = tok.decode(batch.input_ids[~batch.pad_mask].tolist())
+        sources.append(1 if "?" in text else 0)
+    assert loader.counts == [sources.count(0), sources.count(1)]
+    share = sources.count(0) / len(sources)
+    assert 0.74 < share < 0.86, share  # 0.8 within sampling noise (sd 0.02 over 400 draws)
+    # ranks draw their own sequences; the same rank and seed draw the same
+    again = streaming(tok, _mix(tmp_path, [0.8, 0.2]), mbs=2, buffer=32)
+    assert [torch.equal(next(again).input_ids, b) for b in [next(streaming(tok, _mix(tmp_path, [0.8, 0.2]),
+            mbs=2, buffer=32)).input_ids]] == [True]  # fmt: skip
+
+
+def test_a_mixed_stream_resumes_exactly(tok, tmp_path):
+    data = _mix(tmp_path, [0.5, 0.5])
+    run = streaming(tok, data, mbs=3, buffer=20)
+    states, batches = [], []
+    for _ in range(80):
+        states.append(json.loads(json.dumps(run.state_dict())))
+        batches.append(next(run))
+    for split in (0, 13, 41, 70):
+        resumed = streaming(tok, data, mbs=3, buffer=20)
+        resumed.load_state_dict(states[split])
+        for expected in batches[split : split + 10]:
+            assert torch.equal(next(resumed).input_ids, expected.input_ids), split
+    single = streaming(tok, config(data.datasets[0].path), mbs=3, buffer=20)
+    with pytest.raises(ValueError, match="mix"):
+        streaming(tok, data, mbs=3, buffer=20).load_state_dict(single.state_dict())
 
 
 @pytest.mark.parametrize("first_row", [0, 5, 97, 100, 250, 290, 291, 299, 300])

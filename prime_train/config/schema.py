@@ -115,8 +115,8 @@ class DataConfig(Section):
     num_workers: int | None = Field(None, ge=0, description="Data-loader workers; unset: chosen from CPU cores.")
     streaming: bool = Field(
         False,
-        description="Read one dataset of local parquet shards as a stream with bounded memory (row groups, "
-        "packing in a bounded buffer); hub datasets are not streamed yet.",
+        description="Read local parquet shards as a stream with bounded memory (row groups, packing in a bounded "
+        "buffer); several datasets are mixed per micro-batch by sampling_probs. Hub datasets are not streamed yet.",
     )
 
 

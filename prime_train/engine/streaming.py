@@ -321,6 +321,78 @@ def _concat_batches(parts: list[data_mod.Batch]) -> data_mod.Batch:
     )
 
 
+class MixedStreamingLoader:
+    """Several streamed datasets mixed by data.sampling_probs: each micro-batch comes whole from one dataset.
+
+    Which dataset the i-th micro-batch of a rank comes from is drawn from a generator seeded by (seed, rank, i),
+    so the mix is reproducible and a resumed run draws exactly what the uninterrupted one would: the state is
+    the draw count plus each dataset's own stream position. Mixing per micro-batch (not per document) keeps
+    each dataset's packing and bounded window intact; over a run the share of micro-batches from each dataset
+    converges to its probability.
+    """
+
+    def __init__(self, loaders: list[StreamingLoader], probs: list[float], *, seed: int, rank: int) -> None:
+        if len(loaders) != len(probs) or not loaders:
+            raise ValueError("one sampling probability per streamed dataset is needed")
+        total = float(sum(probs))
+        if total <= 0 or any(p < 0 for p in probs):
+            raise ValueError(f"data.sampling_probs {probs} must be non-negative with a positive sum")
+        self._loaders = loaders
+        self._probs = np.asarray(probs, dtype=np.float64) / total
+        self._seed, self._rank = seed, rank
+        self._draws = 0
+        self.counts = [0] * len(loaders)  # micro-batches taken from each dataset (this process)
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self._loaders[0].micro_batch_size
+
+    @property
+    def epoch(self) -> int:
+        """Epochs every dataset has completed at least (the smallest epoch among them)."""
+        return min(loader.epoch for loader in self._loaders)
+
+    def _choice(self, draw: int) -> int:
+        rng = np.random.default_rng([self._seed, self._rank, draw, 0x6D6978])
+        return int(rng.choice(len(self._loaders), p=self._probs))
+
+    def __iter__(self) -> MixedStreamingLoader:
+        return self
+
+    def __next__(self) -> Batch:
+        index = self._choice(self._draws)
+        batch = next(self._loaders[index])
+        self._draws += 1
+        self.counts[index] += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        return {
+            "version": _STATE_VERSION,
+            "streaming": True,
+            "mixed": True,
+            "draws": self._draws,
+            "probs": [float(p) for p in self._probs],
+            "datasets": [loader.state_dict() for loader in self._loaders],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state.get("mixed") or len(state.get("datasets", [])) != len(self._loaders):
+            raise ValueError(
+                "data loader state is not from a mix of the same number of streamed datasets (data.datasets "
+                "changed since the checkpoint?); restore the datasets, or start the data stream afresh"
+            )
+        if not np.allclose(state["probs"], self._probs):
+            logger.warning(
+                "data.sampling_probs changed since the checkpoint (%s -> %s): each dataset continues where it was, "
+                "drawn with the new probabilities",
+                state["probs"], [float(p) for p in self._probs],
+            )  # fmt: skip
+        self._draws = int(state["draws"])
+        for loader, sub in zip(self._loaders, state["datasets"], strict=True):
+            loader.load_state_dict(sub)
+
+
 def build_streaming_loader(
     data: DataConfig,
     tokenizer: PreTrainedTokenizerBase,
@@ -332,31 +404,39 @@ def build_streaming_loader(
     seed: int,
     device: torch.device,
     buffer_documents: int = BUFFER_DOCUMENTS,
-) -> StreamingLoader:
-    """This rank's endless, resumable stream of packed micro-batches read from parquet shards in bounded memory."""
-    if len(data.datasets) != 1:
-        raise ValueError(
-            f"data.streaming reads one dataset, but data.datasets has {len(data.datasets)}; mixing streamed "
-            "datasets by data.sampling_probs is not supported yet: keep one dataset or set data.streaming = false"
+) -> StreamingLoader | MixedStreamingLoader:
+    """This rank's endless, resumable stream of packed micro-batches read from parquet shards in bounded memory.
+
+    One dataset: its stream. Several: a MixedStreamingLoader drawing from each by data.sampling_probs
+    (equal shares when unset).
+    """
+    for index, ds in enumerate(data.datasets):
+        if ds.path is None:
+            source = f"data.datasets[{index}].hub" if ds.hub is not None else f"data.datasets[{index}].task"
+            raise ValueError(
+                f"data.streaming reads local parquet shards (data.datasets[{index}].path), not {source}; set path "
+                "to the downloaded shards or set data.streaming = false"
+            )
+    loaders = [
+        StreamingLoader(
+            ds,
+            tokenizer,
+            job=job,
+            seq_len=data.seq_len,
+            packing=data.packing,
+            held_out_fraction=data.held_out_fraction,
+            micro_batch_size=micro_batch_size,
+            rank=rank,
+            world_size=world_size,
+            # each dataset gets its own shard order and window shuffle
+            seed=seed if index == 0 else seed + 7919 * index,
+            device=device,
+            buffer_documents=buffer_documents,
+            index=index,
         )
-    ds = data.datasets[0]
-    if ds.path is None:
-        source = "data.datasets[0].hub" if ds.hub is not None else "data.datasets[0].task"
-        raise ValueError(
-            f"data.streaming reads local parquet shards (data.datasets[0].path), not {source}; set path to the "
-            "downloaded shards or set data.streaming = false"
-        )
-    return StreamingLoader(
-        ds,
-        tokenizer,
-        job=job,
-        seq_len=data.seq_len,
-        packing=data.packing,
-        held_out_fraction=data.held_out_fraction,
-        micro_batch_size=micro_batch_size,
-        rank=rank,
-        world_size=world_size,
-        seed=seed,
-        device=device,
-        buffer_documents=buffer_documents,
-    )
+        for index, ds in enumerate(data.datasets)
+    ]
+    if len(loaders) == 1:
+        return loaders[0]
+    probs = data.sampling_probs or [1.0 / len(loaders)] * len(loaders)
+    return MixedStreamingLoader(loaders, probs, seed=seed, rank=rank)
