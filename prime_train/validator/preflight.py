@@ -270,35 +270,14 @@ def check_cuda(cfg: Config, gpu_probe: GpuProbe | None = None) -> CheckResult:
 
 
 def count_parameters(hf: dict[str, Any]) -> int:
-    """Parameters of a Llama-family decoder (Llama, Mistral, Qwen2/3, Mixtral-style MoE) from its HF config dict."""
-    if "hidden_size" not in hf and isinstance(hf.get("text_config"), dict):
-        hf = hf["text_config"]  # a vision-language model: the language model dominates
-    h, layers, heads = hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
-    kv_heads = hf.get("num_key_value_heads") or heads
-    head_dim = hf.get("head_dim") or h // heads
-    model_type = str(hf.get("model_type", "llama"))
-    q, kv = heads * head_dim, kv_heads * head_dim
-    attention = h * q + 2 * h * kv + q * h
-    if model_type.startswith("qwen2"):
-        attention += q + 2 * kv  # Qwen2 has biases on q, k and v, not on o
-    elif hf.get("attention_bias"):
-        attention += q + 2 * kv + h
-    if model_type.startswith("qwen3"):
-        attention += 2 * head_dim  # RMSNorm on q and k per head
-    experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
-    if experts:
-        expert_width = hf.get("moe_intermediate_size") or hf["intermediate_size"]
-        mlp = experts * 3 * h * expert_width + h * experts  # SwiGLU experts and the router
-        shared = hf.get("shared_expert_intermediate_size") or 0
-        if shared:
-            mlp += 3 * h * shared + h  # Qwen2-MoE's shared expert and its gate
-    else:
-        width = hf["intermediate_size"]
-        mlp = 3 * h * width + (2 * width + h if hf.get("mlp_bias") else 0)  # gate, up, down
-    per_layer = attention + mlp + 2 * h  # two RMSNorms
-    vocab = hf["vocab_size"]
-    lm_head = 0 if hf.get("tie_word_embeddings", True) else vocab * h
-    return vocab * h + layers * per_layer + h + lm_head
+    """Parameters of the model an HF config dict describes; exact for the families `validator.models` mirrors.
+
+    Delegates to the counter behind `prime-train verify-model`, so preflight's disk and memory estimates and
+    verify-model agree. Raises KeyError / TypeError for a config that lacks hidden size, layers or heads.
+    """
+    from prime_train.validator.models import count_model_parameters
+
+    return count_model_parameters(hf).total
 
 
 def _tokenizer_size(cfg: Config) -> int | None:
