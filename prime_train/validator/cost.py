@@ -1,0 +1,496 @@
+"""`prime-train cost`: what a run will cost, on each GPU type and provider, on-demand and spot.
+
+cost = GPU-hours × price; GPU-hours = wall-clock hours × GPUs; wall-clock = the run's tokens × FLOPs per token /
+(GPUs × bf16 peak × MFU), or the run's steps × a measured step time. One figure would claim a precision nobody
+has before the run, so every figure is a range: MFU ± 0.1 around the given one (0.3–0.5 at the default 0.4), or
+a measured step time ± 10 % (packing, evaluation and checkpoint pauses move it about that much). Start-up,
+evaluation passes and checkpoint saves beyond that are not counted.
+
+FLOPs per token are the engine's (engine/model.py `flops_per_token`): 6N for the matmuls with weights (N without
+the input embedding table; a tied lm_head still counts, as a matmul) plus 12 · layers · heads · head_dim ·
+seq_len for attention. They are recomputed here from the HF config dict, so this module stays torch-free; a test
+holds the two equal.
+
+Prices come from data/prices.json: approximate list prices in USD per GPU-hour, dated per provider. A user TOML
+or JSON file of the same form (`prices_file`) overrides it entry by entry and may add providers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prime_train.validator.memory import DATA_DIR, GpuSpec, GpuTable, MemoryInputError, load_gpus, resolve_model
+from prime_train.validator.preflight import count_parameters
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from prime_train.config.schema import Config, TrainConfig
+
+MFU_SPREAD = 0.1
+MEASURED_SPREAD = 0.10
+PRICE_KINDS = ("on_demand", "spot")
+
+
+class CostInputError(MemoryInputError):
+    """A cost question that cannot be answered as asked; the message says what to give instead."""
+
+
+# ---------------------------------------------------------------- FLOPs and tokens
+
+
+def flops_per_token(hf: dict[str, Any], seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward): the engine's formula, on an HF config dict."""
+    if "hidden_size" not in hf and isinstance(hf.get("text_config"), dict):
+        hf = hf["text_config"]
+    h, vocab = hf["hidden_size"], hf["vocab_size"]
+    heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+    head_dim = hf.get("head_dim") or h // heads
+    tied = hf.get("tie_word_embeddings", True)
+    # the input embedding is a lookup, not a matmul; a tied lm_head shares its table but is a matmul
+    matmul_params = count_parameters(hf) - (0 if tied else vocab * h)
+    return 6.0 * matmul_params + 12.0 * layers * heads * head_dim * seq_len
+
+
+def total_sequences(train: TrainConfig, seq_len: int, world_size: int, steps: int | None = None) -> int:
+    """Sequences the run trains on over `steps` (default max_steps), with the engine's batch ramp.
+
+    The ramp follows engine/schedule.py `batch_size_at` (which imports torch, so it is mirrored here; a test
+    holds the two equal): from batch_ramp_start (or one micro-batch per rank) up to global_batch_size, linearly
+    in tokens seen, in whole micro-batches per rank. Every packed sequence counts seq_len tokens.
+    """
+    steps = train.max_steps if steps is None else steps
+    target = train.global_batch_size
+    ramp = train.batch_ramp_tokens
+    if not ramp:
+        return steps * target
+    unit = train.micro_batch_size * world_size
+    start = train.batch_ramp_start or unit
+    total, tokens = 0, 0
+    for _ in range(steps):
+        if tokens >= ramp:
+            batch = target
+        else:
+            batch = min(target, max(unit, int(start + (target - start) * tokens / ramp) // unit * unit))
+        total += batch
+        tokens += batch * seq_len
+    return total
+
+
+# ---------------------------------------------------------------- prices
+
+
+@dataclass(frozen=True)
+class Price:
+    provider: str
+    gpu: str
+    on_demand: float | None
+    spot: float | None
+    as_of: str
+    source: str  # the shipped table or the user's file
+
+
+@dataclass(frozen=True)
+class PriceTable:
+    as_of: str
+    note: str
+    currency: str
+    prices: tuple[Price, ...]
+    files: tuple[str, ...]
+
+    def for_gpu(self, gpu: str) -> list[Price]:
+        return [p for p in self.prices if p.gpu == gpu]
+
+    def gpus(self) -> list[str]:
+        return sorted({p.gpu for p in self.prices})
+
+
+def _read_price_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CostInputError(f"prices file {path}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        if path.suffix.lower() == ".toml":
+            return tomllib.loads(text)
+        return json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        kind = "TOML" if path.suffix.lower() == ".toml" else "JSON"
+        raise CostInputError(f"prices file {path}: not valid {kind}: {exc}") from None
+
+
+def _parse_prices(data: Any, where: str, gpus: GpuTable) -> tuple[dict[str, Any], list[Price]]:
+    """Validate one price document; errors name the file and the dotted key."""
+    if not isinstance(data, dict):
+        raise CostInputError(f"{where}: the top level must be a table with a 'providers' key")
+    allowed = {"as_of", "currency", "unit", "note", "providers"}
+    for key in data:
+        if key not in allowed:
+            raise CostInputError(f"{where}: unknown key {key!r}; allowed: {', '.join(sorted(allowed))}")
+    providers = data.get("providers")
+    if not isinstance(providers, dict) or not providers:
+        raise CostInputError(f"{where}: 'providers' must be a table of providers (e.g. [providers.aws.prices])")
+    currency = data.get("currency", "USD")
+    if currency != "USD":
+        raise CostInputError(f"{where}: currency {currency!r}: prices must be in USD per GPU-hour")
+    top_as_of = str(data.get("as_of", "unknown date"))
+    out = []
+    for provider, entry in providers.items():
+        key = f"providers.{provider}"
+        if not isinstance(entry, dict) or not isinstance(entry.get("prices"), dict):
+            raise CostInputError(f"{where}: {key} must have a 'prices' table of GPU → {{on_demand, spot}}")
+        unknown = set(entry) - {"as_of", "note", "prices"}
+        if unknown:
+            raise CostInputError(f"{where}: {key}.{sorted(unknown)[0]}: unknown key; allowed: as_of, note, prices")
+        as_of = str(entry.get("as_of", top_as_of))
+        for gpu_name, rates in entry["prices"].items():
+            gkey = f"{key}.prices.{gpu_name}"
+            try:
+                gpu = gpus.find(gpu_name)
+            except MemoryInputError:
+                raise CostInputError(
+                    f"{where}: {gkey}: unknown GPU {gpu_name!r}; known GPUs: {', '.join(gpus.names())}"
+                ) from None
+            if not isinstance(rates, dict):
+                raise CostInputError(f"{where}: {gkey} must be a table like {{on_demand = 2.5, spot = 1.2}}")
+            extra = set(rates) - set(PRICE_KINDS)
+            if extra:
+                raise CostInputError(f"{where}: {gkey}.{sorted(extra)[0]}: unknown key; allowed: on_demand, spot")
+            values: dict[str, float | None] = {}
+            for kind in PRICE_KINDS:
+                value = rates.get(kind)
+                ok = value is None or (
+                    isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+                    and value >= 0
+                )  # fmt: skip
+                if not ok:
+                    raise CostInputError(
+                        f"{where}: {gkey}.{kind} = {value!r}: must be a number ≥ 0 (USD per GPU-hour), or left out"
+                    )
+                values[kind] = None if value is None else float(value)
+            out.append(Price(provider, gpu.name, values["on_demand"], values["spot"], as_of, where))
+    return data, out
+
+
+def load_prices(prices_file: str | os.PathLike[str] | None = None, *, gpus: GpuTable | None = None) -> PriceTable:
+    """The shipped price table, with the entries of `prices_file` (TOML or JSON) replacing or adding to it."""
+    gpus = gpus or load_gpus()
+    shipped = DATA_DIR / "prices.json"
+    base, prices = _parse_prices(json.loads(shipped.read_text(encoding="utf-8")), str(shipped), gpus)
+    by_key = {(p.provider, p.gpu): p for p in prices}
+    files = [str(shipped)]
+    as_of = str(base.get("as_of", "unknown date"))
+    if prices_file is not None:
+        path = Path(os.path.expanduser(str(prices_file)))
+        data, user = _parse_prices(_read_price_file(path), str(path), gpus)
+        for price in user:
+            by_key[(price.provider, price.gpu)] = price
+        files.append(str(path))
+        as_of = str(data.get("as_of", as_of))
+    return PriceTable(
+        as_of=as_of,
+        note=str(base.get("note", "")),
+        currency="USD",
+        prices=tuple(by_key.values()),
+        files=tuple(files),
+    )
+
+
+# ---------------------------------------------------------------- the estimate
+
+
+@dataclass
+class ProviderCost:
+    provider: str
+    on_demand_rate: float | None
+    spot_rate: float | None
+    on_demand_usd: tuple[float, float, float] | None  # low, mid, high
+    spot_usd: tuple[float, float, float] | None
+    as_of: str
+    source: str
+
+
+@dataclass
+class GpuCost:
+    gpu: str
+    num_gpus: int
+    step_time_s: tuple[float, float, float]  # fast, mid, slow
+    wall_hours: tuple[float, float, float]
+    gpu_hours: tuple[float, float, float]
+    basis: str
+    providers: list[ProviderCost]
+    memory_need_bytes: int | None = None  # per GPU, from the memory calculator
+    memory_bytes: int | None = None
+
+    @property
+    def fits_memory(self) -> bool | None:
+        if self.memory_need_bytes is None or self.memory_bytes is None:
+            return None
+        return self.memory_need_bytes <= self.memory_bytes
+
+
+@dataclass
+class CostReport:
+    model_source: str
+    num_params: int
+    flops_per_token: float
+    steps: int
+    seq_len: int
+    total_tokens: int
+    tokens_per_full_step: int
+    num_gpus: int
+    rows: list[GpuCost]
+    prices_as_of: str
+    prices_note: str
+    price_files: list[str]
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _gpu_request(cfg: Config) -> tuple[str | None, int | None]:
+    """The GPU type and count a config asks for: [spot].accelerators ('H100:8') × spot.num_nodes.
+
+    Only a config that has a [spot] table asks for GPUs this way; the section's defaults mean nothing.
+    """
+    if "spot" not in cfg.model_fields_set:
+        return None, None
+    name, _, count = cfg.spot.accelerators.partition(":")
+    try:
+        per_node = int(count) if count else 1
+    except ValueError:
+        return name or None, None
+    return name or None, per_node * cfg.spot.num_nodes
+
+
+def estimate_cost(
+    cfg: Config,
+    *,
+    gpu: str | None = None,
+    num_gpus: int | None = None,
+    step_time_s: float | None = None,
+    mfu: float = 0.4,
+    prices_file: str | None = None,
+    steps: int | None = None,
+    model: dict[str, Any] | str | None = None,
+) -> CostReport:
+    """The cost of `cfg`'s run per GPU type and provider, on-demand and spot, as low–mid–high ranges.
+
+    `gpu` picks one GPU type (a name or alias from data/gpus.json); unset, every GPU type with a known bf16 peak
+    and a price is listed. `num_gpus` defaults to distributed.nproc_per_node × nnodes, else to the count in
+    spot.accelerators × spot.num_nodes. `step_time_s` is a measured seconds per full-batch step on `gpu` × `num_gpus`
+    (from a profile run); without it the step time is estimated from FLOPs at `mfu`.
+    """
+    from prime_train.validator.preflight import model_shape
+
+    if not 0 < mfu <= 1:
+        raise CostInputError(f"mfu = {mfu!r}: must be a fraction in (0, 1], e.g. 0.4")
+    if step_time_s is not None and not step_time_s > 0:
+        raise CostInputError(f"step time = {step_time_s!r} s: must be > 0")
+    if num_gpus is not None and num_gpus < 1:
+        raise CostInputError(f"num_gpus = {num_gpus!r}: must be ≥ 1")
+    gpus = load_gpus()
+    prices = load_prices(prices_file, gpus=gpus)
+    notes: list[str] = []
+
+    requested_gpu, requested_count = _gpu_request(cfg)
+    if num_gpus is None:
+        if cfg.distributed.nproc_per_node:
+            num_gpus = cfg.distributed.nproc_per_node * cfg.distributed.nnodes
+        else:
+            num_gpus = requested_count or 1
+            notes.append(f"{num_gpus} GPU(s) from spot.accelerators = {cfg.spot.accelerators!r} × spot.num_nodes")
+
+    if step_time_s is not None and gpu is None:
+        if requested_gpu is None:
+            raise CostInputError("a measured step time belongs to one GPU type: name it (--gpu)")
+        gpu = requested_gpu
+        notes.append(f"the step time is taken as measured on {gpu} (from spot.accelerators); name the GPU to change it")
+    selected: list[GpuSpec] = []
+    if gpu:
+        try:
+            selected = [gpus.find(gpu)]
+        except MemoryInputError as exc:
+            raise CostInputError(str(exc)) from None
+    if gpu and not prices.for_gpu(selected[0].name):
+        notes.append(f"no price listed for {selected[0].name}: add one with a prices file")
+
+    if cfg.run.job == "rl" and step_time_s is None:
+        raise CostInputError(
+            "an RL step's time is mostly rollout generation, which FLOPs per token do not predict: pass a measured "
+            "step time (prime-train profile) for the GPU you will use"
+        )
+    if cfg.job.command and step_time_s is None:
+        raise CostInputError(
+            "the cost of an external [job].command needs its measured step time (and steps, if not train.max_steps)"
+        )
+
+    if model is not None:
+        hf, source = resolve_model(model)
+    else:
+        hf, source = model_shape(cfg)
+        if hf is None:
+            raise CostInputError(f"the model's shape is unknown: {source}")
+    seq_len = cfg.data.seq_len
+    run_steps = cfg.train.max_steps if steps is None else steps
+    if run_steps < 1:
+        raise CostInputError(f"steps = {run_steps!r}: must be ≥ 1")
+    sequences = total_sequences(cfg.train, seq_len, num_gpus, run_steps)
+    total_tokens = sequences * seq_len
+    full_step_tokens = cfg.train.global_batch_size * seq_len
+    fpt = flops_per_token(hf, seq_len)
+    if cfg.train.precision == "fp32" and step_time_s is None:
+        notes.append("train.precision = 'fp32': the estimate uses bf16 peaks; fp32 (TF32) runs are slower")
+
+    if not selected:
+        selected = [g for g in gpus.gpus if prices.for_gpu(g.name) and (g.bf16_tflops or step_time_s)]
+        skipped = [g.name for g in gpus.gpus if prices.for_gpu(g.name) and not g.bf16_tflops]
+        if skipped:
+            notes.append(f"left out (no published bf16 peak; measure a step time): {', '.join(skipped)}")
+
+    # an external command's model is not [model]'s: its memory is not ours to judge
+    need = None if cfg.job.command else _memory_need(cfg, hf, num_gpus, notes)
+    rows = []
+    for spec in selected:
+        if step_time_s is not None:
+            mid = step_time_s
+            fast, slow = mid * (1 - MEASURED_SPREAD), mid * (1 + MEASURED_SPREAD)
+            basis = f"measured {mid:.3g} s/step ± {MEASURED_SPREAD:.0%}"
+        else:
+            if not spec.bf16_tflops:
+                raise CostInputError(
+                    f"{spec.name} has no published bf16 peak to estimate from: pass a measured step time"
+                )
+            lo, hi = max(0.05, mfu - MFU_SPREAD), min(1.0, mfu + MFU_SPREAD)
+            flops_per_s = num_gpus * spec.bf16_tflops * 1e12
+            mid = full_step_tokens * fpt / (flops_per_s * mfu)
+            fast, slow = full_step_tokens * fpt / (flops_per_s * hi), full_step_tokens * fpt / (flops_per_s * lo)
+            basis = f"estimated at MFU {lo:.2f}–{hi:.2f} of {spec.bf16_tflops:g} TFLOP/s bf16"
+        full_steps = total_tokens / full_step_tokens  # a ramped batch makes early steps shorter
+        wall = tuple(t * full_steps / 3600 for t in (fast, mid, slow))
+        gpu_hours = tuple(w * num_gpus for w in wall)
+        providers = []
+        for price in sorted(prices.for_gpu(spec.name), key=lambda p: p.provider):
+            providers.append(
+                ProviderCost(
+                    provider=price.provider,
+                    on_demand_rate=price.on_demand,
+                    spot_rate=price.spot,
+                    on_demand_usd=None if price.on_demand is None else tuple(h * price.on_demand for h in gpu_hours),
+                    spot_usd=None if price.spot is None else tuple(h * price.spot for h in gpu_hours),
+                    as_of=price.as_of,
+                    source=price.source,
+                )  # type: ignore[arg-type]
+            )
+        rows.append(
+            GpuCost(
+                gpu=spec.name,
+                num_gpus=num_gpus,
+                step_time_s=(fast, mid, slow),
+                wall_hours=wall,  # type: ignore[arg-type]
+                gpu_hours=gpu_hours,  # type: ignore[arg-type]
+                basis=basis,
+                providers=providers,
+                memory_need_bytes=need,
+                memory_bytes=spec.memory_bytes,
+            )
+        )
+    return CostReport(
+        model_source=source,
+        num_params=count_parameters(hf),
+        flops_per_token=fpt,
+        steps=run_steps,
+        seq_len=seq_len,
+        total_tokens=total_tokens,
+        tokens_per_full_step=full_step_tokens,
+        num_gpus=num_gpus,
+        rows=rows,
+        prices_as_of=prices.as_of,
+        prices_note=prices.note,
+        price_files=list(prices.files),
+        notes=notes,
+    )
+
+
+def _memory_need(cfg: Config, hf: dict[str, Any], num_gpus: int, notes: list[str]) -> int | None:
+    """Per-GPU training memory of the run on `num_gpus` GPUs (the memory calculator), to flag GPUs it cannot fit."""
+    from prime_train.validator.memory import estimate, inputs_from_config
+
+    per_node = cfg.distributed.nproc_per_node or max(1, num_gpus // max(1, cfg.spot.num_nodes))
+    if num_gpus % per_node:
+        per_node = num_gpus
+    try:
+        inputs = inputs_from_config(cfg, model=hf, gpus_per_node=per_node, num_nodes=num_gpus // per_node, gpus=[])
+        return estimate(inputs).trainer.total
+    except MemoryInputError as exc:
+        notes.append(f"memory fit not checked: {exc}")
+        return None
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _usd(value: float) -> str:
+    return f"${value:,.0f}" if value >= 100 else f"${value:,.2f}"
+
+
+def _usd_range(values: tuple[float, float, float] | None) -> str:
+    if values is None:
+        return "—"
+    low, mid, high = values
+    return f"{_usd(mid)} ({_usd(low)}–{_usd(high)})"
+
+
+def render_cost(report: CostReport, console: Console) -> None:
+    """One table per GPU type: each provider's on-demand and spot cost, mid figure with its range."""
+    from rich.table import Table
+
+    console.print(
+        f"[bold]{report.model_source}[/]: {report.num_params / 1e9:,.3f}B params, "
+        f"{report.flops_per_token / 1e9:,.2f} GFLOP/token; {report.steps:,} steps, {report.total_tokens:,} tokens "
+        f"(seq {report.seq_len}), {report.num_gpus} GPU(s)"
+    )
+    if not report.rows:
+        console.print("[yellow]no GPU type with both a price and a way to time it[/]")
+    for row in report.rows:
+        fast, mid, slow = row.wall_hours
+        fit = ""
+        if row.fits_memory is False:
+            fit = (
+                f" [red]does not fit: {(row.memory_need_bytes or 0) / 2**30:,.1f} GiB per GPU needed, "
+                f"{(row.memory_bytes or 0) / 2**30:,.1f} GiB there (prime-train memory)[/]"
+            )
+        table = Table(
+            title=f"{row.gpu} × {row.num_gpus}: {mid:,.1f} h wall ({fast:,.1f}–{slow:,.1f}), "
+            f"{row.gpu_hours[1]:,.0f} GPU-h; step {row.step_time_s[1]:.3g} s ({row.basis}){fit}",
+            title_justify="left",
+        )
+        for col, justify in (("provider", "left"), ("on-demand $/GPU-h", "right"), ("on-demand", "right"),
+                             ("spot $/GPU-h", "right"), ("spot", "right"), ("prices as of", "left")):  # fmt: skip
+            table.add_column(col, justify=justify)  # type: ignore[arg-type]
+        for p in row.providers:
+            table.add_row(
+                p.provider,
+                "—" if p.on_demand_rate is None else f"{p.on_demand_rate:.2f}",
+                _usd_range(p.on_demand_usd),
+                "—" if p.spot_rate is None else f"{p.spot_rate:.2f}",
+                _usd_range(p.spot_usd),
+                p.as_of if len(report.price_files) == 1 or p.source == report.price_files[0] else f"{p.as_of} (yours)",
+            )
+        if not row.providers:
+            table.add_row("(no price)", "—", "—", "—", "—", "")
+        console.print(table)
+    console.print(
+        f"[dim]Prices are approximate list prices in USD per GPU-hour (table of {report.prices_as_of}), not quotes: "
+        "check the provider; spot prices move daily and spot runs lose time to preemptions. "
+        "Your own prices: --prices FILE (TOML or JSON, same form as prime_train/validator/data/prices.json).[/]"
+    )
+    for note in report.notes:
+        console.print(f"[dim]note: {note}[/]")

@@ -1,0 +1,227 @@
+"""`prime-train cost`: hand-computed arithmetic, the engine's FLOPs and batch ramp, price files and their errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from rich.console import Console
+
+from prime_train.config.schema import Config
+from prime_train.validator.cost import (
+    CostInputError,
+    estimate_cost,
+    flops_per_token,
+    load_prices,
+    render_cost,
+    total_sequences,
+)
+from prime_train.validator.preflight import model_shape
+
+# hidden 512, 2 layers, 8 heads of 64, MLP 1024, vocab 1000, tied: parameters by hand
+#   embedding 1000·512 = 512,000; per layer q,k,v,o 4·512² = 1,048,576 + gate,up,down 3·512·1024 = 1,572,864
+#   + two norms 1,024 = 2,622,464; × 2 layers = 5,244,928; final norm 512  → 5,757,440
+SMALL = {
+    "model_type": "llama",
+    "hidden_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "intermediate_size": 1024,
+    "vocab_size": 1000,
+    "tie_word_embeddings": True,
+}
+SMALL_PARAMS = 5_757_440
+
+
+def _config(tmp_path, **train) -> Config:
+    model_dir = tmp_path / "small"
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(SMALL))
+    return Config.model_validate(
+        {
+            "model": {"path": str(model_dir)},
+            "data": {"seq_len": 1000},
+            "train": {"max_steps": 300, "global_batch_size": 50, "micro_batch_size": 5, **train},
+            "distributed": {"nproc_per_node": 4},
+        }
+    )
+
+
+def _write_prices(path, providers: dict, **top) -> str:
+    path.write_text(json.dumps({"as_of": "2030-01-02", "providers": providers, **top}))
+    return str(path)
+
+
+def test_cost_arithmetic_by_hand(tmp_path):
+    cfg = _config(tmp_path)
+    prices = _write_prices(tmp_path / "p.json", {"mycloud": {"prices": {"A100 80GB": {"on_demand": 2.0, "spot": 0.5}}}})
+    report = estimate_cost(cfg, gpu="A100-80GB", mfu=0.25, prices_file=prices)
+
+    flops = 6 * SMALL_PARAMS + 12 * 2 * 8 * 64 * 1000  # 46,832,640 per token
+    assert report.num_params == SMALL_PARAMS
+    assert report.flops_per_token == flops
+    assert (report.steps, report.num_gpus, report.total_tokens) == (300, 4, 300 * 50 * 1000)
+    (row,) = report.rows
+    step = 50 * 1000 * flops / (4 * 312e12 * 0.25)
+    assert row.step_time_s[1] == pytest.approx(step, rel=1e-12)
+    # MFU 0.25 ± 0.1: the fast end at 0.35, the slow end at 0.15
+    assert row.step_time_s[0] == pytest.approx(step * 0.25 / 0.35, rel=1e-12)
+    assert row.step_time_s[2] == pytest.approx(step * 0.25 / 0.15, rel=1e-12)
+    hours = 300 * step / 3600
+    assert row.wall_hours[1] == pytest.approx(hours, rel=1e-12)
+    assert row.gpu_hours[1] == pytest.approx(4 * hours, rel=1e-12)
+    mine = next(p for p in row.providers if p.provider == "mycloud")
+    assert mine.on_demand_usd[1] == pytest.approx(4 * hours * 2.0, rel=1e-12)
+    assert mine.spot_usd[2] == pytest.approx(4 * 300 * step * 0.25 / 0.15 / 3600 * 0.5, rel=1e-12)
+    assert mine.as_of == "2030-01-02"
+
+    measured = estimate_cost(cfg, gpu="A100 80GB", step_time_s=2.0, prices_file=prices)
+    (row,) = measured.rows
+    assert row.wall_hours == pytest.approx((300 * 1.8 / 3600, 300 * 2.0 / 3600, 300 * 2.2 / 3600))
+    assert next(p for p in row.providers if p.provider == "mycloud").spot_usd[1] == pytest.approx(
+        4 * 300 * 2.0 / 3600 * 0.5
+    )
+
+
+def test_flops_per_token_is_the_engines(tmp_path):
+    pytest.importorskip("torch")
+    from transformers import AutoConfig
+
+    from prime_train.engine.model import flops_per_token as engine_flops
+
+    for overrides in ({}, {"tie_embeddings": False}, {"arch": "qwen2", "num_kv_heads": 2}):
+        cfg = Config.model_validate({"model": {"hidden_size": 64, "num_layers": 3, "num_heads": 4, **overrides}})
+        hf, _ = model_shape(cfg)
+        config = AutoConfig.for_model(**hf)
+        assert flops_per_token(hf, 96) == engine_flops(config, 96), overrides
+
+
+def test_batch_ramp_follows_the_engine():
+    pytest.importorskip("torch")
+    from prime_train.engine.schedule import batch_size_at
+
+    cfg = Config.model_validate(
+        {
+            "train": {
+                "max_steps": 40,
+                "global_batch_size": 64,
+                "micro_batch_size": 4,
+                "batch_ramp_tokens": 20000,
+                "batch_ramp_start": 8,
+            }
+        }
+    )
+    seq_len, world = 128, 2
+    tokens, engine_total = 0, 0
+    for _ in range(cfg.train.max_steps):
+        batch = batch_size_at(tokens, cfg.train, seq_len, world)
+        engine_total += batch
+        tokens += batch * seq_len
+    ours = total_sequences(cfg.train, seq_len, world)
+    assert ours == engine_total
+    assert ours < 40 * 64  # the ramp made the early steps smaller
+    assert total_sequences(Config().train, seq_len, world) == Config().train.max_steps * 32
+
+
+def test_user_price_file_overrides_entries_and_keeps_the_rest(tmp_path):
+    shipped = load_prices()
+    runpod_h100 = next(p for p in shipped.prices if p.provider == "runpod" and p.gpu == "H100 SXM")
+    toml = tmp_path / "prices.toml"
+    toml.write_text(
+        'as_of = "2031-05-06"\n'
+        '[providers.runpod.prices."H100"]\n'  # an alias of H100 SXM
+        "on_demand = 1.11\n"
+        '[providers.homelab]\nas_of = "today"\n[providers.homelab.prices."RTX 4090"]\non_demand = 0.05\n'
+    )
+    merged = load_prices(str(toml))
+    entry = next(p for p in merged.prices if p.provider == "runpod" and p.gpu == "H100 SXM")
+    assert entry.on_demand == 1.11 and entry.spot is None and entry.source == str(toml)
+    assert entry.on_demand != runpod_h100.on_demand
+    assert entry.as_of == "2031-05-06"
+    home = next(p for p in merged.prices if p.provider == "homelab")
+    assert (home.gpu, home.on_demand, home.as_of) == ("RTX 4090", 0.05, "today")
+    # everything the file does not mention is still the shipped table's
+    assert len(merged.prices) == len(shipped.prices) + 1
+    lambda_a100 = [p for p in merged.prices if p.provider == "lambda" and p.gpu == "A100 80GB"]
+    assert lambda_a100 == [p for p in shipped.prices if p.provider == "lambda" and p.gpu == "A100 80GB"]
+    assert merged.files[-1] == str(toml)
+
+
+def test_unknown_gpu_names_it_and_the_known_ones(tmp_path):
+    with pytest.raises(CostInputError) as err:
+        estimate_cost(_config(tmp_path), gpu="H800")
+    text = str(err.value)
+    assert "'H800'" in text and "H100 SXM" in text and "A100 40GB" in text
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "expected"),
+    [
+        ("gpu.json", {"providers": {"aws": {"prices": {"H800": {"on_demand": 2}}}}}, "providers.aws.prices.H800"),
+        (
+            "price.json",
+            {"providers": {"aws": {"prices": {"L4": {"on_demand": "cheap"}}}}},
+            "providers.aws.prices.L4.on_demand",
+        ),
+        ("neg.json", {"providers": {"aws": {"prices": {"L4": {"spot": -1}}}}}, "providers.aws.prices.L4.spot"),
+        ("kind.json", {"providers": {"aws": {"prices": {"L4": {"reserved": 1}}}}}, "providers.aws.prices.L4.reserved"),
+        ("top.json", {"providers": {"aws": {"prices": {}}}, "pricez": 1}, "'pricez'"),
+        ("noprices.json", {"providers": {"aws": {"L4": 1}}}, "providers.aws must have a 'prices' table"),
+        ("eur.json", {"currency": "EUR", "providers": {"aws": {"prices": {}}}}, "currency 'EUR'"),
+    ],
+)
+def test_bad_price_file_names_the_file_and_key(tmp_path, name, content, expected):
+    path = tmp_path / name
+    path.write_text(json.dumps(content))
+    with pytest.raises(CostInputError) as err:
+        load_prices(str(path))
+    assert str(path) in str(err.value) and expected in str(err.value)
+
+
+def test_unreadable_price_files(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[providers\n")
+    with pytest.raises(CostInputError, match="not valid TOML") as err:
+        load_prices(str(bad))
+    assert str(bad) in str(err.value)
+    with pytest.raises(CostInputError, match="cannot read it"):
+        load_prices(str(tmp_path / "missing.json"))
+
+
+def test_rl_and_external_jobs_need_a_measured_step_time(tmp_path):
+    rl = Config.model_validate({"run": {"job": "rl"}, "distributed": {"nproc_per_node": 1}})
+    with pytest.raises(CostInputError, match="rollout generation"):
+        estimate_cost(rl, gpu="H100")
+    report = estimate_cost(rl, gpu="H100", step_time_s=30.0, steps=100)
+    assert report.rows[0].wall_hours[1] == pytest.approx(100 * 30.0 / 3600)
+    with pytest.raises(CostInputError, match="no published bf16 peak"):
+        estimate_cost(_config(tmp_path), gpu="A10G")
+    with pytest.raises(CostInputError, match="mfu"):
+        estimate_cost(_config(tmp_path), gpu="H100", mfu=1.5)
+
+
+def test_every_priced_gpu_listed_with_memory_verdicts_and_rendered():
+    cfg = Config.model_validate(
+        {
+            "model": {"path": "tests/data/model_configs/Qwen2.5-7B-Instruct"},
+            "data": {"seq_len": 2048},
+            "train": {"max_steps": 100, "global_batch_size": 64, "micro_batch_size": 1},
+            "distributed": {"nproc_per_node": 8, "strategy": "ddp"},
+        }
+    )
+    if model_shape(cfg)[0] is None:
+        pytest.skip("tests/data/model_configs is not in this checkout")
+    report = estimate_cost(cfg)
+    names = [row.gpu for row in report.rows]
+    assert "H100 SXM" in names and "RTX 4090" in names and "A10G" not in names  # A10G: no peak, noted
+    assert any("A10G" in note for note in report.notes)
+    by_name = {row.gpu: row for row in report.rows}
+    # DDP keeps the whole 7B states on every GPU: no 24 GB card holds them, a B200 does
+    assert by_name["RTX 4090"].fits_memory is False and by_name["B200"].fits_memory is True
+    console = Console(record=True, width=220)
+    render_cost(report, console)
+    text = console.export_text()
+    assert "approximate list prices" in text and "does not fit" in text and "runpod" in text
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["rows"][0]["providers"] and data["prices_as_of"]

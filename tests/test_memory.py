@@ -1,0 +1,354 @@
+"""The memory calculator against a real model, a real AdamW step and real saved activations, and its arithmetic."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from rich.console import Console
+
+from prime_train.config.schema import Config
+from prime_train.validator.memory import (
+    GIB,
+    MIB,
+    MemoryInputError,
+    MemoryInputs,
+    ModelShape,
+    estimate,
+    inputs_from_config,
+    inputs_from_flags,
+    kv_bytes_per_token,
+    load_gpus,
+    render_memory,
+    resolve_model,
+    trainer_memory,
+)
+from prime_train.validator.preflight import model_shape
+
+# Qwen2.5-7B-Instruct's published config.json (the fields the calculator reads)
+QWEN25_7B = {
+    "model_type": "qwen2",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+    "attention_dropout": 0.0,
+}
+QWEN25_7B_PARAMS = 7_615_616_512  # FACTS.md, counted on a meta-device model
+
+
+def _small_config(**model: object) -> Config:
+    """A Llama-shaped engine config: hidden 256, 4 layers, GQA 8/2 heads, SwiGLU 688 wide, fp32 on the CPU."""
+    fields = {"hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 2, "intermediate_size": 688}
+    return Config.model_validate(
+        {
+            "model": {**fields, **model},
+            "data": {"seq_len": 128},
+            "train": {"micro_batch_size": 2, "precision": "fp32"},
+        }
+    )
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    seen = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weights_gradients_and_adamw_states_match_a_real_step(tied):
+    """One real AdamW step of the engine's own model: the calculator's fp32 figures agree within 1 %."""
+    torch = pytest.importorskip("torch")
+    from prime_train.engine.evaluate import token_losses
+    from prime_train.engine.model import build_model
+    from prime_train.engine.optim import build_optimizer
+
+    cfg = _small_config(tie_embeddings=tied)
+    hf, _ = model_shape(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, hf["vocab_size"])
+    optimizer = build_optimizer(model, cfg.train, torch.device("cpu"))
+    ids = torch.randint(0, hf["vocab_size"], (2, 128))
+    pos = torch.arange(128).expand(2, 128)
+    loss, _ = token_losses(model, ids, pos, ids.clone())
+    loss.backward()
+    optimizer.step()
+
+    params = list({id(p): p for p in model.parameters()}.values())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in params)
+    states = [optimizer.state[p] for p in params]
+    moments = sum(s[k].numel() * s[k].element_size() for s in states for k in ("exp_avg", "exp_avg_sq"))
+    steps = sum(s["step"].numel() * s["step"].element_size() for s in states)
+    assert moments > 0 and steps > 0
+
+    report = estimate(inputs_from_config(cfg, precision="fp32", strategy="none"))
+    trainer = report.trainer
+    assert trainer.weights == pytest.approx(weights, rel=0.01)
+    assert trainer.gradients == pytest.approx(grads, rel=0.01)
+    # `step` counters are left out by design (module docstring): they are noise next to m and v
+    assert trainer.optimizer_states == pytest.approx(moments + steps, rel=0.01)
+    assert steps < 1e-3 * moments
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_activations_match_the_tensors_autograd_saves(attention):
+    """Every tensor autograd keeps for backward in a real fp32 forward (engine model and loss), counted by a hook."""
+    torch = pytest.importorskip("torch")
+    from prime_train.engine.evaluate import token_losses
+    from prime_train.engine.model import build_model
+
+    cfg = _small_config(tie_embeddings=False, attn_implementation=attention)
+    hf, _ = model_shape(cfg)
+    vocab = hf["vocab_size"]
+    torch.manual_seed(0)
+    model = build_model(cfg.model, vocab)
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    activations, loss_side = [], []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in param_storages:
+            (loss_side if t.dim() and t.shape[-1] == vocab else activations).append(t)
+        return t
+
+    ids = torch.randint(0, vocab, (2, 128))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        token_losses(model, ids, torch.arange(128).expand(2, 128), ids.clone())
+    measured = _storage_bytes(activations)
+
+    report = estimate(inputs_from_config(cfg))
+    assert report.trainer.activations == pytest.approx(measured, rel=0.03)
+    # the loss keeps its fp32 log-softmax: a third of the 12 bytes per vocabulary entry counted at backward's peak
+    saved_loss = _storage_bytes(loss_side)
+    assert saved_loss == pytest.approx(report.trainer.get("logits and loss") / 3, rel=0.02)
+
+
+def test_eager_attention_and_checkpointing_move_activations_the_right_way():
+    m = ModelShape.from_hf(QWEN25_7B)
+    base = MemoryInputs(model=QWEN25_7B, seq_len=4096, micro_batch=1)
+    sdpa = trainer_memory(base, m).activations
+    eager = trainer_memory(MemoryInputs(model=QWEN25_7B, seq_len=4096, attention="eager"), m).activations
+    selective = trainer_memory(
+        MemoryInputs(model=QWEN25_7B, seq_len=4096, attention="eager", activation_checkpointing="selective"), m
+    ).activations
+    full = trainer_memory(MemoryInputs(model=QWEN25_7B, seq_len=4096, activation_checkpointing="full"), m).activations
+    # the score matrix: 28 heads × 4096 × (fp32 softmax + its bf16 copy) a token and layer, at least
+    assert eager - sdpa >= 28 * 4096 * 6 * 4096 * 28
+    # selective recomputation drops the score matrix; eager's k and v repeated to every head remain
+    assert selective < eager and abs(selective - sdpa) < 0.1 * sdpa
+    # full keeps one 3584-wide fp32 layer input per layer (autocast) and rebuilds one layer: about a tenth here
+    assert full < sdpa / 5
+    # activations grow linearly with the micro-batch; the states do not
+    two = trainer_memory(MemoryInputs(model=QWEN25_7B, seq_len=4096, micro_batch=2), m)
+    assert two.activations == pytest.approx(2 * sdpa, rel=1e-6)
+    assert two.weights == trainer_memory(base, m).weights
+
+
+def test_sharding_divides_the_states_by_strategy():
+    m = ModelShape.from_hf(QWEN25_7B)
+    assert m.num_params == QWEN25_7B_PARAMS
+
+    def parts(strategy, gpus=8, nodes=1, shard=None, precision="fp32"):
+        inputs = MemoryInputs(
+            model=QWEN25_7B,
+            strategy=strategy,
+            gpus_per_node=gpus,
+            num_nodes=nodes,
+            hsdp_shard_size=shard,
+            precision=precision,
+        )
+        t = trainer_memory(inputs, m)
+        return t.weights, t.gradients, t.optimizer_states, t.activations
+
+    w, g, o, act = parts("none", gpus=1)
+    assert (w, g, o) == (4 * QWEN25_7B_PARAMS, 4 * QWEN25_7B_PARAMS, 8 * QWEN25_7B_PARAMS)
+    assert parts("ddp") == (w, g, o, act)
+    assert parts("zero1") == (w, g, math.ceil(o / 8), act)
+    assert parts("zero2") == (w, math.ceil(g / 8), math.ceil(o / 8), act)
+    assert parts("zero3") == (math.ceil(w / 8), math.ceil(g / 8), math.ceil(o / 8), act)
+    assert parts("fsdp", gpus=4, nodes=2) == parts("zero3")  # 4 × 2 GPUs
+    # HSDP shards within a node (or its shard group) and replicates across nodes
+    assert parts("hsdp", gpus=4, nodes=2)[:3] == (math.ceil(w / 4), math.ceil(g / 4), math.ceil(o / 4))
+    assert parts("hsdp", gpus=4, nodes=2, shard=2)[:3] == (math.ceil(w / 2), math.ceil(g / 2), math.ceil(o / 2))
+    # bf16 under ZeRO: the ZeRO paper's 2 + 2 + 12 bytes; the engine with DDP: 4 + 4 + 8 plus autocast's copy
+    zw, zg, zo, _ = parts("zero3", gpus=1, precision="bf16")
+    assert (zw, zg, zo) == (2 * QWEN25_7B_PARAMS, 2 * QWEN25_7B_PARAMS, 12 * QWEN25_7B_PARAMS)
+    ddp = trainer_memory(MemoryInputs(model=QWEN25_7B, strategy="ddp", gpus_per_node=2), m)
+    assert ddp.get("bf16 weight copy") == 2 * QWEN25_7B_PARAMS
+    assert ddp.get("DDP gradient buckets") == ddp.gradients
+    with pytest.raises(MemoryInputError, match="hsdp_shard_size = 3"):
+        estimate(MemoryInputs(model=QWEN25_7B, strategy="hsdp", gpus_per_node=4, hsdp_shard_size=3))
+
+
+def test_kv_cache_of_qwen25_7b_by_hand():
+    """FACTS.md: KV bytes per token = 2 × layers × kv_heads × head_dim × dtype bytes."""
+    m = ModelShape.from_hf(QWEN25_7B)
+    by_hand = 2 * 28 * 4 * (3584 // 28) * 2  # 57,344 bytes
+    assert kv_bytes_per_token(m, 2) == by_hand == 57344
+    assert kv_bytes_per_token(m, 1) == by_hand // 2  # fp8
+    assert kv_bytes_per_token(m, 2, tensor_parallel=2) == by_hand // 2
+    assert kv_bytes_per_token(m, 2, tensor_parallel=8) == by_hand // 4  # 4 kv heads over 8 ranks: one each
+
+    inputs = MemoryInputs(model=QWEN25_7B, max_model_len=4000, max_num_seqs=32, gpu_memory_utilization=0.9)
+    report = estimate(inputs)
+    inf = report.inference
+    assert inf.kv_bytes_per_token == by_hand
+    assert inf.kv_bytes_per_sequence == by_hand * 4000  # 4000 is a whole number of 16-token blocks
+    assert inf.kv_needed_bytes == 32 * by_hand * 4000
+    assert inf.weights_bytes == 2 * QWEN25_7B_PARAMS
+    h100 = next(g for g in report.gpus if g.gpu == "H100 SXM")
+    budget = int(0.9 * 81559 * MIB) - inf.fixed_bytes
+    assert h100.kv_available_bytes == budget
+    assert h100.full_length_seqs == budget // (by_hand * 4000)
+    assert h100.inference_verdict == "fits"
+    l4 = next(g for g in report.gpus if g.gpu == "L4")
+    assert 0 < l4.full_length_seqs < 32 and l4.inference_verdict == "limited"  # 14.2 GiB of weights in 22.5 GiB
+    (small,) = estimate(MemoryInputs(**{**inputs.__dict__, "gpu_memory_utilization": 0.6, "gpus": ["L4"]})).gpus
+    assert small.full_length_seqs == 0 and small.inference_verdict == "fails"  # vLLM would refuse to start
+
+
+def test_gpu_verdicts_headroom_and_shortfall():
+    report = estimate(MemoryInputs(model=QWEN25_7B, seq_len=2048))  # bf16 AdamW on one GPU, no sharding
+    need = report.trainer.total
+    table = load_gpus()
+    by_name = {g.gpu: g for g in report.gpus}
+    assert set(by_name) == set(table.names())
+    for spec in table.gpus:
+        verdict = by_name[spec.name]
+        assert verdict.trainer_fits == (need <= spec.memory_bytes)
+        assert verdict.trainer_headroom_bytes == spec.memory_bytes - need
+    # 7.6B params × 18 bytes is beyond 80 GB but within a B200 or an MI300X
+    assert not by_name["H100 SXM"].trainer_fits and by_name["H100 SXM"].headroom_gib < -50
+    assert by_name["B200"].trainer_fits and by_name["MI300X"].trainer_fits
+    # sharded over 8 GPUs with full checkpointing, an 80 GB GPU has room, and a larger micro-batch fits
+    sharded = estimate(
+        MemoryInputs(
+            model=QWEN25_7B,
+            seq_len=2048,
+            strategy="fsdp",
+            gpus_per_node=8,
+            activation_checkpointing="full",
+            gpus=["H100"],
+        )
+    )
+    (h100,) = sharded.gpus
+    assert h100.gpu == "H100 SXM" and h100.trainer_fits and h100.max_micro_batch >= 2
+    grown = trainer_memory(
+        MemoryInputs(
+            model=QWEN25_7B,
+            seq_len=2048,
+            strategy="fsdp",
+            gpus_per_node=8,
+            activation_checkpointing="full",
+            micro_batch=h100.max_micro_batch,
+        ),
+        sharded.shape,
+    )
+    assert grown.total <= h100.memory_bytes < grown.total + grown.per_micro_batch_bytes
+
+
+def test_gpu_table_has_the_engines_peaks_and_names_unknown_gpus():
+    pytest.importorskip("torch")
+    from prime_train.engine.model import PEAK_TFLOPS_BF16
+
+    table = load_gpus()
+    assert table.checked
+    for engine_name, peak in PEAK_TFLOPS_BF16.items():
+        assert table.find(engine_name).bf16_tflops == peak
+    assert table.find("nvidia h100 80gb hbm3").name == "H100 SXM"
+    assert table.find("A100-80GB").memory_bytes == 80 * GIB
+    with pytest.raises(MemoryInputError) as err:
+        table.find("H800")
+    assert "'H800'" in str(err.value) and "H100 SXM" in str(err.value) and "MI300X" in str(err.value)
+
+
+def test_colocated_split_leaves_each_side_what_it_needs():
+    inputs = MemoryInputs(
+        model=QWEN25_7B,
+        seq_len=1024,
+        strategy="fsdp",
+        gpus_per_node=8,
+        activation_checkpointing="full",
+        max_model_len=2048,
+        max_num_seqs=32,
+        colocate=True,
+        gpus=["H100 SXM", "RTX 4090"],
+    )
+    report = estimate(inputs)
+    h100, rtx = report.gpus
+    c = h100.colocation
+    assert c["fits"]
+    util, cap, inf = c["recommended_gpu_memory_utilization"], h100.memory_bytes, report.inference
+    # vLLM's share holds its fixed part and max_num_seqs full-length sequences; the trainer's holds its micro-batch
+    assert inf.fixed_bytes + c["max_num_seqs_at_recommended"] * inf.kv_bytes_per_sequence <= util * cap
+    assert c["max_num_seqs_at_recommended"] >= inputs.max_num_seqs
+    mb = c["max_micro_batch_at_recommended"]
+    assert mb >= inputs.micro_batch
+    at_mb = trainer_memory(inputs, report.shape, micro_batch=mb)
+    assert at_mb.total <= (1 - util) * cap < at_mb.total + at_mb.per_micro_batch_bytes
+    assert rtx.colocation["fits"] is False and rtx.colocation["need_bytes"] > rtx.memory_bytes
+
+
+def test_inputs_from_config_follow_the_engine():
+    cfg = Config.model_validate(
+        {
+            "run": {"job": "rl"},
+            "model": {"activation_checkpointing": True, "attn_implementation": "eager"},
+            "train": {"precision": "auto", "micro_batch_size": 4},
+            "distributed": {"nproc_per_node": 4},
+            "inference": {"max_model_len": 1024, "max_num_seqs": 8, "colocate": True, "gpu_memory_utilization": 0.5},
+        }
+    )
+    inputs = inputs_from_config(cfg)
+    assert (inputs.strategy, inputs.gpus_per_node, inputs.precision) == ("ddp", 4, "bf16")
+    assert (inputs.activation_checkpointing, inputs.attention, inputs.micro_batch) == ("full", "eager", 4)
+    assert (inputs.max_model_len, inputs.max_num_seqs, inputs.colocate) == (1024, 8, True)
+    assert inputs.gpu_memory_utilization == 0.5
+    assert inputs_from_config(cfg, strategy="zero2").strategy == "zero2"
+    assert inputs_from_config(Config()).max_model_len is None  # SFT: no inference section
+    with pytest.raises(MemoryInputError, match="unknown memory setting"):
+        inputs_from_config(cfg, micro_batch_size=2)
+    with pytest.raises(MemoryInputError, match="strategy = 'zero4'"):
+        inputs_from_config(cfg, strategy="zero4")
+    with pytest.raises(MemoryInputError, match="gpu_memory_utilization"):
+        inputs_from_config(cfg, gpu_memory_utilization=1.5)
+
+
+def test_model_from_a_file_or_directory_and_clear_errors(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(QWEN25_7B))
+    hf, source = resolve_model(str(tmp_path / "m"))
+    assert hf == QWEN25_7B and source.endswith("config.json")
+    assert resolve_model(str(tmp_path / "m" / "config.json"))[0] == QWEN25_7B
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(MemoryInputError, match=r"no config\.json"):
+        resolve_model(str(tmp_path / "empty"))
+    with pytest.raises(MemoryInputError, match=r"neither a config\.json"):
+        resolve_model(str(tmp_path / "missing" / "config.json"))
+    flags = inputs_from_flags(str(tmp_path / "m"), strategy="zero3", gpus_per_node=8, max_model_len=None)
+    assert (flags.strategy, flags.world_size, flags.max_model_len, flags.model) == ("zero3", 8, None, QWEN25_7B)
+    with pytest.raises(MemoryInputError, match="unknown memory setting"):
+        inputs_from_flags(QWEN25_7B, gpu_count=8)
+    with pytest.raises(MemoryInputError, match="'hidden_size'"):
+        estimate(MemoryInputs(model={"num_hidden_layers": 2}, model_source="broken.json"))
+
+
+def test_render_and_json():
+    report = estimate(MemoryInputs(model=QWEN25_7B, model_source="Qwen2.5-7B", max_model_len=4096, colocate=True))
+    console = Console(record=True, width=200)
+    render_memory(report, console)
+    text = console.export_text()
+    for expected in ("Trainer memory per GPU", "optimizer states", "H100 SXM", "does not fit", "MI300X", "KV cache"):
+        assert expected in text
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["model"]["num_params"] == QWEN25_7B_PARAMS
+    assert data["trainer"]["total_bytes"] == report.trainer.total
+    assert {g["gpu"] for g in data["gpus"]} == set(load_gpus().names())
+    assert data["inference"]["kv_bytes_per_token"] == 57344
