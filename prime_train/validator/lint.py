@@ -221,7 +221,16 @@ def check_config(cfg: Config, sources: Sources) -> list[Problem]:
             )
         )
     problems.extend(token_budget_problems(cfg, sources))
+    if "spot" in cfg.model_fields_set:  # a [spot] table: this config is meant for `run --spot`
+        problems.extend(spot_problems(cfg, sources))
     return problems
+
+
+def spot_problems(cfg: Config, sources: Sources) -> list[Problem]:
+    """SkyPilot's known limits for this config (`run --spot` checks them whether or not [spot] was written)."""
+    from prime_train.integrations.skypilot import lint_spot
+
+    return [sources.problem(path, severity, message) for path, severity, message in lint_spot(cfg)]
 
 
 def lint_files(paths: list[str], overrides: list[str] | None = None) -> tuple[list[Problem], Config | None]:

@@ -1,0 +1,780 @@
+"""`run --spot`: the run as a SkyPilot managed job, and the calls that launch, watch and cancel it.
+
+SkyPilot 0.14 pins `click<8.2` and wandb 0.31 needs `click>=8.2`, so SkyPilot usually lives in an
+environment of its own. prime-train never imports `sky`: every call goes to a Python interpreter
+that has it (`find_sky_python`), as a short script fed JSON on stdin that writes its answer as
+JSON to a result file. The interpreter is, in order: this one when it can import `sky`; the one
+named by PRIME_TRAIN_SKY_PYTHON; the managed venv `prime-train spot install` creates under
+$XDG_DATA_HOME/prime-train/skypilot (default ~/.local/share/prime-train/skypilot). Running even
+"this one" as a child process keeps SkyPilot's logging, threads and local API server out of the
+CLI, and gives every call a timeout.
+
+What the generated task does on each node: pip-installs `spot.install`, runs `spot.setup`, then
+`prime-train run <config files> <overrides>` with the node count, node rank and rendezvous
+address taken from SkyPilot's SKYPILOT_NUM_NODES / SKYPILOT_NODE_RANK / SKYPILOT_NODE_IPS.
+The supervisor exits 75 after a preemption notice and a checkpoint; `recover_on_exit_codes`
+makes SkyPilot bring such a job back on a new node, where `ckpt.remote` (uploaded with boto3 by
+prime-train itself, no bucket mount) provides the checkpoint to resume from.
+
+Secrets: the task lists the names in `spot.secrets` with null values (SkyPilot's "value given at
+launch" form). Their values are read from the environment by the SkyPilot process at launch and
+handed to `sky.Task.from_yaml_config(..., secrets_overrides=...)`: never written to the YAML, to
+argv, to our JSON, or printed. Every line of SkyPilot output we relay is scrubbed of them.
+
+This module imports nothing heavy: lint calls `lint_spot` on laptops and in pre-commit hooks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prime_train.config.schema import Config
+from prime_train.resilience.redact import REDACTED, is_secret_name, redact
+
+DEFAULT_SKYPILOT = "skypilot==0.14.1"
+SKY_PYTHON_ENV = "PRIME_TRAIN_SKY_PYTHON"
+# where config files outside the workdir are copied to on each node
+REMOTE_CONFIG_DIR = "~/.prime-train/configs"
+
+# What SkyPilot 0.14.1 itself declares unsupported per cloud (its clouds/<cloud>.py
+# _CLOUD_UNSUPPORTED_FEATURES). Kubernetes offers spot only where the cluster labels spot nodes.
+NO_SPOT = {"lambda": "Lambda Cloud has no spot instances", "kubernetes": "spot on Kubernetes needs spot-labelled nodes"}
+NO_MULTI_NODE = {"runpod", "vast", "primeintellect"}
+# Bucket mounting (MOUNT / MOUNT_CACHED storage). The generated task never mounts a bucket
+# (checkpoints go through boto3), so this only matters to a hand-edited task; kept for reference.
+NO_BUCKET_MOUNT = {"runpod", "vast"}
+
+_ACCELERATORS = re.compile(r"^(?P<name>[A-Za-z][A-Za-z0-9_.\-]*)(?::(?P<count>[0-9]+(?:\.[0-9]+)?))?$")
+_COUNT_TYPO = re.compile(r"^(?P<name>[A-Za-z][A-Za-z0-9_.\-]*[0-9][A-Za-z0-9_.\-]*?)[xX*](?P<count>[0-9]+)$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+class SkyPilotError(RuntimeError):
+    """A SkyPilot call that did not do what was asked; the message says what to do."""
+
+
+class SkyPilotNotFound(SkyPilotError):
+    """No Python interpreter with SkyPilot could be found."""
+
+
+# ---------------------------------------------------------------- the SkyPilot interpreter
+
+
+def managed_venv_dir() -> Path:
+    """The venv `prime-train spot install` manages (XDG data directory)."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "prime-train" / "skypilot"
+
+
+def _venv_python(prefix: Path) -> Path:
+    return prefix / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def find_sky_python(*, required: bool = True) -> str | None:
+    """The interpreter SkyPilot calls go to; raises SkyPilotNotFound (or returns None) when there is none."""
+    if importlib.util.find_spec("sky") is not None:
+        return sys.executable
+    named = os.environ.get(SKY_PYTHON_ENV)
+    if named:
+        path = Path(named).expanduser()
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise SkyPilotNotFound(f"{SKY_PYTHON_ENV}={named} is not an executable Python interpreter")
+        return str(path)
+    managed = _venv_python(managed_venv_dir())
+    if managed.is_file():
+        return str(managed)
+    if not required:
+        return None
+    raise SkyPilotNotFound(
+        "SkyPilot is not installed for prime-train: run `prime-train spot install` (a venv of its own under "
+        f"{managed_venv_dir()}), or set {SKY_PYTHON_ENV} to a Python that has skypilot"
+    )
+
+
+def install_skypilot(
+    prefix: Path | None = None,
+    version: str = DEFAULT_SKYPILOT,
+    *,
+    python: str | None = None,
+    timeout_s: float = 1800,
+) -> Path:
+    """Create (or update) a venv holding SkyPilot and return its Python.
+
+    A venv of its own because SkyPilot's click pin conflicts with wandb's. pip's output streams to
+    our stdout/stderr so a slow install is visibly alive. `version` is any pip requirement
+    ("skypilot[aws,gcp]==0.14.1" adds cloud extras, needed only when this machine runs SkyPilot's
+    API server itself rather than talking to a remote one).
+    """
+    prefix = Path(prefix) if prefix is not None else managed_venv_dir()
+    py = _venv_python(prefix)
+    if not py.is_file():
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        _run_streaming([python or sys.executable, "-m", "venv", str(prefix)], timeout_s, "creating the venv")
+    _run_streaming(
+        [str(py), "-m", "pip", "install", "--disable-pip-version-check", version], timeout_s, f"pip install {version}"
+    )
+    return py
+
+
+def _run_streaming(argv: list[str], timeout_s: float, what: str) -> None:
+    try:
+        subprocess.run(argv, check=True, timeout=timeout_s)
+    except subprocess.CalledProcessError as exc:
+        raise SkyPilotError(f"{what} failed (exit code {exc.returncode}); pip's output is above") from None
+    except subprocess.TimeoutExpired:
+        raise SkyPilotError(f"{what} took longer than {timeout_s:.0f}s and was stopped") from None
+
+
+# The script every call runs in the SkyPilot interpreter. Plain Python 3.8 syntax (SkyPilot's floor).
+# It reads {"op": ..., ...} on stdin and writes {"ok": bool, ...} to $PRIME_TRAIN_SKY_RESULT.
+_SKY_SCRIPT = r"""
+import json, os, sys, time
+
+def write(obj):
+    with open(os.environ["PRIME_TRAIN_SKY_RESULT"], "w") as f:
+        json.dump(obj, f, default=str)
+
+def record(r):
+    d = r.model_dump() if hasattr(r, "model_dump") else dict(r)
+    keep = ("job_id", "task_id", "job_name", "status", "submitted_at", "start_at", "end_at",
+            "last_recovered_at", "recovery_count", "failure_reason")
+    out = {k: d.get(k) for k in keep}
+    out["status"] = getattr(out["status"], "value", out["status"])
+    return out
+
+def queue(sky, name):
+    fields = ["job_id", "task_id", "job_name", "status", "submitted_at", "start_at", "end_at",
+              "last_recovered_at", "recovery_count", "failure_reason"]
+    try:
+        answer = sky.get(sky.jobs.queue_v2(refresh=False, skip_finished=False, fields=fields, name_match=name))
+        records = answer[0]
+    except sky.exceptions.ClusterNotUpError:
+        return [], "the jobs controller is not up (no managed job has run yet)"
+    return [record(r) for r in records if record(r).get("job_name") == name], None
+
+def main():
+    req = json.load(sys.stdin)
+    try:
+        import sky
+    except Exception as exc:
+        write({"ok": False, "kind": "NotInstalled", "error": "cannot import sky in %s: %s" % (sys.executable, exc)})
+        return
+    op = req["op"]
+    try:
+        if op == "version":
+            result = {"version": sky.__version__}
+        elif op == "validate":
+            sky.Task.from_yaml_config(req["task"])
+            result = {}
+        elif op == "launch":
+            cfg = req["task"]
+            names = list((cfg.get("secrets") or {}).keys())
+            overrides = [(n, os.environ[n]) for n in names if os.environ.get(n)]
+            task = sky.Task.from_yaml_config(cfg, secrets_overrides=overrides or None)
+            job_ids, _handle = sky.stream_and_get(sky.jobs.launch(task, name=req["name"]))
+            result = {"job_ids": job_ids}
+        elif op == "status":
+            records, note = queue(sky, req["name"])
+            result = {"records": records, "note": note, "now": time.time()}
+        elif op == "logs":
+            code = sky.jobs.tail_logs(name=req["name"], follow=req["follow"], tail=req.get("tail"),
+                                      output_stream=sys.stdout)
+            result = {"exit_code": code}
+        elif op == "cancel":
+            sky.get(sky.jobs.cancel(name=req["name"]))
+            result = {}
+        else:
+            raise ValueError("unknown op %r" % op)
+    except BaseException as exc:
+        write({"ok": False, "kind": type(exc).__name__, "error": str(exc)})
+        return
+    result["ok"] = True
+    write(result)
+
+main()
+"""
+
+
+def _secret_values(names: list[str] | None) -> list[str]:
+    """Values of the named variables present in our environment (what must never be shown)."""
+    return [v for n in names or [] if len(v := os.environ.get(n, "")) >= 4]
+
+
+def scrub(text: str, secret_names: list[str] | None = None) -> str:
+    """Text fit to show: ANSI colours removed, known token shapes and the listed variables' values hidden."""
+    text = redact(_ANSI.sub("", text))
+    for value in sorted(_secret_values(secret_names), key=len, reverse=True):
+        text = text.replace(value, REDACTED)
+    return text
+
+
+def call_sky(
+    sky_python: str | None,
+    request: dict[str, Any],
+    *,
+    timeout_s: float | None = 120,
+    stream: Callable[[str], None] | None = None,
+    secret_names: list[str] | None = None,
+) -> dict[str, Any]:
+    """Run one request in the SkyPilot interpreter; its answer, or SkyPilotError with a clear message.
+
+    Output of the child (SkyPilot's own progress lines) goes through `stream` line by line, scrubbed,
+    when given; otherwise it is kept (scrubbed) to explain a failure.
+    """
+    python = sky_python or find_sky_python()
+    fd, result_path = tempfile.mkstemp(prefix="prime-train-sky-", suffix=".json")
+    os.close(fd)
+    env = {**os.environ, "PRIME_TRAIN_SKY_RESULT": result_path, "PYTHONUNBUFFERED": "1"}
+    captured: list[str] = []
+    try:
+        try:
+            proc = subprocess.Popen(
+                [python, "-c", _SKY_SCRIPT],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                errors="replace",
+                env=env,
+            )
+        except OSError as exc:
+            raise SkyPilotNotFound(f"cannot run the SkyPilot interpreter {python}: {exc.strerror}") from None
+        timed_out = threading.Event()
+
+        def _kill() -> None:
+            timed_out.set()
+            proc.kill()
+
+        timer = threading.Timer(timeout_s, _kill) if timeout_s else None
+        if timer:
+            timer.daemon = True
+            timer.start()
+        try:
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(json.dumps(request))
+            proc.stdin.close()
+            for line in proc.stdout:
+                clean = scrub(line.rstrip("\n"), secret_names)
+                if stream is not None:
+                    stream(clean)
+                else:
+                    captured.append(clean)
+            proc.wait()
+        finally:
+            if timer:
+                timer.cancel()
+        if timed_out.is_set():
+            raise SkyPilotError(f"SkyPilot did not answer `{request['op']}` within {timeout_s:.0f}s")
+        try:
+            answer = json.loads(Path(result_path).read_text() or "null")
+        except (OSError, ValueError):
+            answer = None
+    finally:
+        Path(result_path).unlink(missing_ok=True)
+    if not isinstance(answer, dict):
+        tail = "\n".join(captured[-15:])
+        raise SkyPilotError(
+            f"the SkyPilot interpreter {python} exited with code {proc.returncode} without an answer"
+            + (f":\n{tail}" if tail else "")
+        )
+    if not answer.get("ok"):
+        raise SkyPilotError(_explain(answer, python, secret_names))
+    return answer
+
+
+def _explain(answer: dict[str, Any], python: str, secret_names: list[str] | None) -> str:
+    """SkyPilot's failure in words that say what to do (the common ones), scrubbed of secrets."""
+    kind = str(answer.get("kind") or "Error")
+    message = scrub(str(answer.get("error") or "").strip(), secret_names)
+    low = message.lower()
+    if kind == "NotInstalled":
+        return f"{message}; run `prime-train spot install` or set {SKY_PYTHON_ENV}"
+    if "ApiServerConnectionError" in kind or "could not connect to skypilot api server" in low:
+        return (
+            "cannot reach the SkyPilot API server: set SKYPILOT_API_SERVER_ENDPOINT (and, for a team server, "
+            f"SKYPILOT_SERVICE_ACCOUNT_TOKEN) or run `sky api login` ({kind}: {message})"
+        )
+    if any(s in message for s in ("NameResolutionError", "ConnectionError", "Max retries exceeded")):
+        return (
+            "SkyPilot could not reach the network (its catalog on raw.githubusercontent.com, the clouds' APIs or "
+            f"the API server): check connectivity and proxies ({kind}: {message})"
+        )
+    if kind in ("NoCloudAccessError", "NotSupportedError", "ResourcesUnavailableError") or any(
+        s in low for s in ("no cloud access", "no cloud is enabled", "credentials", "sky check")
+    ):
+        return (
+            "SkyPilot cannot use any cloud here (no credentials, or none fits the request): run "
+            f"`{Path(python).parent / 'sky'} check` to see which clouds are enabled ({kind}: {message})"
+        )
+    return f"SkyPilot {kind}: {message}"
+
+
+# ---------------------------------------------------------------- the task
+
+
+def job_name(cfg: Config) -> str:
+    return cfg.spot.name or cfg.run.name
+
+
+def _remote_config_paths(cfg: Config, config_files: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Where each config file is on the nodes, and the file_mounts that put those outside the workdir there.
+
+    Inside spot.workdir a file keeps its path relative to the workdir (SkyPilot syncs the workdir
+    and runs the job in it); any other file is copied to REMOTE_CONFIG_DIR under a numbered name.
+    """
+    workdir = Path(cfg.spot.workdir).expanduser().resolve() if cfg.spot.workdir else None
+    remote: list[str] = []
+    mounts: dict[str, str] = {}
+    for i, name in enumerate(config_files):
+        local = Path(name).expanduser().resolve()
+        if workdir is not None and local.is_relative_to(workdir):
+            remote.append(local.relative_to(workdir).as_posix())
+            continue
+        target = f"{REMOTE_CONFIG_DIR}/{i}-{local.name}"
+        mounts[target] = str(local)
+        remote.append(target)
+    return remote, mounts
+
+
+def _setup_script(cfg: Config) -> str:
+    lines = [
+        "set -euo pipefail",
+        "# GPU nodes: the default torch wheel that prime-train's [engine] extra pulls is the CUDA one, as wanted",
+        f"pip install --disable-pip-version-check {shlex.quote(cfg.spot.install)}",
+        *cfg.spot.setup,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _remote_arg(arg: str) -> str:
+    # ~ in a remote config path must reach the shell unquoted to expand
+    if arg.startswith("~/"):
+        return "~/" + shlex.quote(arg[2:])
+    return shlex.quote(arg)
+
+
+def _run_script(cfg: Config, remote_configs: list[str], overrides: list[str]) -> str:
+    argv = " ".join(["prime-train", "run", *(_remote_arg(a) for a in [*remote_configs, *overrides])])
+    port = cfg.distributed.master_port
+    return (
+        "set -euo pipefail\n"
+        "# rendezvous on the first node SkyPilot lists; node count and rank come from SkyPilot too\n"
+        'MASTER_ADDR="$(echo "$SKYPILOT_NODE_IPS" | head -n1)"\n'
+        f"exec {argv} \\\n"
+        '  --distributed.nnodes "$SKYPILOT_NUM_NODES" \\\n'
+        '  --distributed.node_rank "$SKYPILOT_NODE_RANK" \\\n'
+        f'  --distributed.rdzv_endpoint "$MASTER_ADDR:{port}"\n'
+    )
+
+
+def task_from_config(cfg: Config, *, config_files: list[str], overrides: list[str]) -> dict[str, Any]:
+    """The SkyPilot task (as a YAML-shaped dict) that runs this config as a managed job.
+
+    `config_files` and `overrides` are what the user gave `prime-train run --spot` (without
+    `--spot`); each node runs `prime-train run` on the same files and overrides.
+    """
+    spot = cfg.spot
+    resources: dict[str, Any] = {"accelerators": spot.accelerators, "use_spot": spot.use_spot}
+    if spot.infra:
+        resources["infra"] = spot.infra
+    elif len(spot.clouds) == 1:
+        resources["infra"] = spot.clouds[0]
+    elif spot.clouds:
+        resources["any_of"] = [{"infra": c} for c in sorted(set(spot.clouds))]
+    resources["disk_size"] = spot.disk_size_gb
+    resources["job_recovery"] = {
+        "strategy": spot.recovery_strategy,
+        "max_restarts_on_errors": spot.max_restarts_on_errors,
+        "recover_on_exit_codes": sorted(set(spot.recover_on_exit_codes)),
+    }
+    remote_configs, mounts = _remote_config_paths(cfg, config_files)
+    task: dict[str, Any] = {"name": job_name(cfg), "resources": resources, "num_nodes": spot.num_nodes}
+    if spot.workdir:
+        task["workdir"] = str(Path(spot.workdir).expanduser().resolve())
+    if mounts:
+        task["file_mounts"] = dict(sorted(mounts.items()))
+    envs = {"PYTHONUNBUFFERED": "1", **spot.env}
+    task["envs"] = dict(sorted(envs.items()))
+    if spot.secrets:
+        task["secrets"] = dict.fromkeys(sorted(set(spot.secrets)))
+    task["setup"] = _setup_script(cfg)
+    task["run"] = _run_script(cfg, remote_configs, overrides)
+    return task
+
+
+# ---------------------------------------------------------------- YAML, stable and dependency-free
+
+_TOP_ORDER = ("name", "resources", "num_nodes", "workdir", "file_mounts", "envs", "secrets", "setup", "run")
+_PLAIN_KEY = re.compile(r"^[A-Za-z_~][A-Za-z0-9_.\-/~]*$")
+_YAML_WORDS = {"y", "n", "yes", "no", "on", "off", "true", "false", "null", "~"}
+
+
+def _key(k: str) -> str:
+    return k if _PLAIN_KEY.match(k) and k.lower() not in _YAML_WORDS else json.dumps(k, ensure_ascii=False)
+
+
+def _scalar(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    return json.dumps(str(v), ensure_ascii=False)  # a JSON string is a valid double-quoted YAML scalar
+
+
+def _block_literal_ok(s: str) -> bool:
+    return (
+        s.endswith("\n")
+        and not s.endswith("\n\n")
+        and not s[:1].isspace()
+        and all(ch == "\n" or ch == "\t" or ch >= " " for ch in s)
+        and not any(line.endswith((" ", "\t")) for line in s.splitlines())
+    )
+
+
+def _emit(value: Any, indent: int, out: list[str], lead: str) -> None:
+    """Append `value` introduced by `lead` (a key or a list dash, itself indented by `indent`)."""
+    child = indent + 2
+    if isinstance(value, dict):
+        if not value:
+            out.append(f"{lead} {{}}")
+            return
+        out.append(lead)
+        for k, v in value.items():
+            _emit(v, child, out, f"{' ' * child}{_key(str(k))}:")
+        return
+    if isinstance(value, list | tuple):
+        if not value:
+            out.append(f"{lead} []")
+            return
+        if all(not isinstance(v, dict | list | tuple) for v in value):
+            out.append(f"{lead} [{', '.join(_scalar(v) for v in value)}]")
+            return
+        out.append(lead)
+        for item in value:
+            if isinstance(item, dict) and item:
+                for j, (k, v) in enumerate(item.items()):
+                    _emit(v, child + 2, out, f"{' ' * child}{'- ' if j == 0 else '  '}{_key(str(k))}:")
+            else:
+                _emit(item, child + 2, out, f"{' ' * child}-")
+        return
+    if isinstance(value, str) and "\n" in value and _block_literal_ok(value):
+        out.append(f"{lead} |")
+        out.extend(f"{' ' * child}{line}" if line else "" for line in value[:-1].split("\n"))
+        return
+    out.append(f"{lead} {_scalar(value)}")
+
+
+def render_yaml(task: dict[str, Any]) -> str:
+    """The task as YAML, the same bytes for the same task: `run --spot --dry-run` output can be diffed."""
+    ordered = {k: task[k] for k in _TOP_ORDER if k in task}
+    ordered.update({k: task[k] for k in sorted(task) if k not in ordered})
+    out: list[str] = []
+    for k, v in ordered.items():
+        _emit(v, 0, out, f"{_key(k)}:")
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------- SkyPilot calls
+
+
+def validate_task(task: dict[str, Any], sky_python: str | None = None, *, timeout_s: float = 120) -> list[str]:
+    """Errors SkyPilot's own schema finds in `task` (offline: `sky.Task.from_yaml_config`); [] when valid."""
+    try:
+        call_sky(sky_python, {"op": "validate", "task": task}, timeout_s=timeout_s)
+    except SkyPilotNotFound:
+        raise
+    except SkyPilotError as exc:
+        return [str(exc)]
+    return []
+
+
+def sky_version(sky_python: str | None = None) -> str:
+    return str(call_sky(sky_python, {"op": "version"}, timeout_s=120)["version"])
+
+
+def launch(
+    task: dict[str, Any],
+    sky_python: str | None = None,
+    dry_run: bool = False,
+    *,
+    stream: Callable[[str], None] | None = None,
+    timeout_s: float = 3600,
+) -> dict[str, Any]:
+    """Launch `task` as a SkyPilot managed job (or, with dry_run, only validate and render it).
+
+    Returns {"name", "yaml", "job_ids", "missing_secrets"}. Secret names whose variable is unset or
+    empty here are dropped from the launched task (their names are reported; SkyPilot would otherwise
+    look them up in a secrets manager and fail).
+    """
+    name = str(task.get("name") or "prime-train")
+    names = list((task.get("secrets") or {}).keys())
+    missing = [n for n in names if not os.environ.get(n)]  # unset or empty (an unset CI secret)
+    launched = dict(task)
+    if task.get("secrets") is not None:
+        kept = {n: None for n in names if n not in missing}
+        if kept:
+            launched["secrets"] = kept
+        else:
+            launched.pop("secrets")
+    result: dict[str, Any] = {"name": name, "yaml": render_yaml(task), "job_ids": [], "missing_secrets": missing}
+    errors = validate_task(launched, sky_python)
+    if errors:
+        raise SkyPilotError("SkyPilot rejects the generated task:\n" + "\n".join(errors))
+    if dry_run:
+        return result
+    answer = call_sky(
+        sky_python,
+        {"op": "launch", "task": launched, "name": name},
+        timeout_s=timeout_s,
+        stream=stream or (lambda line: print(line, file=sys.stderr, flush=True)),
+        secret_names=names,
+    )
+    result["job_ids"] = list(answer.get("job_ids") or [])
+    return result
+
+
+FAILURE_STATUSES = ("FAILED", "FAILED_SETUP", "FAILED_PRECHECKS", "FAILED_NO_RESOURCE", "FAILED_CONTROLLER")
+
+
+def spot_status(
+    name: str, sky_python: str | None = None, *, recent_s: float = 86400, timeout_s: float = 180
+) -> dict[str, Any] | None:
+    """The newest managed job called `name`: status, times, recoveries; None when SkyPilot has none.
+
+    `recent_failures` counts this name's jobs that ended in a failure status and were submitted in
+    the last `recent_s` seconds: the monitor's brake against relaunching a job that keeps dying.
+    """
+    answer = call_sky(sky_python, {"op": "status", "name": name}, timeout_s=timeout_s)
+    records = [r for r in answer.get("records") or [] if isinstance(r, dict)]
+    if not records:
+        return None
+    newest = max(records, key=lambda r: (r.get("job_id") or 0, r.get("task_id") or 0))
+    now = float(answer.get("now") or 0)
+    recent = [
+        r
+        for r in records
+        if r.get("status") in FAILURE_STATUSES and float(r.get("submitted_at") or 0) >= now - recent_s
+    ]
+    return {**newest, "status": str(newest.get("status") or ""), "recent_failures": len(recent), "jobs": len(records)}
+
+
+def spot_logs(
+    name: str,
+    sky_python: str | None = None,
+    *,
+    follow: bool = False,
+    tail: int | None = None,
+    stream: Callable[[str], None] | None = None,
+    secret_names: list[str] | None = None,
+) -> int | None:
+    """Print the managed job's logs (scrubbed) through `stream`; SkyPilot's exit code for the job."""
+    answer = call_sky(
+        sky_python,
+        {"op": "logs", "name": name, "follow": follow, "tail": tail},
+        timeout_s=None if follow else 600,
+        stream=stream or (lambda line: print(line, flush=True)),
+        secret_names=secret_names,
+    )
+    code = answer.get("exit_code")
+    return int(code) if isinstance(code, int) else None
+
+
+def spot_cancel(name: str, sky_python: str | None = None, *, timeout_s: float = 600) -> bool:
+    """Cancel the managed job `name` (SkyPilot tears its cluster down); False when none was in progress."""
+    try:
+        call_sky(sky_python, {"op": "cancel", "name": name}, timeout_s=timeout_s)
+    except SkyPilotError as exc:
+        if "no in-progress managed job" in str(exc).lower():
+            return False
+        raise
+    return True
+
+
+def api_server_problem() -> str | None:
+    """Why SkyPilot calls from here would see the wrong jobs, or None.
+
+    On a throwaway CI runner SkyPilot would start a private local API server that knows none of
+    the user's managed jobs: a monitor there must talk to the user's own API server.
+    """
+    if os.environ.get("GITHUB_ACTIONS") == "true" and not os.environ.get("SKYPILOT_API_SERVER_ENDPOINT"):
+        return (
+            "SKYPILOT_API_SERVER_ENDPOINT is not set: on a CI runner SkyPilot would start a private API server "
+            "that knows none of your managed jobs; point it at your SkyPilot API server (a repository secret)"
+        )
+    return None
+
+
+# ---------------------------------------------------------------- lint
+
+
+def _candidate_clouds(cfg: Config) -> list[str] | None:
+    """Clouds the job may land on; None when any cloud with credentials may be used."""
+    if cfg.spot.infra:
+        cloud = cfg.spot.infra.split("/", 1)[0].lower()
+        return ["kubernetes" if cloud == "k8s" else cloud]
+    return list(dict.fromkeys(cfg.spot.clouds)) or None
+
+
+def _limit(
+    problems: list[tuple[tuple[str, ...], str, str]],
+    key: tuple[str, ...],
+    clouds: list[str],
+    bad: list[str],
+    what: str,
+    because: str,
+) -> None:
+    if not bad:
+        return
+    if len(bad) == len(clouds):
+        problems.append((key, "error", f"{what}: {because} ({', '.join(bad)})"))
+    else:
+        rest = [c for c in clouds if c not in bad]
+        problems.append(
+            (key, "warning", f"{what}: {because} ({', '.join(bad)}); SkyPilot will only use {', '.join(rest)}")
+        )
+
+
+def lint_spot(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
+    """Known limits of `[spot]` as (key path, "error"|"warning", message); key paths suit Sources.problem.
+
+    Meant for configs that use spot (a [spot] table, or `run --spot`): the defaults alone would
+    otherwise warn on every config.
+    """
+    spot = cfg.spot
+    problems: list[tuple[tuple[str, ...], str, str]] = []
+    clouds = _candidate_clouds(cfg)
+    key_clouds = ("spot", "infra") if spot.infra else ("spot", "clouds")
+
+    m = _ACCELERATORS.match(spot.accelerators.strip())
+    gpus: int | None = None
+    typo = _COUNT_TYPO.match(spot.accelerators.strip())
+    if typo and (m is None or m.group("count") is None):
+        # 'H100x8' parses as a GPU called "H100x8", which no cloud has: SkyPilot would say so only at launch
+        problems.append(
+            (
+                ("spot", "accelerators"),
+                "error",
+                f"spot.accelerators {spot.accelerators!r} is not NAME or NAME:COUNT; did you mean "
+                f"'{typo.group('name')}:{typo.group('count')}'?",
+            )
+        )
+        m = None
+    elif not m:
+        problems.append(
+            (
+                ("spot", "accelerators"),
+                "error",
+                f"spot.accelerators {spot.accelerators!r} is not NAME or NAME:COUNT (e.g. 'H100:8', 'A100-80GB:4')",
+            )
+        )
+    elif m.group("count") is not None:
+        count = float(m.group("count"))
+        if count < 1 or not count.is_integer():
+            problems.append(
+                (
+                    ("spot", "accelerators"),
+                    "error",
+                    f"spot.accelerators {spot.accelerators!r}: a training node needs a whole number of GPUs (≥ 1)",
+                )
+            )
+        else:
+            gpus = int(count)
+    else:
+        gpus = 1
+    nproc = cfg.distributed.nproc_per_node
+    if gpus is not None and nproc is not None and nproc != gpus:
+        problems.append(
+            (
+                ("distributed", "nproc_per_node"),
+                "warning",
+                f"distributed.nproc_per_node ({nproc}) differs from the {gpus} GPU(s) per node in spot.accelerators; "
+                "unset it to use one process per GPU",
+            )
+        )
+
+    if clouds is not None:
+        if spot.use_spot:
+            bad = [c for c in clouds if c == "lambda"]
+            _limit(problems, key_clouds, clouds, bad, "spot.use_spot = true", NO_SPOT["lambda"])
+            if "kubernetes" in clouds:
+                problems.append((key_clouds, "warning", f"spot.use_spot on kubernetes: {NO_SPOT['kubernetes']}"))
+        if spot.num_nodes > 1:
+            bad = [c for c in clouds if c in NO_MULTI_NODE]
+            _limit(
+                problems,
+                key_clouds,
+                clouds,
+                bad,
+                f"spot.num_nodes = {spot.num_nodes}",
+                "SkyPilot cannot run multi-node clusters there",
+            )
+    if spot.infra and spot.clouds:
+        problems.append((("spot", "clouds"), "warning", "spot.clouds is ignored because spot.infra is set"))
+
+    if spot.num_nodes != cfg.distributed.nnodes:
+        problems.append(
+            (
+                ("spot", "num_nodes"),
+                "warning",
+                f"spot.num_nodes ({spot.num_nodes}) differs from distributed.nnodes ({cfg.distributed.nnodes}); "
+                f"the job runs on {spot.num_nodes} node(s): set distributed.nnodes = {spot.num_nodes} so lint "
+                "checks the batch arithmetic at that size",
+            )
+        )
+    if spot.use_spot and cfg.ckpt.remote is None:
+        problems.append(
+            (
+                ("ckpt", "remote"),
+                "warning",
+                "spot.use_spot without ckpt.remote: a preempted node takes its local disk and checkpoints with it; "
+                "set ckpt.remote = 's3://bucket/prefix' so the recovered job resumes",
+            )
+        )
+    if 75 not in spot.recover_on_exit_codes:
+        problems.append(
+            (
+                ("spot", "recover_on_exit_codes"),
+                "warning",
+                "spot.recover_on_exit_codes lacks 75: a job that checkpointed and stopped on a preemption notice "
+                "exits 75 and would count as an error instead of being recovered",
+            )
+        )
+    for name in spot.secrets:
+        if not _ENV_NAME.match(name):
+            problems.append(
+                (("spot", "secrets"), "error", f"spot.secrets: {name!r} is not an environment variable name")
+            )
+        elif name in spot.env:
+            problems.append(
+                (
+                    ("spot", "env", name),
+                    "error",
+                    f"{name} is in both spot.env and spot.secrets: remove it from spot.env (its value would be "
+                    "written to the task YAML)",
+                )
+            )
+    for name in spot.env:
+        if name not in spot.secrets and is_secret_name(name):
+            problems.append(
+                (
+                    ("spot", "env", name),
+                    "warning",
+                    f"spot.env.{name} looks like a credential: its value goes into the task YAML; list the name in "
+                    "spot.secrets instead and export it where you launch",
+                )
+            )
+    return problems

@@ -1,0 +1,364 @@
+"""`run --spot`: the SkyPilot task prime-train generates, checked by running its scripts and by SkyPilot itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from prime_train.config.loader import load_config
+from prime_train.integrations import skypilot as sp
+
+SECRET = "wandb-secret-value-0123456789abcdef"
+
+
+def _existing_sky_python() -> str | None:
+    """A SkyPilot interpreter already here: PRIME_TRAIN_SKY_PYTHON, the managed venv, or the test cache."""
+    named = os.environ.get(sp.SKY_PYTHON_ENV)
+    if named:
+        return named
+    for prefix in (sp.managed_venv_dir(), TEST_CACHE):
+        py = prefix / "bin" / "python"
+        if py.is_file():
+            return str(py)
+    return None
+
+
+TEST_CACHE = Path.home() / ".cache" / "prime-train-tests" / "skypilot"
+_FOUND = _existing_sky_python()
+# installing SkyPilot from PyPI takes a while: only then is a test that needs it slow
+needs_sky = pytest.mark.slow if _FOUND is None else (lambda f: f)
+
+
+@pytest.fixture(scope="module")
+def sky_python() -> str:
+    return _FOUND or str(sp.install_skypilot(TEST_CACHE))
+
+
+def _config(tmp_path: Path, text: str) -> tuple[str, object]:
+    path = tmp_path / "spot.toml"
+    path.write_text(text)
+    return str(path), load_config([str(path)])
+
+
+TWO_NODES = """
+[run]
+name = "demo"
+[distributed]
+nnodes = 2
+[ckpt]
+remote = "s3://bucket/demo"
+[spot]
+accelerators = "H100:8"
+clouds = ["gcp", "aws"]
+num_nodes = 2
+env = { NCCL_DEBUG = "WARN" }
+setup = ["nvidia-smi"]
+"""
+
+
+def _fake_prime_train(bin_dir: Path, exit_code: int) -> Path:
+    """A `prime-train` on PATH that records the argv it was given (the real one would start training)."""
+    record = bin_dir / "argv.json"
+    script = bin_dir / "prime-train"
+    script.write_text(
+        f"#!{sys.executable}\nimport json, sys\n"
+        f"json.dump(sys.argv[1:], open({str(record)!r}, 'w'))\nsys.exit({exit_code})\n"
+    )
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return record
+
+
+def test_two_node_task_runs_prime_train_with_skypilot_rendezvous(tmp_path):
+    cfg_path, cfg = _config(tmp_path, TWO_NODES)
+    task = sp.task_from_config(cfg, config_files=[cfg_path], overrides=["--train.max_steps", "50"])
+    assert task["num_nodes"] == 2
+    res = task["resources"]
+    assert res["use_spot"] is True and res["accelerators"] == "H100:8"
+    assert res["any_of"] == [{"infra": "aws"}, {"infra": "gcp"}]
+    assert res["job_recovery"]["recover_on_exit_codes"] == [75]
+    assert res["job_recovery"]["strategy"] == "EAGER_NEXT_REGION"
+    assert task["envs"]["NCCL_DEBUG"] == "WARN"
+    assert "nvidia-smi" in task["setup"] and "prime-train[engine,s3]" in task["setup"]
+    # the config reaches the nodes through file_mounts (no workdir given)
+    (remote, local), *_ = task["file_mounts"].items()
+    assert local == str(Path(cfg_path).resolve()) and remote.startswith(sp.REMOTE_CONFIG_DIR)
+
+    # run the node script as SkyPilot would on the second node; the job's exit code must come back
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = _fake_prime_train(bin_dir, exit_code=75)
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "HOME": str(home),
+        "SKYPILOT_NODE_IPS": "10.1.2.3\n10.1.2.4\n",
+        "SKYPILOT_NUM_NODES": "2",
+        "SKYPILOT_NODE_RANK": "1",
+    }
+    proc = subprocess.run(["bash", "-c", task["run"]], env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 75, proc.stderr
+    argv = json.loads(record.read_text())
+    assert argv[0] == "run"
+    assert argv[1] == str(home / remote[2:])
+    assert argv[2:4] == ["--train.max_steps", "50"]
+
+    # the arguments mean what they should to prime-train's own config loader
+    shipped = home / remote[2:]
+    shipped.parent.mkdir(parents=True)
+    shipped.write_text(Path(cfg_path).read_text())
+    node_cfg = load_config([argv[1]], argv[2:])
+    assert node_cfg.distributed.nnodes == 2
+    assert node_cfg.distributed.node_rank == 1
+    assert node_cfg.distributed.rdzv_endpoint == "10.1.2.3:29500"
+    assert node_cfg.train.max_steps == 50
+
+
+def test_configs_inside_workdir_keep_their_relative_path(tmp_path):
+    (tmp_path / "configs").mkdir()
+    cfg_path = tmp_path / "configs" / "a.toml"
+    cfg_path.write_text(f'[spot]\nworkdir = "{tmp_path}"\nclouds = ["aws"]\n')
+    cfg = load_config([str(cfg_path)])
+    task = sp.task_from_config(cfg, config_files=[str(cfg_path)], overrides=[])
+    assert "file_mounts" not in task
+    assert task["workdir"] == str(tmp_path.resolve())
+    assert task["resources"]["infra"] == "aws"
+    assert "prime-train run configs/a.toml" in task["run"]
+
+
+def test_no_secret_value_in_the_task(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    monkeypatch.setenv("HF_TOKEN", "hf_" + "x" * 34)
+    cfg_path, cfg = _config(tmp_path, TWO_NODES)
+    task = sp.task_from_config(cfg, config_files=[cfg_path], overrides=[])
+    text = sp.render_yaml(task)
+    assert SECRET not in text and "hf_" + "x" * 34 not in text
+    assert yaml.safe_load(text)["secrets"] == {
+        "AWS_ACCESS_KEY_ID": None,
+        "AWS_SECRET_ACCESS_KEY": None,
+        "HF_TOKEN": None,
+        "WANDB_API_KEY": None,
+    }
+    assert "WANDB_API_KEY" not in task["envs"]
+
+
+def test_scrub_hides_listed_secret_values_and_token_shapes(monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    line = f"\x1b[31mlaunch failed: key={SECRET} token hf_{'a' * 34}\x1b[0m"
+    out = sp.scrub(line, ["WANDB_API_KEY"])
+    assert SECRET not in out and "hf_" + "a" * 34 not in out and "\x1b" not in out
+    assert out.startswith("launch failed")
+
+
+GOLDEN_CONFIG = """
+[run]
+name = "golden"
+[ckpt]
+remote = "s3://b/p"
+[spot]
+accelerators = "A100-80GB:4"
+infra = "aws/us-east-1"
+disk_size_gb = 100
+secrets = ["WANDB_API_KEY"]
+env = { B = "2", A = "x y" }
+"""
+
+
+def test_rendered_yaml_is_stable_and_matches_the_golden_text(tmp_path):
+    cfg_path, cfg = _config(tmp_path, GOLDEN_CONFIG)
+    task = sp.task_from_config(cfg, config_files=[cfg_path], overrides=["--train.lr", "3e-4"])
+    first = sp.render_yaml(task)
+    again = sp.render_yaml(sp.task_from_config(cfg, config_files=[cfg_path], overrides=["--train.lr", "3e-4"]))
+    assert first == again
+    local = str(Path(cfg_path).resolve())
+    golden = (
+        'name: "golden"\n'
+        "resources:\n"
+        '  accelerators: "A100-80GB:4"\n'
+        "  use_spot: true\n"
+        '  infra: "aws/us-east-1"\n'
+        "  disk_size: 100\n"
+        "  job_recovery:\n"
+        '    strategy: "EAGER_NEXT_REGION"\n'
+        "    max_restarts_on_errors: 3\n"
+        "    recover_on_exit_codes: [75]\n"
+        "num_nodes: 1\n"
+        "file_mounts:\n"
+        f'  ~/.prime-train/configs/0-spot.toml: "{local}"\n'
+        "envs:\n"
+        '  A: "x y"\n'
+        '  B: "2"\n'
+        '  PYTHONUNBUFFERED: "1"\n'
+        "secrets:\n"
+        "  WANDB_API_KEY: null\n"
+        "setup: |\n"
+        "  set -euo pipefail\n"
+        "  # GPU nodes: the default torch wheel that prime-train's [engine] extra pulls is the CUDA one, as wanted\n"
+        "  pip install --disable-pip-version-check 'prime-train[engine,s3]'\n"
+        "run: |\n"
+        "  set -euo pipefail\n"
+        "  # rendezvous on the first node SkyPilot lists; node count and rank come from SkyPilot too\n"
+        '  MASTER_ADDR="$(echo "$SKYPILOT_NODE_IPS" | head -n1)"\n'
+        "  exec prime-train run ~/.prime-train/configs/0-spot.toml --train.lr 3e-4 \\\n"
+        '    --distributed.nnodes "$SKYPILOT_NUM_NODES" \\\n'
+        '    --distributed.node_rank "$SKYPILOT_NODE_RANK" \\\n'
+        '    --distributed.rdzv_endpoint "$MASTER_ADDR:29500"\n'
+    )
+    assert first == golden
+    assert yaml.safe_load(first) == task
+
+
+def test_yaml_round_trips_awkward_values(tmp_path):
+    cfg_path, cfg = _config(tmp_path, TWO_NODES)
+    task = sp.task_from_config(cfg, config_files=[cfg_path], overrides=[])
+    task["envs"] = {"YES": "no", "QUOTE": 'say "hi"\tnow', "MULTI": "a\n  b\n\n", "EMPTY": "", "NUM": "007"}
+    task["extra"] = {"nested": [{"a": 1, "b": [1, 2]}, "x", []], "empty": {}}
+    assert yaml.safe_load(sp.render_yaml(task)) == task
+
+
+@needs_sky
+def test_skypilot_accepts_the_task_and_rejects_an_unknown_field(tmp_path, sky_python):
+    cfg_path, cfg = _config(tmp_path, TWO_NODES)
+    task = sp.task_from_config(cfg, config_files=[cfg_path], overrides=["--train.max_steps", "5"])
+    assert sp.validate_task(task, sky_python) == []
+    bad = dict(task)
+    bad["resource"] = bad.pop("resources")
+    errors = sp.validate_task(bad, sky_python)
+    assert len(errors) == 1 and "did you mean 'resources'" in errors[0]
+    worse = json.loads(json.dumps(task))
+    worse["resources"]["job_recovery"]["recover_on_exit_codes"] = [75, 300]
+    assert sp.validate_task(worse, sky_python)  # exit codes are 0..255
+
+
+def test_an_interpreter_without_skypilot_is_a_clear_error():
+    # this test environment deliberately has no SkyPilot (click conflict with wandb)
+    assert subprocess.run([sys.executable, "-c", "import sky"], capture_output=True).returncode != 0
+    errors = sp.validate_task({"name": "x"}, sys.executable)
+    assert len(errors) == 1
+    assert "cannot import sky" in errors[0] and "prime-train spot install" in errors[0]
+
+
+def test_find_sky_python_order(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.delenv(sp.SKY_PYTHON_ENV, raising=False)
+    assert sp.managed_venv_dir() == tmp_path / "data" / "prime-train" / "skypilot"
+    assert sp.find_sky_python(required=False) is None
+    with pytest.raises(sp.SkyPilotNotFound, match="prime-train spot install"):
+        sp.find_sky_python()
+    managed = sp.managed_venv_dir() / "bin" / "python"
+    managed.parent.mkdir(parents=True)
+    managed.symlink_to(sys.executable)
+    assert sp.find_sky_python() == str(managed)
+    monkeypatch.setenv(sp.SKY_PYTHON_ENV, str(tmp_path / "nope"))
+    with pytest.raises(sp.SkyPilotNotFound, match=sp.SKY_PYTHON_ENV):
+        sp.find_sky_python()
+    monkeypatch.setenv(sp.SKY_PYTHON_ENV, sys.executable)
+    assert sp.find_sky_python() == sys.executable
+
+
+def _keys(problems, severity):
+    return [(".".join(map(str, k)), m) for k, s, m in problems if s == severity]
+
+
+GOOD = """
+[distributed]
+nnodes = 2
+[ckpt]
+remote = "s3://bucket/x"
+[spot]
+accelerators = "H100:8"
+clouds = ["aws", "gcp"]
+num_nodes = 2
+"""
+
+
+def test_lint_spot_passes_a_sound_config(tmp_path):
+    _, cfg = _config(tmp_path, GOOD)
+    assert sp.lint_spot(cfg) == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "severity", "key", "words"),
+    [
+        ('clouds = ["lambda"]\nnum_nodes = 1', "error", "spot.clouds", "Lambda Cloud has no spot"),
+        ('clouds = ["lambda", "aws"]\nnum_nodes = 1', "warning", "spot.clouds", "only use aws"),
+        ('infra = "lambda/us-east-1"\nclouds = []\nnum_nodes = 1', "error", "spot.infra", "no spot"),
+        ('clouds = ["runpod"]', "error", "spot.clouds", "multi-node"),
+        ('clouds = ["vast", "runpod"]', "error", "spot.clouds", "multi-node"),
+        ('clouds = ["vast", "gcp"]', "warning", "spot.clouds", "only use gcp"),
+        ('accelerators = "H100x8"', "error", "spot.accelerators", "did you mean 'H100:8'"),
+        ('accelerators = "H100,A100"', "error", "spot.accelerators", "NAME:COUNT"),
+        ('accelerators = "H100:0.5"', "error", "spot.accelerators", "whole number"),
+        ('accelerators = "H100:"', "error", "spot.accelerators", "NAME:COUNT"),
+        ("recover_on_exit_codes = [1]", "warning", "spot.recover_on_exit_codes", "75"),
+        ('env = { WANDB_API_KEY = "x" }', "error", "spot.env.WANDB_API_KEY", "both spot.env and spot.secrets"),
+        ('env = { MY_TOKEN = "x" }', "warning", "spot.env.MY_TOKEN", "looks like a credential"),
+        ('secrets = ["BAD-NAME"]', "error", "spot.secrets", "not an environment variable name"),
+        ("num_nodes = 3", "warning", "spot.num_nodes", "distributed.nnodes = 3"),
+    ],
+)
+def test_lint_spot_known_limits(tmp_path, extra, severity, key, words):
+    # later keys in a TOML table may not repeat: rebuild [spot] with the case's keys replacing GOOD's
+    base = dict(line.split(" = ", 1) for line in GOOD.split("[spot]\n")[1].strip().splitlines())
+    base.update(dict(line.split(" = ", 1) for line in extra.splitlines()))
+    text = GOOD.split("[spot]\n")[0] + "[spot]\n" + "\n".join(f"{k} = {v}" for k, v in base.items()) + "\n"
+    _, cfg = _config(tmp_path, text)
+    found = _keys(sp.lint_spot(cfg), severity)
+    assert any(k == key and words in m for k, m in found), found
+    # the value of a variable is never in a message
+    assert all('"x"' not in m for _, m in found)
+
+
+def test_lint_spot_warns_without_a_bucket_and_on_gpu_count(tmp_path):
+    _, cfg = _config(tmp_path, '[distributed]\nnproc_per_node = 4\n[spot]\naccelerators = "A100:8"\n')
+    warnings = _keys(sp.lint_spot(cfg), "warning")
+    assert any(k == "ckpt.remote" and "preempted" in m for k, m in warnings)
+    assert any(k == "distributed.nproc_per_node" and "8 GPU" in m for k, m in warnings)
+    _, on_demand = _config(tmp_path, '[spot]\nuse_spot = false\nclouds = ["lambda"]\n')
+    assert not any(k == "ckpt.remote" for k, _ in _keys(sp.lint_spot(on_demand), "warning"))
+    assert _keys(sp.lint_spot(on_demand), "error") == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_sdk_calls_against_a_real_local_api_server(tmp_path, monkeypatch, sky_python):
+    """status / cancel / launch through SkyPilot's real client and a private local API server.
+
+    No cloud credentials and no internet here: launch must fail with a clear message that holds no
+    secret value. The API server is SkyPilot's own, started on demand in a private HOME and port.
+    """
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("SKYPILOT_API_SERVER_LOCAL_PORT", str(_free_port()))
+    monkeypatch.delenv("SKYPILOT_API_SERVER_ENDPOINT", raising=False)
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    sky_cli = str(Path(sky_python).parent / "sky")
+    try:
+        assert sp.spot_status("prime-train-test-none", sky_python) is None
+        assert sp.spot_cancel("prime-train-test-none", sky_python) is False
+        cfg_path, cfg = _config(tmp_path, TWO_NODES)
+        task = sp.task_from_config(cfg, config_files=[cfg_path], overrides=[])
+        lines: list[str] = []
+        with pytest.raises(sp.SkyPilotError) as err:
+            sp.launch(task, sky_python, stream=lines.append, timeout_s=300)
+        message = str(err.value)
+        assert message and SECRET not in message and all(SECRET not in line for line in lines)
+        dry = sp.launch(task, sky_python, dry_run=True)
+        assert dry["job_ids"] == [] and "HF_TOKEN" in dry["missing_secrets"] and SECRET not in dry["yaml"]
+    finally:
+        subprocess.run([sky_cli, "api", "stop"], capture_output=True, timeout=120)
