@@ -38,6 +38,13 @@ def _console(stderr: bool = False):
     return Console(stderr=stderr, highlight=False, soft_wrap=True)
 
 
+def _error(message: object) -> None:
+    """`error: <message>` on stderr, the message printed as is (no rich markup inside it)."""
+    from rich.text import Text
+
+    _console(stderr=True).print(Text.assemble(("error", "red"), ": ", str(message)))
+
+
 def _split_overrides(files: list[str] | list[Path] | None, extra: list[str]) -> tuple[list[str], list[str]]:
     """Click hands unknown `--section.key` options to the file list; everything from the first one on is overrides."""
     tokens = [str(f) for f in files or []] + list(extra)
@@ -234,11 +241,18 @@ def run(
     files: RunConfigFiles = None,
     skip_preflight: Annotated[bool, typer.Option("--skip-preflight", help="Launch even if preflight fails.")] = False,
     verbose_vllm: Annotated[bool, typer.Option("--verbose-vllm", help="Stream inference worker logs whole.")] = False,
+    spot: Annotated[bool, typer.Option("--spot", help="Launch as a SkyPilot managed job from [spot].")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="With --spot: print the SkyPilot task, launch nothing.")
+    ] = False,
 ) -> None:
     """Run a job under supervision: preflight, launch, watch, and resume after failures.
 
     Exit codes: 0 done, 1 failed (restarts exhausted or not retryable), 75 checkpointed and
     stopped on request, 78 configuration error.
+
+    With --spot the job runs on cloud instances instead, as a SkyPilot managed job that runs
+    `prime-train run` on each node and is recovered after preemptions (see `prime-train spot`).
 
     Examples:
 
@@ -247,6 +261,8 @@ def run(
       prime-train run configs/tiny-sft.toml --train.max_steps 100
 
       prime-train run my-job.toml --supervisor.max_restarts 10
+
+      prime-train run --spot configs/examples/spot.toml --dry-run
     """
     import signal
 
@@ -255,6 +271,10 @@ def run(
     from prime_train.validator.preflight import preflight_command
 
     paths, overrides = _split_overrides(files, ctx.args)
+    if spot:
+        raise typer.Exit(_run_spot(paths, overrides, dry_run))
+    if dry_run:
+        raise typer.BadParameter("--dry-run goes with --spot", param_hint="--dry-run")
     cfg = _load(paths or [default_config()], overrides)
     _require_engine(cfg)
     console = _console()
@@ -283,6 +303,414 @@ def run(
     for line in final_results(sup.run_dir):
         console.print(line, highlight=False)
     raise typer.Exit(code)
+
+
+def _run_spot(paths: list[str], overrides: list[str], dry_run: bool) -> int:
+    """`run --spot`: the [spot] task, checked by lint and by SkyPilot's own schema, launched as a managed job."""
+    from prime_train.config.loader import ConfigError
+    from prime_train.integrations import skypilot
+    from prime_train.validator.lint import load_checked, spot_problems
+
+    if not paths:
+        raise typer.BadParameter("name the run's config files: they are copied to the nodes", param_hint="FILES")
+    try:
+        cfg = load_checked(paths, overrides)
+    except ConfigError as exc:
+        _print_problems(exc.problems)
+        return 78
+    from prime_train.config.loader import load_raw
+
+    _, sources = load_raw(paths, overrides)
+    problems = spot_problems(cfg, sources)
+    _print_problems(problems)
+    if any(p.severity == "error" for p in problems):
+        return 78
+    task = skypilot.task_from_config(cfg, config_files=paths, overrides=overrides)
+    err = _console(stderr=True)
+    try:
+        python = skypilot.find_sky_python(required=False)
+    except skypilot.SkyPilotNotFound as exc:
+        _error(exc)
+        return 2
+    if python is None:
+        if dry_run:
+            print(skypilot.render_yaml(task).rstrip("\n"))
+            err.print("[yellow]note[/yellow]: not checked against SkyPilot's schema: `prime-train spot install` first")
+            return 0
+        err.print("[red]error[/red]: SkyPilot is not installed: `prime-train spot install` (it gets its own venv)")
+        return 2
+    try:
+        result = skypilot.launch(task, python, dry_run=dry_run)
+    except skypilot.SkyPilotError as exc:
+        _error(exc)
+        return 1
+    if dry_run:
+        print(result["yaml"].rstrip("\n"))
+        err.print(f"checked with SkyPilot {skypilot.sky_version(python)}: valid; nothing launched", highlight=False)
+        return 0
+    for name in result["missing_secrets"]:
+        err.print(f"[yellow]warning[/yellow]: {name} is not set here, so the job does not get it", highlight=False)
+    err.print(f"launched managed job {result['name']} {result['job_ids']}; follow it: prime-train spot logs "
+              f"{' '.join(paths)}", highlight=False)  # fmt: skip
+    return 0
+
+
+spot_app = typer.Typer(help="SkyPilot managed jobs started by `run --spot`: install, status, logs, cancel.")
+app.add_typer(spot_app, name="spot")
+
+
+def _spot_name(files: list[str] | None, name: str | None) -> str:
+    from prime_train.integrations.skypilot import job_name
+
+    if name:
+        return name
+    if not files:
+        raise typer.BadParameter("give the run's config files or --name", param_hint="FILES")
+    paths, overrides = _split_overrides(files, [])
+    return job_name(_load(paths, overrides))
+
+
+def _sky_python() -> str:
+    from prime_train.integrations.skypilot import SkyPilotNotFound, find_sky_python
+
+    try:
+        return find_sky_python()
+    except SkyPilotNotFound as exc:
+        _error(exc)
+        raise typer.Exit(2) from None
+
+
+SpotFiles = Annotated[Optional[list[str]], typer.Argument(help="The run's config files (the job name is in them).")]
+SpotName = Annotated[Optional[str], typer.Option("--name", help="Managed job name instead of config files.")]
+
+
+@spot_app.command("install")
+def spot_install(
+    version: Annotated[str, typer.Option(help="pip requirement of SkyPilot.")] = "skypilot==0.14.1",
+    prefix: Annotated[Optional[Path], typer.Option(help="Venv directory; default: the managed one.")] = None,
+) -> None:
+    """Install SkyPilot in a venv of its own (it pins click<8.2, which wandb refuses) and use it from then on.
+
+    Examples:
+
+      prime-train spot install
+
+      prime-train spot install --version 'skypilot[aws,gcp]==0.14.1'
+    """
+    from prime_train.integrations.skypilot import SkyPilotError, install_skypilot
+
+    try:
+        python = install_skypilot(prefix, version)
+    except SkyPilotError as exc:
+        _error(exc)
+        raise typer.Exit(1) from None
+    _console().print(f"SkyPilot installed: {python}", highlight=False)
+
+
+@spot_app.command("status")
+def spot_status_cmd(
+    files: SpotFiles = None, name: SpotName = None, as_json: Annotated[bool, typer.Option("--json")] = False
+) -> None:
+    """The managed job's status, recoveries and failure reason (exit 1 when there is no such job).
+
+    Examples:
+
+      prime-train spot status configs/examples/spot.toml
+
+      prime-train spot status --name qwen-sft-spot --json
+    """
+    from prime_train.integrations.skypilot import SkyPilotError, spot_status
+
+    job = _spot_name(files, name)
+    try:
+        info = spot_status(job, _sky_python())
+    except SkyPilotError as exc:
+        _error(exc)
+        raise typer.Exit(1) from None
+    if as_json:
+        print(json.dumps(info, indent=2, default=str))
+    elif info is None:
+        _console().print(f"no managed job called {job}")
+    else:
+        _console().print(
+            f"{job}: {info['status']} · recoveries {info.get('recovery_count', 0)} · "
+            f"failures in 24 h {info.get('recent_failures', 0)}"
+            + (f" · {info['failure_reason']}" if info.get("failure_reason") else ""),
+            highlight=False,
+        )
+    raise typer.Exit(0 if info is not None else 1)
+
+
+@spot_app.command("logs")
+def spot_logs_cmd(
+    files: SpotFiles = None,
+    name: SpotName = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep streaming.")] = False,
+    tail: Annotated[Optional[int], typer.Option(help="Last N lines only.")] = None,
+) -> None:
+    """The managed job's logs (secrets scrubbed).
+
+    Examples:
+
+      prime-train spot logs configs/examples/spot.toml --tail 200
+
+      prime-train spot logs --name qwen-sft-spot --follow
+    """
+    from prime_train.integrations.skypilot import SkyPilotError, spot_logs
+
+    try:
+        code = spot_logs(_spot_name(files, name), _sky_python(), follow=follow, tail=tail)
+    except SkyPilotError as exc:
+        _error(exc)
+        raise typer.Exit(1) from None
+    raise typer.Exit(code or 0)
+
+
+@spot_app.command("cancel")
+def spot_cancel_cmd(files: SpotFiles = None, name: SpotName = None) -> None:
+    """Cancel the managed job (SkyPilot tears its instances down; the bucket keeps the checkpoints).
+
+    Examples:
+
+      prime-train spot cancel configs/examples/spot.toml
+
+      prime-train spot cancel --name qwen-sft-spot
+    """
+    from prime_train.integrations.skypilot import SkyPilotError, spot_cancel
+
+    job = _spot_name(files, name)
+    try:
+        cancelled = spot_cancel(job, _sky_python())
+    except SkyPilotError as exc:
+        _error(exc)
+        raise typer.Exit(1) from None
+    _console().print(f"{job}: {'cancelled' if cancelled else 'nothing in progress'}")
+
+
+@app.command(context_settings=OVERRIDES)
+def monitor(
+    ctx: typer.Context,
+    files: RunConfigFiles = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Relaunch the managed job when it is dead.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the decision as JSON.")] = False,
+) -> None:
+    """Is a spot run healthy, stalled or dead? From its heartbeat in the bucket, SkyPilot and W&B.
+
+    Decided on wall-clock time: a checkpoint being saved is not a stall, and W&B's own lag is not
+    one either. With --resume a dead run is relaunched (it resumes from the bucket's newest
+    checkpoint). Exit codes: 0 healthy or finished, 2 unknown or configuration error, 3 stalled,
+    4 dead. `.github/workflows/training-monitor.yml` runs this on a schedule.
+
+    Examples:
+
+      prime-train monitor configs/examples/spot.toml
+
+      prime-train monitor configs/examples/spot.toml --resume --json
+    """
+    from prime_train.integrations.monitor import MonitorConfigError, run_monitor
+    from prime_train.integrations.skypilot import SkyPilotNotFound
+
+    paths, overrides = _split_overrides(files, ctx.args)
+    if not paths:
+        raise typer.BadParameter("name the run's config files", param_hint="FILES")
+    cfg = _load(paths, overrides)
+    try:
+        result = run_monitor(cfg, config_files=paths, overrides=overrides, resume=resume)
+    except (MonitorConfigError, SkyPilotNotFound) as exc:
+        _error(exc)
+        raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2, default=str))
+    else:
+        _console().print(result.format(), markup=False, highlight=False)
+    raise typer.Exit(result.exit_code)
+
+
+@app.command("verify-model")
+def verify_model_cmd(
+    model: Annotated[str, typer.Argument(help="HF model id, HF cache entry or local directory with config.json.")],
+    job: Annotated[str, typer.Option(help="The job it is for: sft, pretrain or rl.")] = "rl",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Can this model be used, before you pay: architecture, vLLM support, size, memory, tool calling.
+
+    Reads config.json (and tokenizer_config.json) from a directory, the HF cache, or the hub when
+    online. Exit 0 when usable for the job, 1 when not, 2 when its config cannot be found.
+
+    Examples:
+
+      prime-train verify-model Qwen/Qwen2.5-7B-Instruct
+
+      prime-train verify-model runs/tiny-sft/final --job sft --json
+    """
+    from prime_train.validator.models import ModelConfigNotFound, render_report, verify_model
+
+    try:
+        report = verify_model(model, job=job)
+    except ModelConfigNotFound as exc:
+        if as_json:
+            print(json.dumps({"ok": False, "error": str(exc)}))
+        else:
+            _error(exc)
+        raise typer.Exit(2) from None
+    except ValueError as exc:
+        _error(exc)
+        raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2, default=str))
+    else:
+        render_report(report, _console())
+    raise typer.Exit(0 if report.ok else 1)
+
+
+models_app = typer.Typer(help="The tested-model registry shipped with prime-train.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+
+
+@models_app.command("list")
+def models_list(as_json: Annotated[bool, typer.Option("--json", help="Print the registry as JSON.")] = False) -> None:
+    """Models with the vLLM and transformers versions they were checked against, and their known issues.
+
+    Examples:
+
+      prime-train models list
+
+      prime-train models list --json
+    """
+    from prime_train.validator.registry import models_json, render_models
+
+    if as_json:
+        print(json.dumps(models_json(), indent=2))
+    else:
+        render_models(_console())
+
+
+@app.command(context_settings=OVERRIDES)
+def memory(
+    ctx: typer.Context,
+    files: RunConfigFiles = None,
+    model: Annotated[Optional[str], typer.Option(help="Without a config: HF id, directory or config.json.")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="Tokens per sequence.")] = None,
+    micro_batch: Annotated[Optional[int], typer.Option(help="Sequences per forward/backward per GPU.")] = None,
+    gpus_per_node: Annotated[Optional[int], typer.Option(help="GPUs (trainer processes) per node.")] = None,
+    nodes: Annotated[Optional[int], typer.Option(help="Nodes.")] = None,
+    strategy: Annotated[Optional[str], typer.Option(help="none, ddp, zero1, zero2, zero3, fsdp or hsdp.")] = None,
+    precision: Annotated[Optional[str], typer.Option(help="bf16 or fp32.")] = None,
+    optimizer: Annotated[Optional[str], typer.Option(help="adamw, adamw8bit or sgd.")] = None,
+    checkpointing: Annotated[
+        Optional[str], typer.Option(help="Activation checkpointing: none, selective, full.")
+    ] = None,
+    max_model_len: Annotated[Optional[int], typer.Option(help="vLLM: longest sequence (turns on inference).")] = None,
+    max_num_seqs: Annotated[Optional[int], typer.Option(help="vLLM: sequences batched at once.")] = None,
+    gpu_memory_utilization: Annotated[Optional[float], typer.Option(help="vLLM: its share of the GPU.")] = None,
+    colocate: Annotated[Optional[bool], typer.Option(help="Trainer and vLLM on the same GPU.")] = None,
+    gpu: Annotated[Optional[list[str]], typer.Option(help="GPUs to give a verdict for (repeatable).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as JSON.")] = False,
+) -> None:
+    """Will it fit: per-GPU memory of the trainer (and vLLM), and a verdict for each common GPU.
+
+    Weights, gradients and optimizer states by precision, optimizer and sharding strategy;
+    activations by sequence length, micro-batch and checkpointing (Korthikanti et al. 2022); the
+    KV cache of vLLM; a recommended split when both share one GPU.
+
+    Examples:
+
+      prime-train memory configs/tiny-sft.toml
+
+      prime-train memory --model Qwen/Qwen2.5-7B-Instruct --seq-len 4096 --gpus-per-node 8 --strategy fsdp
+
+      prime-train memory configs/tiny-rl.toml --colocate --gpu H100 --json
+    """
+    from prime_train.validator.memory import (
+        MemoryInputError,
+        estimate,
+        inputs_from_config,
+        inputs_from_flags,
+        render_memory,
+    )
+
+    paths, overrides = _split_overrides(files, ctx.args)
+    flags = {
+        "seq_len": seq_len, "micro_batch": micro_batch, "gpus_per_node": gpus_per_node, "num_nodes": nodes,
+        "strategy": strategy, "precision": precision, "optimizer": optimizer,
+        "activation_checkpointing": checkpointing, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+        "gpu_memory_utilization": gpu_memory_utilization, "colocate": colocate, "gpus": gpu,
+    }  # fmt: skip
+    flags = {k: v for k, v in flags.items() if v is not None}
+    try:
+        if paths or overrides or model is None:
+            cfg = _load(paths or [default_config()], overrides)
+            inputs = inputs_from_config(cfg, **({"model": model} if model else {}), **flags)
+        else:
+            inputs = inputs_from_flags(model, **flags)
+        report = estimate(inputs)
+    except MemoryInputError as exc:
+        _error(exc)
+        raise typer.Exit(78) from None
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2, default=str))
+    else:
+        render_memory(report, _console())
+
+
+@app.command(context_settings=OVERRIDES)
+def cost(
+    ctx: typer.Context,
+    files: RunConfigFiles = None,
+    gpu: Annotated[Optional[str], typer.Option(help="One GPU type; default: every priced GPU.")] = None,
+    num_gpus: Annotated[Optional[int], typer.Option(help="GPUs in all; default: from the config.")] = None,
+    step_time: Annotated[Optional[float], typer.Option(help="Measured seconds per step on those GPUs.")] = None,
+    measure: Annotated[
+        bool, typer.Option("--measure", help="Measure the step time here with a short profile.")
+    ] = False,
+    mfu: Annotated[float, typer.Option(help="Model FLOPs utilisation assumed when estimating.")] = 0.4,
+    prices: Annotated[Optional[Path], typer.Option(help="TOML/JSON file overriding the shipped prices.")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Steps; default: train.max_steps.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as JSON.")] = False,
+) -> None:
+    """What will it cost: steps × step time × GPU price, as a range, spot and on-demand side by side.
+
+    The step time is estimated from FLOPs per token at a stated MFU, or given (--step-time), or
+    measured on this machine by a short profile run (--measure; then use --gpu for this machine's
+    GPU). Prices come from a shipped, dated table that --prices can override.
+
+    Examples:
+
+      prime-train cost configs/tiny-sft.toml --gpu H100
+
+      prime-train cost my-run.toml --num-gpus 8 --mfu 0.35 --prices my-prices.toml --json
+    """
+    from prime_train.validator.cost import estimate_cost, render_cost
+    from prime_train.validator.memory import MemoryInputError
+
+    paths, overrides = _split_overrides(files, ctx.args)
+    cfg = _load(paths or [default_config()], overrides)
+    if measure:
+        if step_time is not None:
+            raise typer.BadParameter("--measure and --step-time exclude each other", param_hint="--measure")
+        _require_engine(cfg)
+        from prime_train.profile_run import profile_config, run_profile
+        from prime_train.resilience.console import ConsoleObserver
+
+        with ConsoleObserver(_console(stderr=True)) as observer:
+            code, summary, root = run_profile(profile_config(cfg, 1, 3), warmup=1, steps=3, observer=observer)
+        if summary is None:
+            _error(f"the measuring profile wrote no summary (exit {code}); see {root}/logs/latest")
+            raise typer.Exit(code or 1)
+        step_time = summary["step_s"]
+        _console(stderr=True).print(f"measured {step_time:.4f} s per step ({summary['device']})", highlight=False)
+    try:
+        report = estimate_cost(
+            cfg, gpu=gpu, num_gpus=num_gpus, step_time_s=step_time, mfu=mfu,
+            prices_file=str(prices) if prices else None, steps=steps,
+        )  # fmt: skip
+    except MemoryInputError as exc:
+        _error(exc)
+        raise typer.Exit(78) from None
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2, default=str))
+    else:
+        render_cost(report, _console())
 
 
 @app.command(context_settings=OVERRIDES)
@@ -390,7 +818,7 @@ def init(
     try:
         text = build_config(a)
     except ValueError as exc:
-        _console(stderr=True).print(f"[red]error[/red]: {exc}", highlight=False)
+        _error(exc)
         raise typer.Exit(2) from None
     with tempfile.TemporaryDirectory() as tmp:
         problems = check_text(text, Path(tmp) / output.name)
@@ -514,7 +942,7 @@ def ckpt_to_hf(
     try:
         dcp_to_hf(step_dir, out)
     except (FileNotFoundError, ValueError) as exc:
-        _console(stderr=True).print(f"[red]error[/red]: {exc}")
+        _error(exc)
         raise typer.Exit(1) from None
     _console().print(f"[green]wrote[/green] {out}")
 
