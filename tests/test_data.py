@@ -262,13 +262,10 @@ def test_chat_records_take_loss_on_assistant_turns_only(tok, tmp_path):
     assert trained == "hello<|im_end|>\nciao<|im_end|>\n<|eos|>"
 
 
-def test_hub_source_without_the_datasets_package_says_what_it_needs(tok):
-    try:
-        import datasets  # noqa: F401
+def test_hub_source_without_the_datasets_package_says_what_it_needs(tok, monkeypatch):
+    import sys
 
-        pytest.skip("the datasets package is installed here")
-    except ImportError:
-        pass
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as on an install without it
     with pytest.raises(ValueError, match=r"data\.datasets\[0\]\.hub = 'org/set'.*pip install datasets.*network"):
         loader(tok, DataConfig(datasets=[DatasetConfig(hub="org/set")]))
 

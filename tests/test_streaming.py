@@ -180,7 +180,7 @@ def test_data_streaming_dispatches_build_train_loader_to_the_streaming_loader(to
 
 
 def test_streaming_a_task_or_non_parquet_is_an_error_naming_data_streaming(tok, tmp_path):
-    with pytest.raises(ValueError, match=r"data\.streaming reads local parquet.*data\.datasets\[0\]\.task"):
+    with pytest.raises(ValueError, match=r"data\.streaming reads parquet shards.*data\.datasets\[0\]\.task"):
         streaming(tok, DataConfig(datasets=[DatasetConfig(task="sorting")], streaming=True))
     jsonl = tmp_path / "a.jsonl"
     jsonl.write_text('{"text": "x"}\n')

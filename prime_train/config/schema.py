@@ -115,8 +115,9 @@ class DataConfig(Section):
     num_workers: int | None = Field(None, ge=0, description="Data-loader workers; unset: chosen from CPU cores.")
     streaming: bool = Field(
         False,
-        description="Read local parquet shards as a stream with bounded memory (row groups, packing in a bounded "
-        "buffer); several datasets are mixed per micro-batch by sampling_probs. Hub datasets are not streamed yet.",
+        description="Read parquet shards (local `path`, or a hub dataset's shards by HTTP range requests) as a "
+        "stream with bounded memory (row groups, packing in a bounded buffer); several datasets are mixed per "
+        "micro-batch by sampling_probs.",
     )
 
 

@@ -240,12 +240,32 @@ def task_record(example: tasks.Example) -> dict[str, str]:
     return {"prompt": example.prompt, "completion": example.answer}
 
 
+def _read_hub_shards(ds: DatasetConfig, index: int) -> Iterator[_Record]:
+    """Every record of a hub dataset's parquet shards in order, read by range requests (the streaming reader's)."""
+    from prime_train.engine import hub_files
+    from prime_train.engine.streaming import _rows_from
+
+    for path in hub_files.list_parquet(ds.hub or "", ds.split, key=_key(index, "hub")):
+        for number, fields in _rows_from(path, 0):
+            yield _Record(fields, f"{path} row {number}")
+
+
 def _read_records(
-    ds: DatasetConfig, index: int, seed: int, rank: int, world_size: int, *, split_by_rank: bool
+    ds: DatasetConfig,
+    index: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    *,
+    split_by_rank: bool,
+    streaming: bool = False,
 ) -> tuple[Iterator[_Record], bool]:
     """The dataset's records and whether they are already this rank's share (whole shards)."""
     if ds.task is not None:
         return _task_records(ds, seed), False
+    if ds.hub is not None and streaming and not split_by_rank:
+        # held-out records of a streamed hub dataset: the same parquet reader as training, no `datasets` needed
+        return _read_hub_shards(ds, index), False
     if ds.hub is not None:
         return _read_hub(ds, index, rank, world_size, split_by_rank=split_by_rank), split_by_rank
     assert ds.path is not None
@@ -556,11 +576,12 @@ def _dataset_contents(
     held_out: bool,
     keep_all: bool = False,
     limit: int | None = None,
+    streaming: bool = False,
 ) -> tuple[str, list[Any]]:
     """(format, contents) of this rank's training records (all of them when `keep_all`), or of all
     held-out records when `held_out`; reading stops after `limit` contents when given."""
     # Held-out records are read from every shard by every rank, so all ranks agree on the eval set.
-    records, sharded = _read_records(ds, index, seed, rank, world_size, split_by_rank=not held_out)
+    records, sharded = _read_records(ds, index, seed, rank, world_size, split_by_rank=not held_out, streaming=streaming)
     fmt: str | None = None
     contents: list[Any] = []
     kept = 0
@@ -888,8 +909,9 @@ def build_eval_batches(
     limit = max_batches * micro_batch_size * world_size * EVAL_DOCS_PER_ROW if data.streaming else None
     for index, ds in enumerate(data.datasets):
         fmt, contents = _dataset_contents(
-            ds, index, seed, data.held_out_fraction, rank, world_size, held_out=True, limit=limit
-        )
+            ds, index, seed, data.held_out_fraction, rank, world_size, held_out=True, limit=limit,
+            streaming=data.streaming,
+        )  # fmt: skip
         docs.extend(encoder.encode(fmt, contents))
     rows = _build_rows(docs, data.seq_len, tokenizer.pad_token_id, data.packing)
     total = len(rows.lengths)

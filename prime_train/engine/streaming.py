@@ -100,11 +100,18 @@ class StreamingLoader:
         self.max_buffered_documents = 0
         self._format: str | None = None
 
-        files = data_mod._expand_local_path(ds.path or "", index)
+        if ds.hub is not None:
+            from prime_train.engine import hub_files
+
+            self._source_key, self._source = data_mod._key(index, "hub"), ds.hub
+            files = hub_files.list_parquet(ds.hub, ds.split, key=self._source_key)
+        else:
+            self._source_key, self._source = data_mod._key(index, "path"), ds.path
+            files = data_mod._expand_local_path(ds.path or "", index)
         not_parquet = [f for f in files if not f.endswith(".parquet")]
         if not_parquet:
             raise ValueError(
-                f"{data_mod._key(index, 'path')} = {ds.path!r} holds non-parquet files ({not_parquet[0]}, ...): "
+                f"{self._source_key} = {self._source!r} holds non-parquet files ({not_parquet[0]}, ...): "
                 "data.streaming reads .parquet shards only; convert them or set data.streaming = false"
             )
         self._sharded = world_size > 1 and len(files) > 1 and len(files) % world_size == 0
@@ -112,10 +119,11 @@ class StreamingLoader:
             logger.warning(
                 "%s = %r has %d files, which %d ranks do not divide: every rank reads every file and keeps one "
                 "row in %d (give it a multiple of %d files to read whole files per rank)",
-                data_mod._key(index, "path"), ds.path, len(files), world_size, world_size, world_size,
+                self._source_key, self._source, len(files), world_size, world_size, world_size,
             )  # fmt: skip
         self._shards = files[rank::world_size] if self._sharded else files
-        self._row_counts = [_num_rows(path) for path in self._shards]
+        # read when first needed: a web-scale hub dataset has thousands of shards, each footer a request
+        self._row_counts: dict[int, int] = {}
 
         self._window: _Window | None = None
         self._next = _Position(0, 0, 0)  # start of the window to read when the current one is used up
@@ -254,7 +262,7 @@ class StreamingLoader:
                 if epoch_ends > 1:
                     raise ValueError(
                         f"rank {self._rank} of {self._world_size} has no training records in "
-                        f"{data_mod._key(self._index, 'path')} = {self._ds.path!r}: add data, use fewer ranks "
+                        f"{self._source_key} = {self._source!r}: add data, use fewer ranks "
                         "or lower data.held_out_fraction"
                     )
                 continue
@@ -269,28 +277,39 @@ class StreamingLoader:
         order = np.random.default_rng(tags).permutation(len(rows.lengths))
         return _Window(window_start, self._past_epoch_end(end), rows, order)
 
+    def _rows_in(self, shard_index: int) -> int:
+        if shard_index not in self._row_counts:
+            self._row_counts[shard_index] = _num_rows(self._shards[shard_index])
+        return self._row_counts[shard_index]
+
     def _past_epoch_end(self, position: _Position) -> _Position:
         """`position`, moved to the next epoch's start when no rows of its epoch follow it."""
         order = self._shard_order(position.epoch)
         shard, row = position.shard, position.row
-        while shard < len(order) and row >= self._row_counts[order[shard]]:
+        while shard < len(order) and row >= self._rows_in(int(order[shard])):
             shard, row = shard + 1, 0
         return _Position(position.epoch + 1, 0, 0) if shard == len(order) else _Position(position.epoch, shard, row)
 
 
-def _num_rows(path: str) -> int:
+def _parquet(path: str):
+    """A ParquetFile of a local shard or of a hub shard read by range requests."""
     import pyarrow.parquet as pq
 
-    return pq.ParquetFile(path).metadata.num_rows
+    from prime_train.engine import hub_files
+
+    return pq.ParquetFile(hub_files.open_source(path))
+
+
+def _num_rows(path: str) -> int:
+    return _parquet(path).metadata.num_rows
 
 
 def _rows_from(path: str, first_row: int) -> Iterator[tuple[int, dict[str, Any]]]:
     """(row number, fields) of a parquet file from `first_row` on, one record batch in memory at a time."""
     try:
-        import pyarrow.parquet as pq
+        parquet = _parquet(path)
     except ImportError as exc:
         raise ValueError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from exc
-    parquet = pq.ParquetFile(path)
     # Whole row groups before `first_row` are skipped without being read.
     groups, group_start = [], 0
     for group in range(parquet.metadata.num_row_groups):
@@ -411,11 +430,10 @@ def build_streaming_loader(
     (equal shares when unset).
     """
     for index, ds in enumerate(data.datasets):
-        if ds.path is None:
-            source = f"data.datasets[{index}].hub" if ds.hub is not None else f"data.datasets[{index}].task"
+        if ds.task is not None:
             raise ValueError(
-                f"data.streaming reads local parquet shards (data.datasets[{index}].path), not {source}; set path "
-                "to the downloaded shards or set data.streaming = false"
+                f"data.streaming reads parquet shards (data.datasets[{index}].path or .hub), not the built-in task "
+                f"data.datasets[{index}].task; set data.streaming = false for built-in tasks"
             )
     loaders = [
         StreamingLoader(
