@@ -254,3 +254,15 @@ def test_streamed_eval_reads_only_the_held_out_documents_it_needs(tok, tmp_path)
     # the in-memory reader reads every held-out record, so it does reach the bad shard
     with pytest.raises(ValueError, match="completion"):
         build_eval_batches(config(path, streaming=False), tok, **common)
+
+
+def test_the_next_window_is_read_ahead_and_changes_no_batch(tok, tmp_path):
+    path = write_shards(tmp_path / "shards", 3, 80)
+    ahead = streaming(tok, config(path), mbs=3, buffer=20)
+    plain = streaming(tok, config(path), mbs=3, buffer=20)
+    plain._pool = None  # read each window when it is needed
+    for _ in range(60):  # many windows, across an epoch boundary
+        a, b = next(ahead), next(plain)
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+    assert ahead._prefetched is not None and ahead._prefetched[0] == ahead._next
+    assert plain._prefetched is None

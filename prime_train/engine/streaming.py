@@ -78,6 +78,7 @@ class StreamingLoader:
         device: torch.device,
         buffer_documents: int = BUFFER_DOCUMENTS,
         index: int = 0,
+        prefetch: bool = True,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"train.micro_batch_size must be at least 1, got {micro_batch_size}")
@@ -128,6 +129,12 @@ class StreamingLoader:
         self._window: _Window | None = None
         self._next = _Position(0, 0, 0)  # start of the window to read when the current one is used up
         self._handed = 0  # rows of the current window already handed out
+        # The next window is read in a thread while this one trains (hub reads wait on the network; a
+        # window is a pure function of its start, so prefetching changes no batch). Two windows at most.
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="stream-prefetch") if prefetch else None
+        self._prefetched: tuple[_Position, Any] | None = None
 
     # -- the TrainLoader interface -----------------------------------------------------------------------------
 
@@ -146,10 +153,22 @@ class StreamingLoader:
     def _current_window(self) -> _Window:
         """The window the next row comes from, read when the last one is used up."""
         if self._window is None or self._handed == len(self._window.order):
-            self._window = self._read_window(self._next)
+            self._window = self._take_window(self._next)
             self._next = self._window.end
             self._handed = 0
+            if self._pool is not None:
+                self._prefetched = (self._next, self._pool.submit(self._read_window, self._next))
         return self._window
+
+    def _take_window(self, start: _Position) -> _Window:
+        """The window at `start`: the prefetched one when it is that window, else read now."""
+        if self._prefetched is not None:
+            at, future = self._prefetched
+            self._prefetched = None
+            if at == start:
+                return future.result()
+            future.cancel()
+        return self._read_window(start)
 
     def __iter__(self) -> StreamingLoader:
         return self
