@@ -183,7 +183,9 @@ class StreamingLoader:
             self._handed += len(take)
             needed -= len(take)
         batch = parts[0] if len(parts) == 1 else _concat_batches(parts)
-        return batch.to(self._device, non_blocking=self._device.type == "cuda")
+        if self._device.type == "cuda":  # pinned host memory makes the copy truly asynchronous
+            return batch.pin_memory().to(self._device, non_blocking=True)
+        return batch.to(self._device)
 
     def state_dict(self) -> dict:
         """The position of the next batch (JSON-able)."""

@@ -220,6 +220,15 @@ def check_config(cfg: Config, sources: Sources) -> list[Problem]:
                 "job.command has neither job.progress_file nor job.progress_regex: hangs cannot be detected; set one",
             )
         )
+    if cfg.run.job == "rl" and cfg.inference.backend == "vllm" and cfg.model.path is None and not cfg.job.command:
+        problems.append(
+            sources.problem(
+                ("inference", "backend"),
+                "error",
+                "inference.backend = 'vllm' serves a model directory or hub id, but model.path is unset (a "
+                "random-initialised model exists only inside the trainer): set model.path, or use 'embedded'",
+            )
+        )
     problems.extend(token_budget_problems(cfg, sources))
     if "spot" in cfg.model_fields_set:  # a [spot] table: this config is meant for `run --spot`
         problems.extend(spot_problems(cfg, sources))
