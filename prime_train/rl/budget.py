@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -191,15 +190,9 @@ def check_token_budget(cfg: Config, tokenizer: Any = None, *, pending_ok: bool =
 
 
 def _vllm_version() -> tuple[int, ...] | None:
-    try:
-        raw = metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return None
-    parts = []
-    for piece in raw.split("+")[0].split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
+    from prime_train.engine.vllm_server import installed_vllm  # torch-free: parses package metadata only
+
+    return installed_vllm()
 
 
 def _gpu_memory_bytes() -> float | None:
