@@ -121,19 +121,19 @@ def test_config_error_on_the_command_line_exits_78_naming_the_key_without_launch
 
 def test_engine_config_error_is_not_retried(tmp_path):
     run_dir = tmp_path / "bad-model"
-    result = subprocess.run(
-        cli(
-            "run",
-            str(TINY),
-            *tiny_overrides(tmp_path, "bad-model", **{"model.path": str(tmp_path / "missing")}),
-            "--supervisor.max_restarts",
-            "3",
-        ),
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    argv = cli(
+        "run",
+        str(TINY),
+        *tiny_overrides(tmp_path, "bad-model", **{"model.path": str(tmp_path / "missing")}),
+        "--supervisor.max_restarts",
+        "3",
     )
+    # preflight stops it first, in seconds, naming the key
+    stopped = subprocess.run(argv, env=env(), capture_output=True, text=True, timeout=300)
+    assert stopped.returncode == 78 and "model.path" in stopped.stdout and "does not exist" in stopped.stdout
+    assert not (run_dir / "events.jsonl").exists()
+    # past preflight, the engine refuses it once and the supervisor does not retry
+    result = subprocess.run([*argv, "--skip-preflight"], env=env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 78, result.stdout[-3000:] + result.stderr[-3000:]
     events = read_events(run_dir / "events.jsonl")
     assert len([e for e in events if e["event"] == "attempt_started"]) == 1
