@@ -55,11 +55,6 @@ DCP_BYTES_PER_PARAM = 12
 EXPORT_BYTES_PER_PARAM = 4
 DISK_WARN_MARGIN = 1.5
 
-# Bytes per parameter in memory during fp32-master AdamW training: weights 4 + gradients 4 + moments 8.
-# DDP (without gradient_as_bucket_view, as the engine wraps it) keeps a second copy of the gradients in
-# its all-reduce buckets: 4 more.
-STATE_BYTES_PER_PARAM = 16
-DDP_BUCKET_BYTES_PER_PARAM = 4
 # Per process beyond the model: the CUDA context, cuBLAS workspaces and NCCL buffers on a GPU; the Python
 # interpreter and torch's own allocations in host RAM on the CPU.
 GPU_OVERHEAD_BYTES = 1 << 30
@@ -589,48 +584,40 @@ def _strategy(cfg: Config, world_size: int) -> str:
 
 
 def estimate_memory(cfg: Config, hf: dict[str, Any], *, on_gpu: bool) -> dict[str, Any]:
-    """Bytes one training process needs, by part: optimizer state, activations, logits, runtime overhead."""
+    """Bytes one training process needs, by part, from the memory calculator (`prime-train memory`).
+
+    The same figures as `prime-train memory`, so preflight and the calculator never disagree; on the
+    CPU the run is fp32 and the CUDA runtime allowance is replaced by the CPU process's own.
+    """
+    from prime_train.validator.memory import estimate, inputs_from_config
+
     nproc = procs_per_node(cfg)
     world = nproc * cfg.distributed.nnodes
     strategy = _strategy(cfg, world)
-    num_params = count_parameters(hf)
-    shards = {"fsdp": world, "hsdp": cfg.distributed.hsdp_shard_size or nproc}.get(strategy, 1)
-    per_param = STATE_BYTES_PER_PARAM + (DDP_BUCKET_BYTES_PER_PARAM if strategy == "ddp" else 0)
-    states = num_params * per_param / shards
-
-    if "hidden_size" not in hf and isinstance(hf.get("text_config"), dict):
-        hf = hf["text_config"]
-    h, layers, heads = hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
-    width = hf.get("moe_intermediate_size") or hf["intermediate_size"]
-    vocab = hf["vocab_size"]
-    bf16 = cfg.train.precision == "bf16" or (on_gpu and cfg.train.precision == "auto")
-    act_bytes = 2 if bf16 else 4
-    tokens = cfg.data.seq_len * cfg.train.micro_batch_size
-    # Activations kept for backward per layer, after Korthikanti et al. 2022 ("Reducing Activation
-    # Recomputation in Large Transformer Models", section 4.1): 34·h bytes a token at 16 bits, of which 19·h
-    # is a 4h-wide MLP; we scale that part to the model's MLP width. SDPA and flash attention do not keep
-    # the seq × seq score matrix; eager attention adds the paper's 5·heads·seq bytes a token.
-    per_token = (15 * h + 19 * h * width / (4 * h)) * act_bytes / 2
-    if cfg.model.attn_implementation == "eager":
-        per_token += 5 * heads * cfg.data.seq_len * act_bytes / 2
-    per_layer = tokens * per_token
-    if cfg.model.activation_checkpointing:
-        # only each layer's input is kept; one layer's activations exist again while it is recomputed
-        activations = layers * tokens * h * act_bytes + per_layer
-    else:
-        activations = layers * per_layer
-    logits = tokens * vocab * 8  # fp32 logits for the loss and their gradient
+    precision = "bf16" if cfg.train.precision == "bf16" or (on_gpu and cfg.train.precision == "auto") else "fp32"
+    report = estimate(
+        inputs_from_config(
+            cfg, model=hf, model_source="run config", gpus_per_node=nproc, num_nodes=cfg.distributed.nnodes,
+            strategy=strategy, precision=precision, max_model_len=None, gpus=[],
+        )
+    )  # fmt: skip
+    trainer = report.trainer
+    states = sum(
+        trainer.get(name)
+        for name in ("weights", "gradients", "optimizer states", "bf16 weight copy", "DDP gradient buckets",
+                     "gathered units")
+    )  # fmt: skip
+    activations, logits = trainer.get("activations"), trainer.get("logits and loss")
     overhead = GPU_OVERHEAD_BYTES if on_gpu else CPU_OVERHEAD_BYTES
-    per_rank = states + activations + logits + overhead
     return {
-        "num_params": num_params,
+        "num_params": report.shape.num_params,
         "strategy": strategy,
-        "state_shards": shards,
+        "state_shards": trainer.shard_group,
         "states_bytes": int(states),
         "activation_bytes": int(activations),
         "logits_bytes": int(logits),
         "overhead_bytes": overhead,
-        "per_rank_bytes": int(per_rank),
+        "per_rank_bytes": int(states + activations + logits + overhead),
         "ranks_per_node": nproc,
     }
 
