@@ -113,10 +113,7 @@ def build_config(a: Answers) -> str:
     if a.model == TINY and hw.is_gpu:
         a.notes.append("the tiny model on a GPU is a smoke test; name a real model for a real run")
     if a.job == "rl" and a.model == TINY:
-        a.notes.append(
-            "RL from a random model has no reward to learn from: run the tiny SFT job first and set "
-            "model.path = 'runs/tiny-sft/final' (as configs/tiny-rl.toml does)"
-        )
+        a.notes.append("RL starts from the tiny SFT run's model: run `prime-train run` (the tiny SFT default) first")
     hf, params = _model_shape(a.model)
     # RL on several GPUs: a quarter of a node's GPUs serve rollouts (one vLLM worker each), the rest train
     inference_gpus = max(1, hw.count // 4) if a.job == "rl" and hw.is_gpu and hw.count > 1 else 0
@@ -136,7 +133,12 @@ def build_config(a: Answers) -> str:
         "",
         "[model]",
     ]
-    if a.model == TINY:
+    if a.model == TINY and a.job == "rl":
+        lines += [
+            'path = "runs/tiny-sft/final"   # the tiny SFT run\'s model: RL from a random model has no reward to learn',
+        ]
+        max_len = 512
+    elif a.model == TINY:
         lines += ["# a random-initialised Llama-shaped model with the built-in byte tokenizer: no download"]
         max_len = 512
     else:

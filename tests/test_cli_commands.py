@@ -101,3 +101,13 @@ def test_monitor_without_skypilot_exits_2_and_says_how_to_install(tmp_path):
     env.pop("GITHUB_ACTIONS", None)
     result = cli("monitor", "configs/examples/spot.toml", env=env, cwd=REPO)
     assert result.returncode == 2 and "spot install" in result.stderr
+
+
+def test_cost_measures_the_step_time_with_a_short_profile(tmp_path):
+    result = cli("cost", str(REPO / "configs" / "tiny-sft.toml"), "--gpu", "H100", "--measure", "--json",
+                 "--run.output_dir", str(tmp_path), "--logging.tensorboard", "false")  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    (row,) = json.loads(result.stdout)["rows"]
+    assert row["basis"].startswith("measured") and row["step_time_s"][1] > 0
+    assert "measured" in result.stderr and (tmp_path / "tiny-sft-profile" / "profile" / "summary.json").is_file()
+    assert not (tmp_path / "tiny-sft" / "checkpoints").exists(), "the real run's directory is not touched"
