@@ -111,6 +111,19 @@ def test_watermark_removes_oldest_first_and_keeps_the_newest(tmp_path):
     assert all(e["event"] == "checkpoint_deleted" and e["reason"] == "watermark" for e in events)
 
 
+def test_a_checkpoint_being_uploaded_waits_for_its_upload(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    make_checkpoints(ckpt, [10, 20, 30, 40, 50])
+    uploading = {20}
+    w = DiskWatcher(ckpt, keep_last=2, keep_every=None, high_watermark=0.85, max_bytes=None,
+                    disk_usage=Usage(ckpt), protect=lambda: set(uploading))  # fmt: skip
+    w.poll()
+    assert [c.step for c in list_checkpoints(ckpt)] == [20, 40, 50]  # retention spared the one in flight
+    uploading.clear()  # uploaded: the next poll applies the policy to it too
+    w.poll()
+    assert [c.step for c in list_checkpoints(ckpt)] == [40, 50]
+
+
 def test_watermark_never_deletes_the_last_whole_checkpoint_or_one_being_written(tmp_path):
     ckpt = tmp_path / "checkpoints"
     make_checkpoints(ckpt, [10, 20])

@@ -205,6 +205,10 @@ class Supervisor:
         )
         return None
 
+    def _uploading_steps(self) -> set[int]:
+        step = getattr(self._backup, "uploading_step", None)
+        return {step} if step is not None else set()
+
     def _finish_backup(self, code: int) -> None:
         """Upload what the last attempt saved (the SIGTERM checkpoint on a preemption) before exiting."""
         if self._backup is None:
@@ -459,6 +463,7 @@ class Supervisor:
                 keep_every=ck.keep_every,
                 high_watermark=sup.disk_high_watermark,
                 max_bytes=sup.max_disk_gb * 1e9 if sup.max_disk_gb else None,
+                protect=self._uploading_steps,
             )
         ]
         if self.cfg.run.job == "rl" and not self.cfg.job.command:

@@ -151,8 +151,11 @@ class DiskWatcher:
         high_watermark: float,
         max_bytes: float | None,
         disk_usage: Callable[[str], Any] = shutil.disk_usage,
+        protect: Callable[[], set[int]] | None = None,
     ):
         self.ckpt_dir = ckpt_dir
+        # steps that must stay for now (the one being uploaded to the bucket); retention waits for them
+        self.protect = protect or (lambda: set())
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.high_watermark = high_watermark
@@ -168,12 +171,17 @@ class DiskWatcher:
         checkpoints = list_checkpoints(self.ckpt_dir)
         steps = [c.step for c in checkpoints]
         by_step = {c.step: c.path for c in checkpoints}
-        for step in select_for_deletion(steps, self.keep_last, self.keep_every):
+        protected = frozenset(self.protect())
+        for step in select_for_deletion(steps, self.keep_last, self.keep_every, protected):
             events.append(self._delete(by_step[step], step, "retention"))
         remaining = [c for c in list_checkpoints(self.ckpt_dir)]
         # over the watermark (or the byte cap): the oldest whole checkpoints go first, never the newest
         while len(remaining) > 1 and self._over_limit(remaining):
-            oldest = remaining.pop(0)
+            candidates = [c for c in remaining[:-1] if c.step not in protected]
+            if not candidates:
+                break
+            oldest = candidates[0]
+            remaining.remove(oldest)
             events.append(self._delete(oldest.path, oldest.step, "watermark"))
         usage = self._usage_fraction()
         self.last_usage = usage
