@@ -450,13 +450,7 @@ class RLTrainer:
         self.checkpointer.save(self.state, self.state.step, final=final)
 
     def close(self) -> None:
-        import gc
+        from prime_train.engine.train import close_job
 
-        from prime_train.engine import parallel
-
-        self.stop.requested = True
-        self.checkpointer.close()
-        self.metrics.close()
-        self.state = self.optimizer = self.scheduler = self.model = self.reference = None
-        gc.collect()
-        parallel.destroy_distributed()
+        self.stop.requested = True  # the rollout producer thread stops at its next batch
+        close_job(self, "reference")

@@ -430,16 +430,26 @@ class Trainer:
         logger.info(" | ".join(parts))
 
     def close(self) -> None:
-        from prime_train.engine import parallel
+        close_job(self)
 
-        self.checkpointer.close()
-        self.metrics.close()
-        # drop the DDP/FSDP wrappers before the process group goes, or gloo may abort at exit
-        self.state = self.optimizer = self.scheduler = self.model = None
-        import gc
 
-        gc.collect()
-        parallel.destroy_distributed()
+def close_job(job, *models: str) -> None:
+    """The end of every embedded job: flush checkpoints and metrics, drop the model wrappers, leave the group.
+
+    `models` names further attributes holding modules (RL's reference model) that go with the wrappers.
+    """
+    import gc
+
+    from prime_train.engine import parallel
+
+    job.checkpointer.close()
+    job.metrics.close()
+    # drop the DDP/FSDP wrappers before the process group goes, or gloo may abort at exit
+    job.state = job.optimizer = job.scheduler = job.model = None
+    for name in models:
+        setattr(job, name, None)
+    gc.collect()
+    parallel.destroy_distributed()
 
 
 def _record_exit(cfg: Config, code: int, reason: str) -> None:
