@@ -274,6 +274,20 @@ def wandb_env(tmp_path, monkeypatch):
     return home
 
 
+def wait_for_records(run_file: Path, kinds: set[str], timeout: float = 30.0) -> None:
+    """wandb's service process may still be flushing a run file after finish() returns (seen under load, in CI):
+    wait, bounded, until it holds the record kinds the test reads."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            found = {r.WhichOneof("record_type") for r in wandb_records(run_file)}
+        except Exception:  # missing, empty or half-written: not ready yet
+            found = set()
+        if kinds <= found:
+            return
+        time.sleep(0.2)
+
+
 def test_wandb_offline_run_records_history_and_resumes_same_run_id(tmp_path, wandb_env):
     cfg = make_config(tmp_path, wandb_project="prime-train-test", wandb_mode="offline")
     cfg.job.env = {"HF_TOKEN": SECRET}  # the external command's environment must not reach W&B's config
@@ -288,6 +302,7 @@ def test_wandb_offline_run_records_history_and_resumes_same_run_id(tmp_path, wan
     first_runs = offline_runs(run_dir, run_id)
     assert len(first_runs) == 1, sorted(p.name for p in (run_dir.root / "wandb").iterdir())
     run_file = first_runs[0] / f"run-{run_id}.wandb"
+    wait_for_records(run_file, {"run", "history"})
     assert wandb_run_id(run_file) == run_id
     history = wandb_history(run_file)
     assert sorted(history) == [1, 2, 3]
@@ -301,16 +316,7 @@ def test_wandb_offline_run_records_history_and_resumes_same_run_id(tmp_path, wan
     runs = offline_runs(run_dir, run_id)
     assert len(runs) == 2 and len(list((run_dir.root / "wandb").glob("offline-run-*"))) == 2
     resumed = next(p for p in runs if p != first_runs[0]) / f"run-{run_id}.wandb"
-    # wandb's service process may still be flushing the second file after finish() returns (seen under load)
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        try:
-            kinds = {r.WhichOneof("record_type") for r in wandb_records(resumed)}
-        except Exception:  # missing, empty or half-written: not ready yet
-            kinds = set()
-        if {"run", "history"} <= kinds:
-            break
-        time.sleep(0.2)
+    wait_for_records(resumed, {"run", "history"})
     assert wandb_run_id(resumed) == run_id
     assert wandb_history(resumed)[4]["loss"] == 0.5
 
