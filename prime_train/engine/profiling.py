@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import time
@@ -24,6 +25,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger("prime_train.engine.profiling")
 
 PROFILE_ENV = "PRIME_TRAIN_PROFILE"
 COMM_EVENT = re.compile(r"gloo|nccl|all_?reduce|reduce_scatter|all_?gather|broadcast|c10d", re.IGNORECASE)
@@ -253,6 +256,40 @@ def diagnose(summary: dict, ckpt_interval: int | None = None) -> dict:
         "a larger micro-batch if memory allows, and activation checkpointing only when memory needs it",
         "notes": notes,
     }
+
+
+def run_profiled(job, *, tokens_of, heartbeat_of, extra_of) -> dict:
+    """The profiled run of an SFT or RL job: warmup and profiled steps, one timed checkpoint save, the summary.
+
+    `job` is a Trainer or RLTrainer (train_step, state, metrics, dist, cfg, profile, save, checkpointer).
+    `tokens_of(metrics)` gives a step's tokens, `heartbeat_of(metrics)` the heartbeat fields of a step, and
+    `extra_of(profiled step metrics)` the job's own fields of the summary.
+    """
+    prof = job.profile
+    logger.info("profiling: %d warmup step(s), then %d step(s) under torch.profiler", prof.warmup, prof.steps)
+    job.metrics.heartbeat(job.state.step, phase="training", tokens=job.state.tokens_seen)
+    steps: list[dict] = []
+    prof.timer.reset()
+    for _ in range(prof.total_steps):
+        m = job.train_step()
+        prof.after_step()
+        steps.append(m)
+        job.metrics.log(job.state.step, m)
+        job.metrics.heartbeat(job.state.step, phase="training", **heartbeat_of(m))
+    checkpoint_s = timed_checkpoint(job)
+    summary = prof.finish(
+        world_size=job.dist.world_size,
+        tokens_per_step=tokens_of(steps[-1]),
+        checkpoint_s=checkpoint_s,
+        extra={
+            "ckpt_interval": job.cfg.ckpt.interval,
+            "device": str(job.dist.device),
+            **extra_of(steps[prof.warmup :] or steps),
+        },
+    )
+    logger.info("profile: %s", summary["bottleneck"]["kind"])
+    job.metrics.heartbeat(job.state.step, phase="done", tokens=job.state.tokens_seen)
+    return summary
 
 
 def timed_checkpoint(trainer) -> float:

@@ -413,36 +413,18 @@ class RLTrainer:
 
     def profile_fit(self) -> int:
         """`prime-train profile` for RL: rollout latency against trainer time, one timed checkpoint save."""
-        from prime_train.engine.profiling import timed_checkpoint
+        from prime_train.engine.profiling import run_profiled
         from prime_train.engine.train import EXIT_OK
 
-        prof = self.profile
-        logger.info("profiling: %d warmup step(s), then %d step(s) under torch.profiler", prof.warmup, prof.steps)
-        latencies: list[float] = []
-        tokens = 0.0
-        prof.timer.reset()
-        for i in range(prof.total_steps):
-            m = self.train_step()
-            prof.after_step()
-            if i >= prof.warmup:
-                latencies.append(m["rollout_s"])
-            tokens = m["completion_tokens"]
-            self.metrics.log(self.state.step, m)
-            self.metrics.heartbeat(self.state.step, phase="training", loss=m["loss"], reward=m["reward"])
-        checkpoint_s = timed_checkpoint(self)
-        summary = prof.finish(
-            world_size=self.dist.world_size,
-            tokens_per_step=tokens,
-            checkpoint_s=checkpoint_s,
-            extra={
-                "ckpt_interval": self.cfg.ckpt.interval,
-                "rollout_latency_s": sum(latencies) / max(1, len(latencies)),
+        run_profiled(
+            self,
+            tokens_of=lambda m: m["completion_tokens"],
+            heartbeat_of=lambda m: {"loss": m["loss"], "reward": m["reward"]},
+            extra_of=lambda profiled: {
+                "rollout_latency_s": sum(m["rollout_s"] for m in profiled) / len(profiled),
                 "max_async_level": self.cfg.rl.max_async_level,
-                "device": str(self.dist.device),
             },
         )
-        logger.info("profile: %s", summary["bottleneck"]["kind"])
-        self.metrics.heartbeat(self.state.step, phase="done")
         return EXIT_OK
 
     def save(self, *, final: bool = False) -> None:

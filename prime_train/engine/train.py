@@ -355,34 +355,18 @@ class Trainer:
 
     def profile_fit(self) -> int:
         """`prime-train profile`: warmup steps, profiled steps, one timed checkpoint save; no eval, no export."""
-        from prime_train.engine.profiling import timed_checkpoint
+        from prime_train.engine.profiling import run_profiled
 
-        prof = self.profile
-        logger.info("profiling: %d warmup step(s), then %d step(s) under torch.profiler", prof.warmup, prof.steps)
-        self.metrics.heartbeat(0, phase="training", tokens=0)
-        tokens = 0.0
-        prof.timer.reset()
-        for _ in range(prof.total_steps):
-            m = self.train_step()
-            tokens = m["tokens_per_s"] * m["step_time_s"]
-            prof.after_step()
-            self.metrics.log(self.state.step, m)
-            self.metrics.heartbeat(self.state.step, phase="training", tokens=self.state.tokens_seen, loss=m["loss"])
-        checkpoint_s = timed_checkpoint(self)
-        summary = prof.finish(
-            world_size=self.dist.world_size,
-            tokens_per_step=tokens,
-            checkpoint_s=checkpoint_s,
-            extra={
-                "ckpt_interval": self.cfg.ckpt.interval,
-                "mfu": m.get("mfu"),
-                "device": str(self.dist.device),
+        run_profiled(
+            self,
+            tokens_of=lambda m: m["tokens_per_s"] * m["step_time_s"],
+            heartbeat_of=lambda m: {"tokens": self.state.tokens_seen, "loss": m["loss"]},
+            extra_of=lambda profiled: {
+                "mfu": profiled[-1].get("mfu"),
                 "strategy": self.strategy,
                 "num_params": self.num_params,
             },
         )
-        logger.info("profile: %s", summary["bottleneck"]["kind"])
-        self.metrics.heartbeat(self.state.step, phase="done", tokens=self.state.tokens_seen)
         return EXIT_OK
 
     def _newest_saved_step(self) -> int | None:
