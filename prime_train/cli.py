@@ -689,14 +689,13 @@ def cost(
         if step_time is not None:
             raise typer.BadParameter("--measure and --step-time exclude each other", param_hint="--measure")
         _require_engine(cfg)
-        from prime_train.profile_run import profile_config, run_profile
-        from prime_train.resilience.console import ConsoleObserver
+        from prime_train.profile_run import ProfileFailed, profile
 
-        with ConsoleObserver(_console(stderr=True)) as observer:
-            code, summary, root = run_profile(profile_config(cfg, 1, 3), warmup=1, steps=3, observer=observer)
-        if summary is None:
-            _error(f"the measuring profile wrote no summary (exit {code}); see {root}/logs/latest")
-            raise typer.Exit(code or 1)
+        try:
+            _, summary = profile(cfg, warmup=1, steps=3, console=_console(stderr=True), preflight=False)
+        except ProfileFailed as exc:
+            _error(exc)
+            raise typer.Exit(exc.code) from None
         step_time = summary["step_s"]
         _console(stderr=True).print(f"measured {step_time:.4f} s per step ({summary['device']})", highlight=False)
     try:
@@ -733,8 +732,7 @@ def profile(
 
       prime-train profile configs/tiny-rl.toml --steps 3 --json
     """
-    from prime_train.profile_run import profile_config, render_profile, run_profile, summary_json
-    from prime_train.resilience.console import ConsoleObserver
+    from prime_train.profile_run import ProfileFailed, profile, render_profile, summary_json
 
     paths, overrides = _split_overrides(files, ctx.args)
     cfg = _load(paths or [default_config()], overrides)
@@ -743,20 +741,11 @@ def profile(
         raise typer.Exit(78)
     _require_engine(cfg)
     console = _console(stderr=as_json)
-    from prime_train.validator.preflight import preflight_command
-
-    pcfg = profile_config(cfg, warmup, steps)
-    code = preflight_command(pcfg, as_json=False, quiet_pass=True, stderr=as_json)
-    if code != 0:
-        console.print("[red]preflight failed[/red]: fix the above first")
-        raise typer.Exit(code)
-    with ConsoleObserver(console) as observer:
-        code, summary, root = run_profile(pcfg, warmup=warmup, steps=steps, observer=observer)
-    if summary is None:
-        _console(stderr=True).print(
-            f"[red]error[/red]: the profiled job wrote no summary (exit {code}); see {root}/logs/latest"
-        )
-        raise typer.Exit(code or 1)
+    try:
+        code, summary = profile(cfg, warmup=warmup, steps=steps, console=console)
+    except ProfileFailed as exc:
+        _error(exc)
+        raise typer.Exit(exc.code) from None
     if as_json:
         print(summary_json(summary))
     else:

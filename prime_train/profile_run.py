@@ -59,6 +59,35 @@ def run_profile(pcfg: Config, *, warmup: int, steps: int, observer) -> tuple[int
     return code, read_summary(root), root
 
 
+class ProfileFailed(RuntimeError):
+    """The profile could not run or wrote no summary; `code` is the exit code to end with."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def profile(cfg: Config, *, warmup: int, steps: int, console, preflight: bool = True) -> tuple[int, dict]:
+    """`prime-train profile` and `cost --measure`: (preflight,) the profiled run with a live status line, its summary.
+
+    Raises ProfileFailed when preflight fails or the job wrote no summary.
+    """
+    from prime_train.resilience.console import ConsoleObserver
+
+    pcfg = profile_config(cfg, warmup, steps)
+    if preflight:
+        from prime_train.validator.preflight import preflight_command
+
+        code = preflight_command(pcfg, as_json=False, quiet_pass=True, stderr=console.stderr)
+        if code != 0:
+            raise ProfileFailed("preflight failed: fix the above first", code)
+    with ConsoleObserver(console) as observer:
+        code, summary, root = run_profile(pcfg, warmup=warmup, steps=steps, observer=observer)
+    if summary is None:
+        raise ProfileFailed(f"the profiled job wrote no summary (exit {code}); see {root}/logs/latest", code or 1)
+    return code, summary
+
+
 def render_profile(summary: dict, console) -> None:
     from rich.table import Table
 
