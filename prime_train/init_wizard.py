@@ -7,7 +7,6 @@ take their defaults. The config is shown before it is saved, and checked by the 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,32 +44,6 @@ class Hardware:
         return self.gpu is not None
 
 
-def _gpu_table() -> dict[str, dict[str, Any]]:
-    """GPU name (lower case) -> its entry in the shipped GPU table (memory, peak FLOP/s)."""
-    path = Path(__file__).parent / "validator" / "data" / "gpus.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    entries = raw.get("gpus", raw) if isinstance(raw, dict) else raw
-    out: dict[str, dict[str, Any]] = {}
-    if isinstance(entries, dict):
-        entries = [{"name": k, **v} for k, v in entries.items() if isinstance(v, dict)]
-    for e in entries:
-        if isinstance(e, dict) and "name" in e:
-            out[str(e["name"]).lower()] = e
-            for alias in e.get("aliases", []):
-                out[str(alias).lower()] = e
-    return out
-
-
-def _memory_gib(entry: dict[str, Any]) -> float | None:
-    for key in ("memory_gib", "memory_gb", "memory"):
-        if key in entry:
-            return float(entry[key])
-    return None
-
-
 def parse_hardware(text: str) -> Hardware:
     """'cpu', 'H100', 'H100:8', 'A100-80GB:4' -> Hardware; an unknown GPU keeps memory None (no guess)."""
     text = text.strip()
@@ -83,8 +56,13 @@ def parse_hardware(text: str) -> Hardware:
         raise ValueError(f"hardware {text!r}: the count after ':' must be a whole number, e.g. 'H100:8'") from None
     if n < 1:
         raise ValueError(f"hardware {text!r}: at least one GPU")
-    entry = _gpu_table().get(name.lower())
-    return Hardware(name, n, _memory_gib(entry) if entry else None)
+    from prime_train.validator.memory import MemoryInputError, load_gpus
+
+    try:
+        memory_gib = load_gpus().find(name).memory_bytes / 2**30
+    except MemoryInputError:
+        memory_gib = None
+    return Hardware(name, n, memory_gib)
 
 
 def _model_shape(model: str) -> tuple[dict[str, Any] | None, int | None]:

@@ -107,3 +107,22 @@ def test_a_local_model_is_read_for_its_size(tmp_path):
     text = build_config(Answers(job="sft", model=str(model), hardware="H100:8"))
     assert "8.03B parameters" in text
     assert "activation_checkpointing = true" in text and 'strategy = "fsdp"' in text
+
+
+def test_gpu_memory_comes_from_the_shipped_table_and_decides_sharding(tmp_path):
+    import json
+
+    assert parse_hardware("H100:8").memory_gib > 70 and parse_hardware("Z80:2").memory_gib is None
+    # a 0.98B model (under the 1B at which init always shards): its 16 bytes a parameter (~14.6 GiB) fit half an
+    # 80 GB GPU, so DDP; not half a 24 GB one, so FSDP
+    from prime_train.validator.preflight import count_parameters
+
+    shape = {"model_type": "qwen2", "hidden_size": 1536, "num_hidden_layers": 16, "num_attention_heads": 12,
+             "num_key_value_heads": 2, "intermediate_size": 8960, "vocab_size": 151936, "tie_word_embeddings": True,
+             "max_position_embeddings": 32768}  # fmt: skip
+    assert 0.9e9 < count_parameters(shape) < 1e9
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(shape))
+    assert 'strategy = "ddp"' in build_config(Answers(job="sft", model=str(model), hardware="H100:8"))
+    assert 'strategy = "fsdp"' in build_config(Answers(job="sft", model=str(model), hardware="L4:8"))
