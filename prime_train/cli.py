@@ -307,23 +307,14 @@ def run(
 
 def _run_spot(paths: list[str], overrides: list[str], dry_run: bool) -> int:
     """`run --spot`: the [spot] task, checked by lint and by SkyPilot's own schema, launched as a managed job."""
-    from prime_train.config.loader import ConfigError
     from prime_train.integrations import skypilot
-    from prime_train.validator.lint import load_checked, spot_problems
+    from prime_train.validator.lint import has_errors, lint_files
 
     if not paths:
         raise typer.BadParameter("name the run's config files: they are copied to the nodes", param_hint="FILES")
-    try:
-        cfg = load_checked(paths, overrides)
-    except ConfigError as exc:
-        _print_problems(exc.problems)
-        return 78
-    from prime_train.config.loader import load_raw
-
-    _, sources = load_raw(paths, overrides)
-    problems = spot_problems(cfg, sources)
+    problems, cfg = lint_files(paths, overrides, spot=True)  # SkyPilot's limits whether or not [spot] was written
     _print_problems(problems)
-    if any(p.severity == "error" for p in problems):
+    if cfg is None or has_errors(problems):
         return 78
     task = skypilot.task_from_config(cfg, config_files=paths, overrides=overrides)
     err = _console(stderr=True)

@@ -50,8 +50,8 @@ def _resolve(path: str) -> str:
     return os.path.expanduser(path)
 
 
-def check_config(cfg: Config, sources: Sources) -> list[Problem]:
-    """Cross-field checks on a valid config."""
+def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[Problem]:
+    """Cross-field checks on a valid config; SkyPilot's limits too when it has a [spot] table or `spot` is set."""
     problems: list[Problem] = []
     t, d, ck = cfg.train, cfg.data, cfg.ckpt
 
@@ -230,7 +230,7 @@ def check_config(cfg: Config, sources: Sources) -> list[Problem]:
             )
         )
     problems.extend(token_budget_problems(cfg, sources))
-    if "spot" in cfg.model_fields_set:  # a [spot] table: this config is meant for `run --spot`
+    if spot or "spot" in cfg.model_fields_set:  # a [spot] table: this config is meant for `run --spot`
         problems.extend(spot_problems(cfg, sources))
     return problems
 
@@ -242,14 +242,16 @@ def spot_problems(cfg: Config, sources: Sources) -> list[Problem]:
     return [sources.problem(path, severity, message) for path, severity, message in lint_spot(cfg)]
 
 
-def lint_files(paths: list[str], overrides: list[str] | None = None) -> tuple[list[Problem], Config | None]:
+def lint_files(
+    paths: list[str], overrides: list[str] | None = None, *, spot: bool = False
+) -> tuple[list[Problem], Config | None]:
     """All problems of a config made of `paths` (merged in order) and overrides."""
     try:
         data, sources = load_raw(paths, overrides)
         cfg = validate(data, sources)
     except ConfigError as exc:
         return exc.problems, None
-    return check_config(cfg, sources), cfg
+    return check_config(cfg, sources, spot=spot), cfg
 
 
 def has_errors(problems: list[Problem], strict: bool = False) -> bool:
