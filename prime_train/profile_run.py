@@ -26,8 +26,7 @@ def profile_config(cfg: Config, warmup: int, steps: int) -> Config:
     data["ckpt"].update(resume="never", export_final=False, resumable_final_save=False, remote=None)
     data["ckpt"]["interval"] = max(cfg.ckpt.interval, warmup + steps + 1)  # only the timed save
     data["supervisor"]["max_restarts"] = 0
-    out = Config.model_validate(data)
-    return out
+    return Config.model_validate(data)
 
 
 def _clear_previous(root: Path) -> None:

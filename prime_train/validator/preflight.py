@@ -352,8 +352,7 @@ def check_model_source(cfg: Config) -> CheckResult:
                     f"point model.{key} at the directory holding config.json",
                 )  # fmt: skip
             continue
-        looks_local = value.startswith((".", "/", "~")) or value.count("/") != 1 or not HUB_ID.match(value)
-        if looks_local:
+        if not HUB_ID.match(value):  # one slash between names: anything else ('./x', '/x', 'a/b/c') is a path
             return CheckResult(
                 "model_source", FAIL,
                 f"model.{key} = {value!r} does not exist here, and is not a hub id ('namespace/name')",
