@@ -21,10 +21,10 @@ from rich.console import Console
 from rich.table import Table
 
 from prime_train.config.schema import Config
-from prime_train.engine.train import Trainer
+from prime_train.engine.train import SFTJob
 
 
-def build_trainer(out: str, args) -> Trainer:
+def build_trainer(out: str, args) -> SFTJob:
     cfg = Config.model_validate(
         {
             "run": {"name": "bench", "output_dir": out},
@@ -39,7 +39,7 @@ def build_trainer(out: str, args) -> Trainer:
             "logging": {"tensorboard": False},
         }
     )
-    return Trainer(cfg)
+    return SFTJob(cfg)
 
 
 def plain_loop_steps(model, optimizer, batches, steps: int, accum: int, device) -> tuple[float, int]:
@@ -83,7 +83,7 @@ def main() -> None:
 
         base_model = build_model(trainer.cfg.model, padded_vocab_size(trainer.tokenizer, 64)).to(device)
         base_opt = build_optimizer(base_model, trainer.cfg.train, device)
-        batches = [next(trainer.loader) for _ in range(args.steps * args.accum * (args.rounds + 1))]
+        batches = [next(trainer.batches) for _ in range(args.steps * args.accum * (args.rounds + 1))]
 
         # warm-up both
         for _ in range(3):

@@ -27,9 +27,9 @@ from rich.console import Console
 from rich.table import Table
 
 from prime_train.config.loader import dump_toml, load_config
+from prime_train.contract import read_json
 from prime_train.resilience.events import read_events
 from prime_train.resilience.supervisor import Observer, Supervisor, SupervisorOptions
-from prime_train.rundir import read_json
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "prime_train" / "configs" / "tiny-sft.toml"

@@ -227,7 +227,7 @@ def train(
 
       prime-train train configs/tiny-sft.toml --distributed.nproc_per_node 2 --distributed.strategy fsdp
     """
-    from prime_train.engine_launch import train_directly
+    from prime_train.launch import train_directly
 
     paths, overrides = _split_overrides(files, ctx.args)
     cfg = _load(paths or [default_config()], overrides)

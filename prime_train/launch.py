@@ -1,4 +1,4 @@
-"""How a training job is started: one Python process, or torchrun for several.
+"""How a training job is started: one Python process, or torchrun for several; and `prime-train train`.
 
 Torch-free on purpose: the supervisor builds the same argv without importing torch.
 """
@@ -6,12 +6,18 @@ Torch-free on purpose: the supervisor builds the same argv without importing tor
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 
+from prime_train.config.loader import dump_toml
 from prime_train.config.schema import Config
+from prime_train.contract import ExitCode, Heartbeat, RunDir, read_heartbeat
 
-ENGINE_MODULE = "prime_train.engine.train"
+# The module each job runs as (`python -m MODULE --config RUN/config.toml`, under torchrun for several processes).
+JOB_MODULES = {"sft": "prime_train.engine.train", "pretrain": "prime_train.engine.train", "rl": "prime_train.rl.train"}
 
 
 def visible_gpu_count() -> int:
@@ -65,7 +71,7 @@ def plan_engine_launch(cfg: Config, config_path: str, *, log_dir: str | None = N
     """The argv that runs the embedded engine on the resolved config written at `config_path`."""
     nproc = procs_per_node(cfg)
     nnodes = cfg.distributed.nnodes
-    job = [ENGINE_MODULE, "--config", config_path]
+    job = [JOB_MODULES[cfg.run.job], "--config", config_path]
     env = {"PYTHONUNBUFFERED": "1"}
     # torch's default of 1 thread per rank is safe but slow on CPU; split the cores between local ranks instead
     cores = os.cpu_count() or 1
@@ -91,15 +97,43 @@ def plan_engine_launch(cfg: Config, config_path: str, *, log_dir: str | None = N
     return LaunchPlan(argv, env, world_size=nproc * nnodes, uses_torchrun=True)
 
 
-def job_exit_code(returncode: int, progress: dict | None, started_at: float) -> int:
+def job_exit_code(returncode: int, heartbeat: Heartbeat | None, started_at: float) -> int:
     """The job's own exit code: torchrun reports any worker failure as 1, so read the heartbeat's verdict.
 
     The engine writes `exit_code` into progress.json before it exits 75 or 78; a heartbeat older than
     this attempt (`started_at`) is not evidence.
     """
-    if returncode in (0, 75, 78) or not progress:
+    if returncode in (ExitCode.OK, ExitCode.PREEMPTED, ExitCode.CONFIG) or heartbeat is None:
         return returncode
-    code = progress.get("exit_code")
-    if isinstance(code, int) and float(progress.get("time", 0)) >= started_at:
-        return code
+    if heartbeat.exit_code is not None and (heartbeat.time or 0) >= started_at:
+        return heartbeat.exit_code
     return returncode
+
+
+def write_run_config(cfg: Config) -> RunDir:
+    """Create the run directory and keep the resolved config in it, as run."""
+    run_dir = RunDir(cfg.run_dir)
+    run_dir.create()
+    run_dir.config_path.write_text(dump_toml(cfg))
+    return run_dir
+
+
+def train_directly(cfg: Config) -> int:
+    """Train in the foreground; SIGTERM is passed on so the job checkpoints and exits 75."""
+    run_dir = write_run_config(cfg)
+    plan = plan_engine_launch(cfg, str(run_dir.config_path))
+    env = {**os.environ, **{k: v for k, v in plan.env.items() if k not in os.environ}}
+    started = time.time()
+    child = subprocess.Popen(plan.argv, env=env)
+
+    def forward(signum, frame):
+        child.send_signal(signum)
+
+    # Ctrl-C reaches the child through the terminal's process group; we only have to outlive it
+    previous = {s: signal.signal(s, h) for s, h in ((signal.SIGTERM, forward), (signal.SIGINT, signal.SIG_IGN))}
+    try:
+        returncode = child.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return job_exit_code(returncode, read_heartbeat(run_dir.progress_path), started)

@@ -38,24 +38,24 @@ def _clear_previous(root: Path) -> None:
 def run_profile(pcfg: Config, *, warmup: int, steps: int, observer) -> tuple[int, dict | None, Path]:
     """Run a profile config (from `profile_config`) under the supervisor; returns (exit code, summary or None,
     profile run directory)."""
-    from prime_train.engine.profiling import PROFILE_ENV, read_summary
+    from prime_train.contract import ENV_PROFILE, RunDir, read_json
     from prime_train.resilience.supervisor import Supervisor, SupervisorOptions
 
     root = Path(pcfg.run_dir)
     _clear_previous(root)
     root.mkdir(parents=True, exist_ok=True)
     (root / MARKER).write_text("made by prime-train profile; removed by the next one\n")
-    previous = os.environ.get(PROFILE_ENV)
-    os.environ[PROFILE_ENV] = f"{warmup},{steps}"
+    previous = os.environ.get(ENV_PROFILE)
+    os.environ[ENV_PROFILE] = f"{warmup},{steps}"
     try:
         sup = Supervisor(pcfg, observer, SupervisorOptions())
         code = sup.run()
     finally:
         if previous is None:
-            os.environ.pop(PROFILE_ENV, None)
+            os.environ.pop(ENV_PROFILE, None)
         else:
-            os.environ[PROFILE_ENV] = previous
-    return code, read_summary(root), root
+            os.environ[ENV_PROFILE] = previous
+    return code, read_json(RunDir(root).profile_summary_path), root
 
 
 class ProfileFailed(RuntimeError):

@@ -1,4 +1,7 @@
-"""Shared helpers for tests that run the real engine in subprocesses."""
+"""Helpers shared by the tests: the CLI and the engine in real subprocesses, free ports, tiny models.
+
+Fixtures live in conftest.py; these are plain functions, for module-level helpers and parametrisation.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,10 +19,44 @@ from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "prime_train" / "configs" / "tiny-sft.toml"
+TINY_RL = REPO / "prime_train" / "configs" / "tiny-rl.toml"
+# a wide, colourless terminal: help and tables do not wrap, output has no escape codes
+WIDE = {"COLUMNS": "200", "TERMINAL_WIDTH": "200", "NO_COLOR": "1"}
 
 
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "prime_train", *args]
+
+
+def run_cli(*args: str, cwd: Path = REPO, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run `prime-train ARGS` in a fresh interpreter, as a user would, on a wide terminal."""
+    return subprocess.run(
+        cli(*args), cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **WIDE}
+    )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_llama(seed: int = 0, *, tie: bool = False, **config):
+    """A random-initialised 2-layer Llama (hidden 32, vocab 64) in eval mode; `config` overrides LlamaConfig fields."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    shape = dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        vocab_size=64,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(LlamaConfig(**{**shape, **config}, tie_word_embeddings=tie)).eval()
 
 
 def env() -> dict[str, str]:

@@ -19,29 +19,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from enginetools import tiny_llama
 
 from prime_train.config.schema import CkptConfig
+from prime_train.contract import RunDir, list_checkpoints, read_json
 from prime_train.engine.checkpoint import Checkpointer, TrainState
-from prime_train.rundir import RunDir, list_checkpoints, read_json
 
 THIS_FILE = Path(__file__).resolve()
 # one-process saves pass no_dist=True on purpose; pytest re-enables the warning the module silences
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-def tiny_llama(seed: int, *, tie: bool = False) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        vocab_size=64,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-    )
-    return LlamaForCausalLM(config)
 
 
 class StandInLoader:

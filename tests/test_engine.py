@@ -20,7 +20,7 @@ from enginetools import (
     wait_for,
 )
 
-from prime_train.rundir import read_json
+from prime_train.contract import read_json
 
 
 @pytest.mark.slow

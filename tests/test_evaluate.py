@@ -10,21 +10,20 @@ import string
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from enginetools import tiny_llama as _tiny_llama
 
 from prime_train.config.schema import DataConfig, DatasetConfig, DistributedConfig
 from prime_train.engine import parallel
 from prime_train.engine.data import build_eval_batches
 from prime_train.engine.evaluate import eval_loss, exact_match, greedy_complete, multiple_choice
-from prime_train.engine.tasks import Example, get_task
-from prime_train.engine.tokenizer import build_byte_tokenizer
+from prime_train.tasks import Example, get_task
 
 VOCAB = 320  # the byte tokenizer's 261 tokens padded to a multiple of 64
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return build_byte_tokenizer()
+def tokenizer(byte_tokenizer):
+    return byte_tokenizer
 
 
 @pytest.fixture
@@ -42,22 +41,13 @@ def autocast(dist):
     return lambda: parallel.autocast("fp32", dist.device)
 
 
-def tiny_llama(tokenizer, *, seed: int = 0, hidden: int = 32, initializer_range: float = 0.02) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=128,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        initializer_range=initializer_range,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config).eval()
+def tiny_llama(tokenizer, *, seed: int = 0, hidden: int = 32, initializer_range: float = 0.02):
+    """The shared tiny Llama over the byte vocabulary, with the tokenizer's special tokens."""
+    return _tiny_llama(
+        seed, vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, initializer_range=initializer_range,
+    )  # fmt: skip
 
 
 def ids_of(tokenizer, text: str) -> list[int]:

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from enginetools import tiny_llama as _tiny_llama
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from prime_train.engine.export import dcp_to_hf, export_hf, unwrap_model
 
@@ -26,21 +27,9 @@ pytestmark = [
 ]
 
 
-def tiny_llama(seed: int, *, tie: bool) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        vocab_size=64,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=3,
-    )
-    return LlamaForCausalLM(config).eval()
+def tiny_llama(seed: int, *, tie: bool):
+    """The shared tiny Llama with the special-token ids export writes into config.json."""
+    return _tiny_llama(seed, tie=tie, bos_token_id=1, eos_token_id=2, pad_token_id=3)
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
@@ -205,8 +194,8 @@ def _worker(root: Path) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from prime_train.config.schema import CkptConfig
+    from prime_train.contract import RunDir
     from prime_train.engine.checkpoint import Checkpointer, TrainState
-    from prime_train.rundir import RunDir
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

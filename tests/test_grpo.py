@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from prime_train.config.schema import Config
-from prime_train.engine.rl import PromptCursor, group_advantages, grpo_loss
-from prime_train.resilience.inference import InferenceHealthWatcher, gpu_split, inference_specs
+from prime_train.rl.grpo import grpo_loss
+from prime_train.rl.rollouts import PromptCursor, group_advantages
+from prime_train.rl.workers import InferenceHealthWatcher, gpu_split, inference_specs
 
 
 def test_advantages_are_normalised_within_each_group():

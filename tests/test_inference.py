@@ -16,33 +16,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from enginetools import free_port
 
 from prime_train.config.loader import dump_toml
 from prime_train.config.schema import Config
-from prime_train.engine.inference import (
-    Engine,
-    WorkerServer,
-    context_length_message,
-    latest_published_weights,
-    published_weights_dir,
-)
+from prime_train.contract import RunDir
 from prime_train.engine.model import build_model
-from prime_train.engine.rollout_client import (
+from prime_train.engine.tokenizer import build_byte_tokenizer, padded_vocab_size
+from prime_train.rl.client import (
     ContextLengthError,
     RolloutPool,
     WorkerClient,
     WorkerUnavailable,
 )
-from prime_train.engine.tokenizer import build_byte_tokenizer, padded_vocab_size
+from prime_train.rl.generation import Engine, context_length_message, latest_published_weights
+from prime_train.rl.worker import WorkerServer
 
 MAX_MODEL_LEN = 96
 STARTUP_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_config(root: Path, name: str, port: int, **inference) -> Config:
@@ -77,7 +68,7 @@ class Worker:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self._log_file = open(log, "w")  # noqa: SIM115 - the worker writes it until stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "prime_train.engine.inference", "--config", str(config_path), "--index", "0"],
+            [sys.executable, "-m", "prime_train.rl.worker", "--config", str(config_path), "--index", "0"],
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             env=env,
@@ -292,7 +283,7 @@ def test_update_weights_serves_the_new_weights_and_a_bad_path_keeps_them(tmp_pat
     tokenizer = build_byte_tokenizer()
     # published weights of step 2 in the run directory: a (re)started worker serves them
     published_model, _ = reference_model(cfg, seed=101)
-    published = published_weights_dir(cfg.run_dir, 2)
+    published = RunDir(cfg.run_dir).published_weights(2)
     published_model.save_pretrained(published)
     (published.parent / "step-9.tmp").mkdir()  # an export in progress is not published yet
     (published.parent / "step-1").mkdir()
@@ -368,7 +359,7 @@ def test_config_error_exits_78(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[inference]\nmax_model_lenn = 5\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "prime_train.engine.inference", "--config", str(bad), "--index", "0"],
+        [sys.executable, "-m", "prime_train.rl.worker", "--config", str(bad), "--index", "0"],
         capture_output=True,
         text=True,
         timeout=60,

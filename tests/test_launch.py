@@ -6,13 +6,21 @@ import sys
 import time
 
 from prime_train.config.schema import Config
-from prime_train.launch import ENGINE_MODULE, job_exit_code, plan_engine_launch
+from prime_train.contract import Heartbeat
+from prime_train.launch import job_exit_code, plan_engine_launch
 
 
 def test_single_process_runs_python_module_without_torchrun():
     plan = plan_engine_launch(Config(), "runs/x/config.toml")
-    assert plan.argv == [sys.executable, "-m", ENGINE_MODULE, "--config", "runs/x/config.toml"]
+    assert plan.argv == [sys.executable, "-m", "prime_train.engine.train", "--config", "runs/x/config.toml"]
     assert not plan.uses_torchrun and plan.world_size == 1
+
+
+def test_each_job_runs_as_its_own_module():
+    rl = Config.model_validate({"run": {"job": "rl"}})
+    assert plan_engine_launch(rl, "c.toml").argv[2] == "prime_train.rl.train"
+    pretrain = Config.model_validate({"run": {"job": "pretrain"}})
+    assert plan_engine_launch(pretrain, "c.toml").argv[2] == "prime_train.engine.train"
 
 
 def test_two_processes_use_standalone_torchrun_with_console_from_rank0_only():
@@ -22,7 +30,7 @@ def test_two_processes_use_standalone_torchrun_with_console_from_rank0_only():
     assert "--standalone" in plan.argv
     assert "--local-ranks-filter=0" in plan.argv
     assert "--log-dir=logs/x" in plan.argv
-    assert plan.argv[-3:] == [ENGINE_MODULE, "--config", "c.toml"]
+    assert plan.argv[-3:] == ["prime_train.engine.train", "--config", "c.toml"]
     assert plan.world_size == 2 and plan.uses_torchrun
 
 
@@ -58,9 +66,13 @@ def test_gpu_count_follows_cuda_visible_devices(monkeypatch):
 
 def test_torchrun_exit_1_is_read_back_as_the_jobs_own_code():
     start = time.time()
-    assert job_exit_code(1, {"exit_code": 75, "time": start + 1}, start) == 75
-    assert job_exit_code(1, {"exit_code": 78, "time": start + 1}, start) == 78
+
+    def hb(phase: str, code: int, when: float) -> Heartbeat | None:
+        return Heartbeat.from_dict({"step": None, "phase": phase, "exit_code": code, "time": when})
+
+    assert job_exit_code(1, hb("stopped", 75, start + 1), start) == 75
+    assert job_exit_code(1, hb("failed", 78, start + 1), start) == 78
     # a heartbeat from an earlier attempt is not evidence
-    assert job_exit_code(1, {"exit_code": 75, "time": start - 10}, start) == 1
+    assert job_exit_code(1, hb("stopped", 75, start - 10), start) == 1
     assert job_exit_code(-9, None, start) == -9
-    assert job_exit_code(0, {"exit_code": 78, "time": start + 1}, start) == 0
+    assert job_exit_code(0, hb("failed", 78, start + 1), start) == 0

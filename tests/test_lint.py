@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import os
 import re
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 import tomli_w
+from enginetools import run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -85,18 +85,6 @@ CLI_CASES = {
     "output_dir_unwritable",
     "ckpt_interval_beyond_max_steps",
 }
-
-
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """Run `prime-train ARGS` as a user would (a fresh interpreter), capturing both streams."""
-    return subprocess.run(
-        [sys.executable, "-m", "prime_train", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1"},
-    )
 
 
 def shipped_configs() -> list[Path]:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from prime_train.config.schema import Config
+from prime_train.contract import RunDir
 from prime_train.engine.metrics import MetricsLogger, read_metrics
-from prime_train.rundir import RunDir
 
 SECRET = "sk-test-0123456789abcdef0123456789abcdef01234567"  # 40+ characters, like a real W&B key
 
@@ -102,10 +102,13 @@ def test_heartbeat_writes_liveness_fields_to_progress_json(tmp_path):
     assert before <= progress["time"] <= after
     assert progress["tokens"] == 640 and progress["loss"] is None
 
-    metrics.heartbeat(6)  # rewritten, not appended; phase defaults to training
+    metrics.heartbeat(6)  # rewritten, not appended; phase defaults to step
     progress = strict_json(run_dir.progress_path.read_text())
-    assert (progress["step"], progress["phase"]) == (6, "training")
+    assert (progress["step"], progress["phase"]) == (6, "step")
     assert "tokens" not in progress
+    # the heartbeat's fields are the contract's: a field the supervisor does not know is a bug here, not a silent key
+    with pytest.raises(TypeError):
+        metrics.heartbeat(7, bogus=1)
 
 
 def test_heartbeat_readers_never_see_a_partial_progress_json(tmp_path):
@@ -130,7 +133,7 @@ def test_heartbeat_readers_never_see_a_partial_progress_json(tmp_path):
     reader.start()
     try:
         for step in range(1, 201):
-            metrics.heartbeat(step, tokens=step * 1000, note="x" * 2000)
+            metrics.heartbeat(step, tokens=step * 1000, reason="x" * 2000)
     finally:
         done.set()
         reader.join()
@@ -203,7 +206,7 @@ def test_metrics_and_heartbeat_never_hold_the_wandb_api_key(tmp_path, monkeypatc
     metrics = MetricsLogger(run_dir, cfg, enabled=True)
     metrics.log(1, {"loss": 1.0, "lr": 0.1})
     metrics.log_text(1, "samples", "text")
-    metrics.heartbeat(1, phase="training", tokens=10)
+    metrics.heartbeat(1, phase="step", tokens=10)
     metrics.close()
     written = files_under(run_dir.root)
     assert run_dir.metrics_path in written and run_dir.progress_path in written
@@ -331,7 +334,7 @@ import sys
 sys.modules["wandb"] = None
 from prime_train.config.schema import Config
 from prime_train.engine.metrics import EngineConfigError, MetricsLogger
-from prime_train.rundir import RunDir
+from prime_train.contract import RunDir
 cfg = Config.model_validate({{
     "run": {{"output_dir": {str(tmp_path)!r}, "name": "no-wandb"}},
     "logging": {{"tensorboard": False, "wandb_project": "prime-train-test", "wandb_mode": "offline"}},

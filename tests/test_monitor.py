@@ -16,10 +16,10 @@ import yaml
 
 from prime_train.config.loader import load_config
 from prime_train.config.schema import Config
+from prime_train.contract import RunDir
 from prime_train.engine.metrics import MetricsLogger
 from prime_train.integrations import monitor as mon
 from prime_train.resilience.redact import redact
-from prime_train.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / ".github" / "workflows" / "training-monitor.yml"
@@ -53,17 +53,24 @@ def judge(hb, status, age=None, wandb=None, **kw):
 
 
 def test_a_checkpoint_being_saved_is_not_a_stall(tmp_path):
-    saving = recorded(tmp_path, 40, "saving")
+    saving = recorded(tmp_path, 40, "save")
     d = judge(saving, "RUNNING", age=STALL + 300)
     assert d.state == "healthy" and d.exit_code == 0
     # the same age in a training step is a stall; past the save grace a save is one too
-    assert judge(recorded(tmp_path, 40, "training"), "RUNNING", age=STALL + 300).state == "stalled"
+    assert judge(recorded(tmp_path, 40, "step"), "RUNNING", age=STALL + 300).state == "stalled"
     assert judge(saving, "RUNNING", age=STALL + GRACE + 1).state == "stalled"
-    assert judge(recorded(tmp_path, 99, "exporting"), "RUNNING", age=STALL + 300).state == "healthy"
+    assert judge(recorded(tmp_path, 99, "export"), "RUNNING", age=STALL + 300).state == "healthy"
+
+
+def test_a_heartbeat_from_an_older_prime_train_keeps_its_phase_meaning():
+    # a spot job launched before an upgrade still uploads "saving"/"training" (the names before the contract module)
+    old_save = {"step": 40, "max_steps": 100, "phase": "saving", "time": 1_000_000.0}
+    assert judge(old_save, "RUNNING", age=STALL + 300).state == "healthy"
+    assert judge({**old_save, "phase": "training"}, "RUNNING", age=STALL + 300).state == "stalled"
 
 
 def test_stale_heartbeat_while_skypilot_says_running_is_stalled(tmp_path):
-    hb = recorded(tmp_path, 17, "training", tokens=1234)
+    hb = recorded(tmp_path, 17, "step", tokens=1234)
     fresh = judge(hb, "RUNNING", age=30)
     assert fresh.state == "healthy" and "step 17/100" in fresh.reason
     d = judge(hb, "RUNNING", age=STALL + 60, wandb="running")
@@ -91,7 +98,7 @@ def test_stale_heartbeat_while_skypilot_says_running_is_stalled(tmp_path):
 )
 def test_skypilot_states(tmp_path, status, state, relaunchable):
     # a heartbeat far older than any allowance: only SkyPilot's state can make this healthy
-    d = judge(recorded(tmp_path, 5, "training"), status, age=10 * STALL)
+    d = judge(recorded(tmp_path, 5, "step"), status, age=10 * STALL)
     assert (d.state, d.relaunchable) == (state, relaunchable), d
     assert d.exit_code == {"dead": 4, "finished": 0, "healthy": 0}[state]
 
@@ -119,16 +126,16 @@ def test_done_finished_unknown_and_no_job(tmp_path):
     nothing = mon.decide(None, None, None, 1e6, STALL, GRACE)
     assert nothing.state == "unknown" and nothing.exit_code == 2
     # SkyPilot knows no such job and the heartbeat is stale: dead, but never relaunched blindly
-    gone = judge(recorded(tmp_path, 9, "training"), None, age=10 * STALL)
+    gone = judge(recorded(tmp_path, 9, "step"), None, age=10 * STALL)
     assert gone.state == "dead" and not gone.relaunchable
     # SkyPilot could not be asked: the heartbeat alone decides and nothing is relaunched
-    blind = judge(recorded(tmp_path, 9, "training"), None, age=10 * STALL, job_status_error="timeout")
+    blind = judge(recorded(tmp_path, 9, "step"), None, age=10 * STALL, job_status_error="timeout")
     assert blind.state == "stalled" and not blind.relaunchable
-    assert judge(recorded(tmp_path, 9, "training"), None, age=5, job_status_error="timeout").state == "healthy"
+    assert judge(recorded(tmp_path, 9, "step"), None, age=5, job_status_error="timeout").state == "healthy"
 
 
 def test_clock_skew_and_wrapped_heartbeats(tmp_path):
-    hb = recorded(tmp_path, 3, "training")
+    hb = recorded(tmp_path, 3, "step")
     ahead = judge(hb, "RUNNING", age=-120)
     assert ahead.state == "healthy" and ahead.evidence["clock_skew_s"] == pytest.approx(120, abs=1)
     wrapped = {"progress": hb, "uploaded_at": hb["time"] + 5}
@@ -165,7 +172,7 @@ def _monitor(hb, job, *, resume, relaunch, now, **kw):
 
 
 def test_relaunch_once_when_dead_and_resume(tmp_path):
-    hb = recorded(tmp_path, 50, "training")
+    hb = recorded(tmp_path, 50, "step")
     job = {"status": "FAILED", "start_at": hb["time"] - 600, "recent_failures": 0}
     r = Relaunch()
     result = _monitor(hb, job, resume=True, relaunch=r, now=hb["time"] + 60)
@@ -180,14 +187,14 @@ def test_relaunch_once_when_dead_and_resume(tmp_path):
 
 
 def test_a_job_that_keeps_dying_is_left_to_a_human(tmp_path):
-    hb = recorded(tmp_path, 50, "training")
+    hb = recorded(tmp_path, 50, "step")
     r = Relaunch()
     result = _monitor(hb, {"status": "FAILED", "recent_failures": 3}, resume=True, relaunch=r, now=hb["time"])
     assert r.calls == [] and "not relaunched" in result.action and result.exit_code == 4
 
 
 def test_stalled_is_relaunched_only_past_the_limit(tmp_path):
-    hb = recorded(tmp_path, 50, "training")
+    hb = recorded(tmp_path, 50, "step")
     stall_after = mon.thresholds(_cfg())["stall_after_s"]
     r = Relaunch()
     briefly = _monitor(hb, {"status": "RUNNING"}, resume=True, relaunch=r, now=hb["time"] + stall_after + 60)
@@ -219,7 +226,7 @@ def test_failing_readers_and_relaunch_are_reported_without_secrets(tmp_path, mon
     assert "PermissionError" in result.decision.evidence["heartbeat_error"]
     assert SECRET not in json.dumps(result.to_dict()) and SECRET not in result.format()
 
-    hb = recorded(tmp_path, 50, "training")
+    hb = recorded(tmp_path, 50, "step")
     failing = Relaunch(fail=RuntimeError(f"launch refused, token={SECRET}"))
     result = _monitor(hb, {"status": "FAILED"}, resume=True, relaunch=failing, now=hb["time"])
     assert result.action.startswith("relaunch failed") and SECRET not in result.action and len(failing.calls) == 1

@@ -2,33 +2,16 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
+from pathlib import Path
 
 import psutil
 import pytest
-from enginetools import REPO, cli, env, kill_group, run_train, start, wait_for
+import torch
+from enginetools import TINY_RL, cli, env, final_weights, free_port, kill_group, metrics, start, wait_for
 
+from prime_train.contract import read_json
 from prime_train.resilience.events import read_events
-from prime_train.rundir import read_json
-
-TINY_RL = REPO / "prime_train" / "configs" / "tiny-rl.toml"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def sft_model(tmp_path_factory):
-    """The tiny SFT model RL starts from: 120 steps of reverse-text (held-out exact match ~0.8)."""
-    out = tmp_path_factory.mktemp("sft")
-    result = run_train(out, "sft", **{"train.max_steps": 120, "data.datasets.0.num_examples": 20000,
-                                      "ckpt.interval": 1000})  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:]
-    return out / "sft" / "final"
 
 
 def rl_args(tmp_path, sft_model, name: str, **extra) -> list[str]:
@@ -182,3 +165,49 @@ def test_profile_of_tiny_rl_weighs_rollout_latency_against_training(tmp_path, sf
     assert summary["phases_s"]["weight_sync"] > 0 and "rollout_wait" in summary["phases_s"]
     assert summary["bottleneck"]["kind"] in {"latency-bound rollouts", "compute-bound"}
     assert (tmp_path / "prl-profile" / "profile" / "trace-rank0.json").is_file()
+
+
+def test_kill_9_of_the_rl_trainer_resumes_exactly_like_sft(tmp_path, sft_model):
+    """The shared loop: the RL trainer killed after a checkpoint replays the lost steps bit for bit."""
+    steps = {
+        "train.max_steps": 10, "ckpt.interval": 4, "rl.max_async_level": 0, "rl.eval_prompts": 16,
+        "supervisor.backoff_initial_s": 0.5,
+    }  # fmt: skip
+    straight = subprocess.run(
+        cli("run", str(TINY_RL), *rl_args(tmp_path, sft_model, "straight", **steps)),
+        env=env(), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert straight.returncode == 0, straight.stdout[-4000:] + straight.stderr[-2000:]
+
+    run_dir = tmp_path / "killed"
+    proc = start(cli("run", str(TINY_RL), *rl_args(tmp_path, sft_model, "killed", **steps)))
+    try:
+        wait_for(lambda: ((read_json(run_dir / "progress.json") or {}).get("step") or 0) >= 6, 600, "RL step 6")
+        assert (run_dir / "checkpoints" / "step-4").is_dir()
+        trainer = next(
+            e["pid"] for e in read_events(run_dir / "events.jsonl")
+            if e["event"] == "process_started" and e["process"] == "trainer"
+        )  # fmt: skip
+        psutil.Process(trainer).kill()
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-4000:]
+    events = read_events(run_dir / "events.jsonl")
+    resumed = [e for e in events if e["event"] == "attempt_started" and e["attempt"] == 2]
+    assert resumed and resumed[0]["resume_from"] == 4, resumed
+    # weights a lost step published are gone: a restarted worker must not load a policy from the future
+    assert sorted(int(p.name[5:]) for p in (run_dir / "weights").glob("step-*")) == [9, 10]
+
+    def by_step(run: Path, key: str) -> dict[int, float]:
+        # the last record of each step: the resumed attempt rewrote the steps after its checkpoint
+        return {r["step"]: r[key] for r in metrics(run) if key in r}
+
+    for key in ("reward", "loss", "grad_norm"):
+        a, b = by_step(tmp_path / "straight", key), by_step(run_dir, key)
+        assert sorted(a) == sorted(b) == list(range(1, 11)), key
+        for step in range(5, 11):
+            assert a[step] == b[step], (key, step, a[step], b[step])  # bitwise on CPU
+    wa, wb = final_weights(tmp_path / "straight"), final_weights(run_dir)
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name

@@ -11,8 +11,8 @@ import psutil
 import torch
 from enginetools import TINY, cli, env, final_weights, kill_group, run_train, start, tiny_overrides, wait_for
 
+from prime_train.contract import read_json
 from prime_train.resilience.events import read_events
-from prime_train.rundir import read_json
 
 
 def trainer_pids(run_dir) -> list[int]:

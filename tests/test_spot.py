@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from enginetools import free_port
 
 from prime_train.config.loader import load_config
 from prime_train.integrations import skypilot as sp
@@ -327,12 +327,6 @@ def test_lint_spot_warns_without_a_bucket_and_on_gpu_count(tmp_path):
     assert _keys(sp.lint_spot(on_demand), "error") == []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_sdk_calls_against_a_real_local_api_server(tmp_path, monkeypatch, sky_python):
     """status / cancel / launch through SkyPilot's real client and a private local API server.
@@ -343,7 +337,7 @@ def test_sdk_calls_against_a_real_local_api_server(tmp_path, monkeypatch, sky_py
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
-    monkeypatch.setenv("SKYPILOT_API_SERVER_LOCAL_PORT", str(_free_port()))
+    monkeypatch.setenv("SKYPILOT_API_SERVER_LOCAL_PORT", str(free_port()))
     monkeypatch.delenv("SKYPILOT_API_SERVER_ENDPOINT", raising=False)
     monkeypatch.setenv("WANDB_API_KEY", SECRET)
     monkeypatch.delenv("HF_TOKEN", raising=False)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from prime_train.contract import list_checkpoints, write_json_atomic
 from prime_train.integrations.storage import (
     CheckpointStore,
     CorruptCheckpoint,
@@ -33,7 +34,7 @@ from prime_train.integrations.storage import (
 )
 from prime_train.resilience.backup import BackupWatcher, restore_before_start
 from prime_train.resilience.events import EventLog, read_events
-from prime_train.rundir import list_checkpoints, safe_remove_checkpoint, write_json_atomic
+from prime_train.retention import safe_remove_checkpoint
 
 boto3 = pytest.importorskip("boto3")
 
@@ -540,7 +541,7 @@ def test_stale_staging_files_are_cleaned_and_step_dirs_untouched(s3_endpoint, bu
 def test_engine_resumes_from_a_checkpoint_restored_from_the_bucket(s3_endpoint, bucket, tmp_path):
     from enginetools import losses_by_step, run_train
 
-    from prime_train.rundir import newest_checkpoint
+    from prime_train.contract import newest_checkpoint
 
     first = run_train(tmp_path, "first", **{"train.max_steps": 10, "ckpt.interval": 4})
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]

@@ -14,10 +14,10 @@ import psutil
 import pytest
 
 from prime_train.config.schema import Config
+from prime_train.contract import read_json
 from prime_train.resilience.events import read_events
 from prime_train.resilience.failures import FailureKind
 from prime_train.resilience.supervisor import Observer, Supervisor, SupervisorOptions
-from prime_train.rundir import read_json
 
 JOB = Path(__file__).parent / "jobs" / "counter_job.py"
 

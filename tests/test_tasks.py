@@ -9,9 +9,9 @@ import typing
 
 import pytest
 
+from prime_train import tasks
 from prime_train.config.schema import DatasetConfig
-from prime_train.engine import tasks
-from prime_train.engine.tasks import TASKS, Example, extract_answer, generate_examples, get_task
+from prime_train.tasks import TASKS, Example, extract_answer, generate_examples, get_task
 
 
 def test_registry_holds_exactly_the_tasks_the_config_accepts():
@@ -31,7 +31,7 @@ def test_generate_examples_is_deterministic_for_name_n_and_seed(name):
 
 def test_generated_examples_are_the_same_in_another_process():
     code = (
-        "from prime_train.engine.tasks import generate_examples as g;"
+        "from prime_train.tasks import generate_examples as g;"
         "print([(e.prompt, e.answer) for n in ('arithmetic', 'reverse-text', 'sorting') for e in g(n, 5, 3)])"
     )
     # a different hash seed would change anything seeded from hash(str)

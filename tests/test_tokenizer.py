@@ -8,18 +8,13 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from prime_train.config.schema import ModelConfig
-from prime_train.engine.tokenizer import (
-    CHATML_TEMPLATE,
-    SPECIAL_TOKENS,
-    build_byte_tokenizer,
-    load_tokenizer,
-    padded_vocab_size,
-)
+from prime_train.engine.tokenizer import build_byte_tokenizer, load_tokenizer, padded_vocab_size
+from prime_train.vocab import BYTE_VOCAB_SIZE, CHATML_TEMPLATE, SPECIAL_TOKENS
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerFast:
-    return build_byte_tokenizer()
+def tokenizer(byte_tokenizer):
+    return byte_tokenizer
 
 
 @settings(max_examples=300, deadline=None)
@@ -37,7 +32,7 @@ def test_byte_tokenizer_ids_are_the_utf8_bytes(tokenizer, data):
 
 
 def test_byte_tokenizer_has_pad_bos_eos_and_chat_specials(tokenizer):
-    assert len(tokenizer) == 256 + len(SPECIAL_TOKENS)
+    assert len(tokenizer) == 256 + len(SPECIAL_TOKENS) == BYTE_VOCAB_SIZE
     assert (tokenizer.pad_token, tokenizer.bos_token, tokenizer.eos_token) == ("<|pad|>", "<|bos|>", "<|eos|>")
     assert len({tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id}) == 3
     # special tokens in text are single tokens, and skipped when decoding for display

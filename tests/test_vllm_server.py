@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from prime_train.config.schema import Config
-from prime_train.engine.vllm_server import (
+from prime_train.rl.vllm_server import (
     EXTENSION,
     WeightReloadExtension,
     WeightRoutes,
@@ -24,7 +24,7 @@ from prime_train.engine.vllm_server import (
     version_warning,
     vllm_args,
 )
-from prime_train.resilience.inference import inference_specs, resolve_backend
+from prime_train.rl.workers import inference_specs, resolve_backend
 
 
 def rl_config(**inference) -> Config:
@@ -49,7 +49,7 @@ def test_backend_choice():
 def test_vllm_workers_are_launched_with_the_server_module_on_their_gpus():
     cfg = rl_config(backend="vllm", num_workers=2, gpus_per_worker=2)
     specs = inference_specs(cfg, "run/config.toml", 8, have_vllm=True)
-    assert [s.argv[2] for s in specs] == ["prime_train.engine.vllm_server"] * 2
+    assert [s.argv[2] for s in specs] == ["prime_train.rl.vllm_server"] * 2
     assert specs[1].argv[-4:] == ["--config", "run/config.toml", "--index", "1"]
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0,1", "2,3"]
     assert all(s.env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn" for s in specs)
@@ -158,7 +158,7 @@ def test_without_vllm_the_server_exits_78_and_says_how_to_install(tmp_path):
     path = tmp_path / "config.toml"
     path.write_text(dump_toml(rl_config(backend="vllm")))
     result = subprocess.run(
-        [sys.executable, "-m", "prime_train.engine.vllm_server", "--config", str(path)],
+        [sys.executable, "-m", "prime_train.rl.vllm_server", "--config", str(path)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 78 and "pip install vllm" in result.stderr

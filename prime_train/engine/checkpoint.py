@@ -54,16 +54,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from prime_train.config.schema import CkptConfig
-from prime_train.rundir import (
-    STEP_RE,
-    RunDir,
-    apply_retention,
-    clean_stale_tmp,
-    fsync_dir,
-    newest_checkpoint,
-    safe_remove_checkpoint,
-    write_json_atomic,
-)
+from prime_train.contract import STEP_RE, RunDir, fsync_dir, newest_checkpoint, write_json_atomic
+from prime_train.retention import apply_retention, clean_stale_tmp, safe_remove_checkpoint
 
 logger = logging.getLogger("prime_train.engine.checkpoint")
 

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from prime_train.engine import tasks
+from prime_train import tasks
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

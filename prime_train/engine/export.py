@@ -32,8 +32,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from prime_train.contract import fsync_dir
 from prime_train.engine.checkpoint import DCP_METADATA_FILE, HF_ASSETS_DIR, is_whole_checkpoint
-from prime_train.rundir import fsync_dir
 
 logger = logging.getLogger("prime_train.engine.export")
 

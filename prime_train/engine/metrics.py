@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import secrets
 import time
 from typing import Any
 
 from prime_train.config.schema import Config
-from prime_train.rundir import RunDir, append_jsonl, read_json, write_json_atomic
+from prime_train.contract import Heartbeat, Phase, RunDir, append_jsonl, read_json, write_heartbeat, write_json_atomic
 
 logger = logging.getLogger("prime_train.engine")
 
@@ -29,7 +28,6 @@ class MetricsLogger:
         self.enabled = enabled
         self._tb = None
         self._wandb = None
-        self._last_heartbeat = 0.0
         if not enabled:
             return
         if cfg.logging.tensorboard:
@@ -91,24 +89,12 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log({tag: text}, step=step)
 
-    def heartbeat(self, step: int, *, phase: str = "training", **fields: Any) -> None:
-        """Rewrite progress.json atomically: the supervisor's proof that the job is alive."""
+    def heartbeat(self, step: int | None, *, phase: Phase = Phase.STEP, **fields: Any) -> None:
+        """Rewrite progress.json atomically: the supervisor's proof that the job is alive, and what it is doing."""
         if not self.enabled:
             return
-        self._last_heartbeat = time.time()
-        write_json_atomic(
-            self.run_dir.progress_path,
-            _finite(
-                {
-                    "step": step,
-                    "max_steps": self.cfg.train.max_steps,
-                    "phase": phase,
-                    "time": self._last_heartbeat,
-                    "pid": os.getpid(),
-                    **fields,
-                }
-            ),
-        )
+        hb = Heartbeat.now(step, Phase(phase), max_steps=self.cfg.train.max_steps, **fields)
+        write_heartbeat(self.run_dir.progress_path, hb)
 
     def close(self) -> None:
         if self._tb is not None:

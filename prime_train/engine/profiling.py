@@ -16,7 +16,6 @@ slightly slower than an unprofiled one (said in the output).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -26,23 +25,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prime_train.contract import ENV_PROFILE, RunDir, write_json_atomic
+
 logger = logging.getLogger("prime_train.engine.profiling")
 
-PROFILE_ENV = "PRIME_TRAIN_PROFILE"
 COMM_EVENT = re.compile(r"gloo|nccl|all_?reduce|reduce_scatter|all_?gather|broadcast|c10d", re.IGNORECASE)
 
 
 def profile_request() -> tuple[int, int] | None:
     """(warmup, steps) from PRIME_TRAIN_PROFILE, or None when not profiling."""
-    raw = os.environ.get(PROFILE_ENV)
+    raw = os.environ.get(ENV_PROFILE)
     if not raw:
         return None
     try:
         warmup, steps = (int(x) for x in raw.split(","))
     except ValueError:
-        raise ValueError(f"{PROFILE_ENV}={raw!r}: expected '<warmup steps>,<profiled steps>'") from None
+        raise ValueError(f"{ENV_PROFILE}={raw!r}: expected '<warmup steps>,<profiled steps>'") from None
     if warmup < 0 or steps < 1:
-        raise ValueError(f"{PROFILE_ENV}={raw!r}: warmup must be >= 0 and steps >= 1")
+        raise ValueError(f"{ENV_PROFILE}={raw!r}: warmup must be >= 0 and steps >= 1")
     return warmup, steps
 
 
@@ -105,8 +105,9 @@ class PhaseTimer:
 class ProfileSession:
     """Drives a profiled run: warmup steps, then `steps` under torch.profiler, then a timed checkpoint save."""
 
-    def __init__(self, run_root: Path, warmup: int, steps: int, *, device, rank: int, job: str):
-        self.dir = Path(run_root) / "profile"
+    def __init__(self, run_dir: RunDir, warmup: int, steps: int, *, device, rank: int, job: str):
+        self.run_dir = run_dir
+        self.dir = run_dir.profile_dir
         self.warmup, self.steps = warmup, steps
         self.device, self.rank, self.job = device, rank, job
         self.timer = PhaseTimer(device=device)
@@ -154,9 +155,7 @@ class ProfileSession:
         summary.update(extra)
         summary["bottleneck"] = diagnose(summary)
         if self.rank == 0:
-            tmp = self.dir / "summary.json.tmp"
-            tmp.write_text(json.dumps(summary, indent=2))
-            os.replace(tmp, self.dir / "summary.json")
+            write_json_atomic(self.run_dir.profile_summary_path, summary)
         return summary
 
 
@@ -256,53 +255,3 @@ def diagnose(summary: dict, ckpt_interval: int | None = None) -> dict:
         "a larger micro-batch if memory allows, and activation checkpointing only when memory needs it",
         "notes": notes,
     }
-
-
-def run_profiled(job, *, tokens_of, heartbeat_of, extra_of) -> dict:
-    """The profiled run of an SFT or RL job: warmup and profiled steps, one timed checkpoint save, the summary.
-
-    `job` is a Trainer or RLTrainer (train_step, state, metrics, dist, cfg, profile, save, checkpointer).
-    `tokens_of(metrics)` gives a step's tokens, `heartbeat_of(metrics)` the heartbeat fields of a step, and
-    `extra_of(profiled step metrics)` the job's own fields of the summary.
-    """
-    prof = job.profile
-    logger.info("profiling: %d warmup step(s), then %d step(s) under torch.profiler", prof.warmup, prof.steps)
-    job.metrics.heartbeat(job.state.step, phase="training", tokens=job.state.tokens_seen)
-    steps: list[dict] = []
-    prof.timer.reset()
-    for _ in range(prof.total_steps):
-        m = job.train_step()
-        prof.after_step()
-        steps.append(m)
-        job.metrics.log(job.state.step, m)
-        job.metrics.heartbeat(job.state.step, phase="training", **heartbeat_of(m))
-    checkpoint_s = timed_checkpoint(job)
-    summary = prof.finish(
-        world_size=job.dist.world_size,
-        tokens_per_step=tokens_of(steps[-1]),
-        checkpoint_s=checkpoint_s,
-        extra={
-            "ckpt_interval": job.cfg.ckpt.interval,
-            "device": str(job.dist.device),
-            **extra_of(steps[prof.warmup :] or steps),
-        },
-    )
-    logger.info("profile: %s", summary["bottleneck"]["kind"])
-    job.metrics.heartbeat(job.state.step, phase="done", tokens=job.state.tokens_seen)
-    return summary
-
-
-def timed_checkpoint(trainer) -> float:
-    """Seconds for one whole checkpoint save of the trainer's state (async saves awaited)."""
-    t0 = time.perf_counter()
-    trainer.save()
-    trainer.checkpointer.wait()
-    return time.perf_counter() - t0
-
-
-def read_summary(run_root: str | Path) -> dict | None:
-    path = Path(run_root) / "profile" / "summary.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None

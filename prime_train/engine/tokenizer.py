@@ -15,23 +15,18 @@ if TYPE_CHECKING:
 
     from prime_train.config.schema import ModelConfig
 
-logger = logging.getLogger(__name__)
-
-PAD_TOKEN = "<|pad|>"
-BOS_TOKEN = "<|bos|>"
-EOS_TOKEN = "<|eos|>"
-IM_START_TOKEN = "<|im_start|>"
-IM_END_TOKEN = "<|im_end|>"
-SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
-NUM_BYTES = 256
-
-# ChatML: the format vLLM and most chat tooling expect; the generation prompt opens an assistant turn.
-CHATML_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+from prime_train.vocab import (
+    BOS_TOKEN,
+    CHATML_TEMPLATE,
+    EOS_TOKEN,
+    IM_END_TOKEN,
+    IM_START_TOKEN,
+    NUM_BYTES,
+    PAD_TOKEN,
+    SPECIAL_TOKENS,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def _byte_to_char() -> dict[int, str]:

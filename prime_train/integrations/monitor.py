@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prime_train.config.schema import Config
+from prime_train.contract import SLOW_PHASES, STARTUP_PHASES, ExitCode, Phase
 from prime_train.integrations.skypilot import FAILURE_STATUSES, scrub
 
 EXIT_OK = 0
@@ -50,11 +51,7 @@ CANCELLED_STATUSES = ("CANCELLED", "CANCELLING")
 SUCCEEDED_STATUSES = ("SUCCEEDED",)
 # failures a relaunch cannot fix: SkyPilot found no feasible resources or the precheck failed
 NOT_RELAUNCHABLE = ("FAILED_PRECHECKS",)
-EXIT_CONFIG_ERROR = 78
 
-# a checkpoint (or the final export, or an eval) in progress is not a stall
-SLOW_PHASES = ("saving", "exporting", "eval")
-STARTUP_PHASES = ("loading", "starting")
 # a new node installs prime-train and its engine (torch, transformers) before the first heartbeat
 SETUP_ALLOWANCE_S = 1800.0
 
@@ -83,14 +80,18 @@ def _number(value: Any) -> float | None:
 
 
 def normalize_heartbeat(heartbeat: Any) -> dict[str, Any] | None:
-    """progress.json as a dict, whether given bare or wrapped as {"progress": {...}, "uploaded_at": t}."""
+    """progress.json as a dict, whether given bare or wrapped as {"progress": {...}, "uploaded_at": t}.
+
+    Its phase is read in today's names (an older prime-train's heartbeat may still be in the bucket).
+    """
     if not isinstance(heartbeat, dict):
         return None
     inner = heartbeat.get("progress")
     if isinstance(inner, dict):
         uploaded = heartbeat.get("uploaded_at", heartbeat.get("upload_time"))
-        return {**inner, **({"uploaded_at": uploaded} if uploaded is not None else {})}
-    return heartbeat
+        heartbeat = {**inner, **({"uploaded_at": uploaded} if uploaded is not None else {})}
+    phase = Phase.parse(heartbeat.get("phase"))
+    return {**heartbeat, "phase": phase.value} if phase is not None else heartbeat
 
 
 def decide(
@@ -145,7 +146,7 @@ def decide(
     if status in CANCELLED_STATUSES:
         return Decision("finished", f"the job was cancelled ({status}); a cancelled job is not relaunched", ev)
     if status in FAILURE_STATUSES:
-        config_error = hb is not None and hb.get("exit_code") == EXIT_CONFIG_ERROR
+        config_error = hb is not None and hb.get("exit_code") == ExitCode.CONFIG
         relaunchable = status not in NOT_RELAUNCHABLE and not config_error
         why = ""
         if config_error:
@@ -153,7 +154,7 @@ def decide(
         elif status in NOT_RELAUNCHABLE:
             why = "; SkyPilot's prechecks failed (resources, credentials): a relaunch would fail again"
         return Decision("dead", f"SkyPilot reports the job {status}{at_step}{why}", ev, relaunchable)
-    if phase == "done":
+    if phase == Phase.DONE:
         return Decision("finished", f"the heartbeat says training is done{at_step}", ev)
     if status in RECOVERING_STATUSES:
         return Decision(
@@ -376,7 +377,7 @@ def storage_heartbeat_reader(cfg: Config) -> Callable[[], dict[str, Any] | None]
 
 def file_heartbeat_reader(path: str) -> Callable[[], dict[str, Any] | None]:
     """progress.json read from a path (a run directory on this machine, a mounted bucket)."""
-    from prime_train.rundir import read_json
+    from prime_train.contract import read_json
 
     return lambda: read_json(path)
 

@@ -41,8 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Protocol
 
+from prime_train.contract import fsync_dir, read_json
 from prime_train.resilience.redact import REDACTED, redact
-from prime_train.rundir import fsync_dir, read_json, safe_remove_checkpoint, select_for_deletion
+from prime_train.retention import safe_remove_checkpoint, select_for_deletion
 
 logger = logging.getLogger("prime_train.storage")
 

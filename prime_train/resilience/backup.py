@@ -24,8 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from prime_train.contract import newest_checkpoint
 from prime_train.integrations.storage import CheckpointStore, EventSink, StorageError, remove_stale_staging
-from prime_train.rundir import newest_checkpoint
 
 logger = logging.getLogger("prime_train.backup")
 

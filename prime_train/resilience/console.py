@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from prime_train.contract import Phase
 from prime_train.resilience.logscan import Finding
 from prime_train.resilience.supervisor import Observer, Supervisor
 
@@ -28,7 +29,7 @@ def status_line(s: dict[str, Any]) -> str:
     parts = [f"attempt {s.get('attempt', '-')}"]
     step, max_steps = s.get("step"), s.get("max_steps")
     parts.append(f"step {step if step is not None else '-'}/{max_steps or '?'}")
-    if s.get("phase") and s.get("phase") != "training":
+    if s.get("phase") and s.get("phase") != Phase.STEP:
         parts.append(str(s["phase"]))
     if isinstance(s.get("loss"), int | float):
         parts.append(f"loss {s['loss']:.4f}")

@@ -11,8 +11,8 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
+from prime_train.contract import RunDir, list_checkpoints, read_heartbeat, read_json
 from prime_train.resilience.events import read_events
-from prime_train.rundir import RunDir, list_checkpoints, read_json
 
 
 def _alive(pid: int | None) -> bool:
@@ -27,7 +27,7 @@ def _alive(pid: int | None) -> bool:
 def run_status(run_dir: Path) -> dict:
     rd = RunDir(run_dir)
     sup = read_json(rd.supervisor_path) or {}
-    progress = read_json(rd.progress_path) or {}
+    hb = read_heartbeat(rd.progress_path)
     state = sup.get("state", "unknown")
     if state in ("running", "restarting", "starting") and not _alive(sup.get("pid")):
         state = "dead (supervisor not running)"
@@ -37,11 +37,11 @@ def run_status(run_dir: Path) -> dict:
         "state": state,
         "attempt": sup.get("attempt"),
         "restarts": sup.get("restarts"),
-        "step": progress.get("step", sup.get("step")),
-        "max_steps": progress.get("max_steps"),
-        "phase": progress.get("phase"),
-        "loss": progress.get("loss"),
-        "heartbeat_age_s": round(time.time() - progress["time"], 1) if progress.get("time") else None,
+        "step": hb.step if hb is not None else sup.get("step"),
+        "max_steps": hb.max_steps if hb is not None else None,
+        "phase": hb.phase.value if hb is not None else None,
+        "loss": hb.loss if hb is not None else None,
+        "heartbeat_age_s": round(time.time() - hb.time, 1) if hb is not None and hb.time else None,
         "checkpoints": [c.step for c in list_checkpoints(rd.checkpoints_dir)],
         "last_failure": sup.get("last_failure"),
         "recent_events": events[-8:],

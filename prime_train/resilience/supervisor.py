@@ -1,7 +1,7 @@
 """`prime-train run`: preflight, launch, watch, classify, restart — the job's whole life.
 
-Plain Python, never imports torch. It meets the job only in the run directory (DESIGN.md):
-it reads progress.json and the checkpoints, writes events.jsonl and supervisor.json.
+Plain Python, never imports torch. It meets the job only in the run directory (prime_train/contract.py,
+docs/architecture.md): it reads progress.json and the checkpoints, writes events.jsonl and supervisor.json.
 """
 
 from __future__ import annotations
@@ -18,6 +18,15 @@ from typing import Any
 
 from prime_train.config.loader import dump_toml
 from prime_train.config.schema import Config
+from prime_train.contract import (
+    ExitCode,
+    Heartbeat,
+    RunDir,
+    newest_checkpoint,
+    read_heartbeat,
+    read_json,
+    write_json_atomic,
+)
 from prime_train.launch import job_exit_code, plan_engine_launch
 from prime_train.resilience.events import EventLog
 from prime_train.resilience.failures import Failure, FailureKind
@@ -26,9 +35,8 @@ from prime_train.resilience.policy import RestartPolicy
 from prime_train.resilience.process import ChildProcess, ProcessSpec
 from prime_train.resilience.redact import redact_argv
 from prime_train.resilience.watchers import DiskWatcher, LogProgress, PreemptionWatcher, ProgressWatcher, detect_cloud
-from prime_train.rundir import RunDir, newest_checkpoint, read_json, write_json_atomic
-
-EXIT_OK, EXIT_FAILED, EXIT_STOPPED, EXIT_CONFIG = 0, 1, 75, 78
+from prime_train.rl.client import worker_url
+from prime_train.rl.workers import InferenceHealthWatcher, gpu_split, inference_specs
 
 
 @dataclass
@@ -118,9 +126,9 @@ class Supervisor:
         if restart_error is not None:
             self._set_state("failed")
             self._write_state(final=True)
-            return EXIT_FAILED
+            return ExitCode.FAILED
         restarts = 0
-        code = EXIT_FAILED
+        code = ExitCode.FAILED
         while True:
             attempt = Attempt(len(self.attempts) + 1, time.time())
             self.attempts.append(attempt)
@@ -132,11 +140,11 @@ class Supervisor:
                 if self._stop.is_set():
                     self._set_state("stopped")
                     self.events.emit("run_stopped", reason=self._stop_reason, step=attempt.last_step)
-                    code = EXIT_STOPPED
+                    code = ExitCode.PREEMPTED
                 else:
                     self._set_state("done")
                     self.events.emit("run_finished", step=attempt.last_step, attempts=len(self.attempts))
-                    code = EXIT_OK
+                    code = ExitCode.OK
                 break
             self.events.emit("failure", attempt=attempt.number, **failure.to_dict())
             self.observer.message(
@@ -144,20 +152,20 @@ class Supervisor:
             )
             if self._stop.is_set():
                 self._set_state("stopped")
-                code = EXIT_STOPPED
+                code = ExitCode.PREEMPTED
                 break
             if failure.kind is FailureKind.PREEMPTED and self._cloud_notice is not None:
                 # the instance is going away: restarting here would be killed with it. Exit 75 so the
                 # layer above (SkyPilot's recover_on_exit_codes) resumes the run on a new instance.
                 self._set_state("preempted")
                 self.events.emit("run_preempted", step=attempt.last_step, **self._cloud_notice)
-                code = EXIT_STOPPED
+                code = ExitCode.PREEMPTED
                 break
             decision = self.policy.decide(failure, restarts)
             self.events.emit("decision", restart=decision.restart, delay_s=decision.delay_s, reason=decision.reason)
             if not decision.restart:
                 self._set_state("failed")
-                code = EXIT_CONFIG if failure.kind is FailureKind.CONFIG_ERROR else EXIT_FAILED
+                code = ExitCode.CONFIG if failure.kind is FailureKind.CONFIG_ERROR else ExitCode.FAILED
                 self.observer.message(f"giving up: {decision.reason}")
                 break
             restarts += 1
@@ -165,7 +173,7 @@ class Supervisor:
             self.observer.message(f"{decision.reason}; restarting in {decision.delay_s:.0f}s")
             if self._stop.wait(decision.delay_s):
                 self._set_state("stopped")
-                code = EXIT_STOPPED
+                code = ExitCode.PREEMPTED
                 break
         self._finish_backup(code)
         self._write_state(final=True)
@@ -259,7 +267,6 @@ class Supervisor:
         workers: list[ProcessSpec] = []
         if self.cfg.run.job == "rl":
             from prime_train.launch import visible_gpu_count
-            from prime_train.resilience.inference import gpu_split, inference_specs
 
             gpus = visible_gpu_count()
             workers = inference_specs(self.cfg, config_path, gpus)
@@ -416,8 +423,6 @@ class Supervisor:
 
     def _mend_inference(self, dead, background: _Background) -> Failure | None:
         """Restart a dead or wedged rollout worker on its own; the trainer's pool routes around it meanwhile."""
-        from prime_train.resilience.inference import InferenceHealthWatcher
-
         health = next((w for w in background.watchers if isinstance(w, InferenceHealthWatcher)), None)
         broken = [(c, code) for c, code in dead if c.spec.role == "inference"]
         if health is not None:
@@ -467,8 +472,6 @@ class Supervisor:
             )
         ]
         if self.cfg.run.job == "rl" and not self.cfg.job.command:
-            from prime_train.resilience.inference import InferenceHealthWatcher, worker_url
-
             urls = {f"inference-{i}": worker_url(self.cfg, i) for i in range(self.cfg.inference.num_workers)}
             watchers.append(InferenceHealthWatcher(urls, timeout_s=self.cfg.inference.health_timeout_s))
         if self._backup is not None:
@@ -518,7 +521,7 @@ class Supervisor:
                 with self._findings_lock:
                     self.findings.append(finding)
                 self.observer.finding(finding)
-        code = job_exit_code(returncode, read_json(self.run_dir.progress_path), child.started_at)
+        code = job_exit_code(returncode, read_heartbeat(self.run_dir.progress_path), child.started_at)
         attempt.exit_code = code
         assert self.events is not None
         self.events.emit(
@@ -531,7 +534,7 @@ class Supervisor:
             if child.spec.role in ("trainer", "job"):
                 return None
             return Failure(FailureKind.INFERENCE_DIED, f"{child.name} exited", tail, child.name, exit_code=code)
-        if code == 75:
+        if code == ExitCode.PREEMPTED:
             if self._stop.is_set():
                 return None
             return Failure(
@@ -541,7 +544,7 @@ class Supervisor:
                 child.name,
                 exit_code=code,
             )
-        if code == 78:
+        if code == ExitCode.CONFIG:
             return Failure(FailureKind.CONFIG_ERROR, _last_message(findings, tail), tail, child.name, exit_code=code)
         if child.spec.role == "inference":
             return Failure(FailureKind.INFERENCE_DIED, _last_message(findings, tail), tail, child.name, exit_code=code)
@@ -585,21 +588,20 @@ class Supervisor:
         )
 
     def _status(self, attempt: Attempt, progress: ProgressWatcher, background: _Background) -> None:
-        hb = progress.last_seen or {}
+        hb = progress.last_seen or Heartbeat(None)
         status = {
             "attempt": attempt.number,
             "restarts": attempt.number - 1,
             "step": progress.step,
-            "max_steps": hb.get("max_steps") or self.cfg.train.max_steps,
+            "max_steps": hb.max_steps or self.cfg.train.max_steps,
             "phase": progress.phase,
-            "loss": hb.get("loss"),
-            "tokens_per_s": hb.get("tokens_per_s"),
+            "loss": hb.loss,
+            "tokens_per_s": hb.tokens_per_s,
             "disk": background.disk_usage(),
             "gpu": background.gpu_summary(),
         }
-        step_time = hb.get("step_time_s")
-        if isinstance(step_time, int | float):
-            self._step_times.append(float(step_time))
+        if hb.step_time_s is not None:
+            self._step_times.append(hb.step_time_s)
             self._step_times = self._step_times[-50:]
         if self._step_times and progress.step is not None and status["max_steps"]:
             status["eta_s"] = sum(self._step_times) / len(self._step_times) * (status["max_steps"] - progress.step)

@@ -14,33 +14,22 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prime_train.contract import SLOW_PHASES, STARTUP_PHASES, Heartbeat, Phase, list_checkpoints
 from prime_train.resilience.failures import Failure, FailureKind
-from prime_train.rundir import list_checkpoints, read_json, safe_remove_checkpoint, select_for_deletion
-
-# phases in which a step legitimately takes longer than a training step
-SLOW_PHASES = {"saving", "exporting", "eval", "loading"}
-
-
-@dataclass
-class Progress:
-    step: int | None
-    phase: str | None
-    time: float  # when we saw it advance (wall clock of the supervisor)
-    loss: float | None = None
-    tokens_per_s: float | None = None
-    max_steps: int | None = None
+from prime_train.retention import safe_remove_checkpoint, select_for_deletion
 
 
 class ProgressWatcher:
     """A step that does not advance within stall_timeout_s of wall clock is a hang.
 
-    Start-up (before the first step) gets startup_timeout_s; a heartbeat that says it is saving,
-    exporting, evaluating or loading gets save_timeout_s. The clock restarts at every change of the
-    heartbeat, so a slow save that keeps writing its phase is not a stall.
+    Start-up (before the first step, and while compiling) gets startup_timeout_s; a heartbeat that
+    says it is saving, exporting or evaluating gets save_timeout_s. The clock restarts at every change
+    of the heartbeat, so a slow save that keeps writing its phase is not a stall. `read` returns the
+    raw heartbeat object (progress.json, an external job's file, or LogProgress); it is read through
+    the contract's Heartbeat, so an older prime-train's phase names still count.
     """
 
     def __init__(
@@ -59,9 +48,9 @@ class ProgressWatcher:
         self.clock = clock
         self.started = clock()
         self.last_change = self.started
-        self.last_seen: dict[str, Any] | None = None
+        self.last_seen: Heartbeat | None = None
         self.step: int | None = None
-        self.phase: str | None = None
+        self.phase: Phase | None = None
         self.first_step: int | None = None
         self.failure: Failure | None = None
 
@@ -73,22 +62,23 @@ class ProgressWatcher:
         self.first_step = None
         self.failure = None
 
-    def _key(self, hb: dict[str, Any]) -> tuple:
-        return (hb.get("step"), hb.get("phase"), hb.get("time"))
+    @staticmethod
+    def _key(hb: Heartbeat) -> tuple:
+        return (hb.step, hb.phase, hb.time)
 
     def poll(self) -> list[dict[str, Any]]:
         now = self.clock()
-        hb = self.read()
+        hb = Heartbeat.from_dict(self.read())
         events: list[dict[str, Any]] = []
         if hb is not None and (self.last_seen is None or self._key(hb) != self._key(self.last_seen)):
-            if float(hb.get("time") or 0) >= self.started - 1 or hb.get("step") != (self.last_seen or {}).get("step"):
+            last_step = self.last_seen.step if self.last_seen is not None else None
+            if (hb.time or 0) >= self.started - 1 or hb.step != last_step:
                 self.last_change = now
-                self.phase = hb.get("phase")
-                step = hb.get("step")
-                if isinstance(step, int):
+                self.phase = hb.phase
+                if hb.step is not None:
                     if self.first_step is None:
-                        self.first_step = step
-                    self.step = step
+                        self.first_step = hb.step
+                    self.step = hb.step
             self.last_seen = hb
         allowance, what = self._allowance()
         idle = now - self.last_change
@@ -96,7 +86,7 @@ class ProgressWatcher:
             self.failure = Failure(
                 FailureKind.HANG,
                 f"no progress for {idle:.0f}s ({what} allowance {allowance:.0f}s); last step {self.step}",
-                evidence=[json.dumps(self.last_seen)] if self.last_seen else [],
+                evidence=[json.dumps(self.last_seen.to_dict())] if self.last_seen else [],
                 step=self.step,
             )
             events.append({"event": "hang_detected", "idle_s": round(idle, 1), "step": self.step, "phase": self.phase})
@@ -105,7 +95,7 @@ class ProgressWatcher:
     def _allowance(self) -> tuple[float, str]:
         if self.phase in SLOW_PHASES:
             return self.save_timeout_s, f"{self.phase}"
-        if self.first_step is None or self.phase in (None, "loading", "starting"):
+        if self.first_step is None or self.phase is None or self.phase in STARTUP_PHASES:
             return self.startup_timeout_s, "start-up"
         return self.stall_timeout_s, "step"
 
@@ -132,7 +122,7 @@ class LogProgress:
     def read(self) -> dict[str, Any] | None:
         if self.step is None:
             return None
-        return {"step": self.step, "phase": "training", "time": self.time, "max_steps": self.max_steps}
+        return Heartbeat(self.step, Phase.STEP, time=self.time, max_steps=self.max_steps).to_dict()
 
 
 class DiskWatcher:
@@ -322,7 +312,3 @@ def detect_cloud() -> str | None:
     if "Google" in text:
         return "gcp"
     return None
-
-
-def read_heartbeat(path: Path) -> Callable[[], dict[str, Any] | None]:
-    return lambda: read_json(path)

@@ -1,5 +1,6 @@
-"""RL environments (prompts and their rewards) and the token-budget and gotcha checks run before launch."""
+"""RL in one package: environments, token budgets, rollout workers and their supervision, and the GRPO job.
 
-from prime_train.rl.environments import Environment, EnvironmentLoadError, Prompt, load_environment
-
-__all__ = ["Environment", "EnvironmentLoadError", "Prompt", "load_environment"]
+Two halves (docs/architecture.md): torch-free modules the supervisor, lint and preflight import
+(environments, budget, workers, client, rollouts, vllm_server's argv), and the training side that
+runs in the job's processes (grpo, train, generation, worker).
+"""

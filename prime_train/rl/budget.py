@@ -190,7 +190,7 @@ def check_token_budget(cfg: Config, tokenizer: Any = None, *, pending_ok: bool =
 
 
 def _vllm_version() -> tuple[int, ...] | None:
-    from prime_train.engine.vllm_server import installed_vllm  # torch-free: parses package metadata only
+    from prime_train.rl.vllm_server import installed_vllm  # torch-free: parses package metadata only
 
     return installed_vllm()
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from prime_train.engine import tasks
+from prime_train import tasks
 
 SPLITS = ("train", "eval")
 # Fraction of a built-in task's prompt space (by content) that only ever appears in the eval split.
@@ -114,7 +114,7 @@ def _in_eval_split(text: str, eval_fraction: float) -> bool:
 
 
 class BuiltinEnvironment:
-    """A generated task from prime_train.engine.tasks as an environment."""
+    """A generated task from prime_train.tasks as an environment."""
 
     uses_tools = False
 

@@ -26,6 +26,7 @@ from typing import Any, Literal
 import psutil
 
 from prime_train.config.schema import Config
+from prime_train.contract import ExitCode
 from prime_train.launch import node_rank, procs_per_node, rendezvous_endpoint, visible_gpu_count
 from prime_train.rl.budget import preflight_checks as rl_preflight_checks
 
@@ -35,7 +36,6 @@ except ImportError:  # Windows has no rlimits
     resource = None  # type: ignore[assignment]
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
-EXIT_OK, EXIT_CONFIG = 0, 78
 
 # Open files the job needs. Without inference workers, 4096: torch's DataLoader workers pass tensors to the
 # trainer as file descriptors (Linux's default "file_descriptor" sharing strategy, one fd per tensor in flight),
@@ -699,7 +699,7 @@ def preflight_command(
     failed = any(r.status == FAIL for r in results)
     if as_json:
         print(json.dumps([r.to_dict() for r in results], indent=2, default=str))
-        return EXIT_CONFIG if failed else EXIT_OK
+        return ExitCode.CONFIG if failed else ExitCode.OK
 
     from rich.console import Console
     from rich.text import Text
@@ -720,4 +720,4 @@ def preflight_command(
     counts = {s: sum(r.status == s for r in results) for s in (PASS, WARN, FAIL)}
     summary = f"preflight: {counts[PASS]} passed, {counts[WARN]} warning(s), {counts[FAIL]} failed"
     console.print(Text(summary, style="red" if failed else "green"))
-    return EXIT_CONFIG if failed else EXIT_OK
+    return ExitCode.CONFIG if failed else ExitCode.OK

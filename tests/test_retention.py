@@ -1,4 +1,4 @@
-"""The run-directory contract: layout, atomic JSON, checkpoint listing, retention and safe deletion."""
+"""The run-directory contract (layout, atomic JSON, checkpoint listing) and retention with safe deletion."""
 
 from __future__ import annotations
 
@@ -10,20 +10,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prime_train import rundir
-from prime_train.rundir import (
+from prime_train import retention
+from prime_train.contract import (
     CheckpointInfo,
     RunDir,
     append_jsonl,
-    apply_retention,
-    clean_stale_tmp,
     list_checkpoints,
     newest_checkpoint,
     read_json,
-    safe_remove_checkpoint,
-    select_for_deletion,
     write_json_atomic,
 )
+from prime_train.retention import apply_retention, clean_stale_tmp, safe_remove_checkpoint, select_for_deletion
 
 
 def make_ckpt(ckpt_dir: Path, name: str) -> Path:
@@ -259,7 +256,7 @@ def test_safe_remove_interrupted_mid_delete_never_leaves_a_partial_step_director
     def crash(path, *args, **kwargs):
         raise OSError("killed mid-delete")
 
-    monkeypatch.setattr(rundir.shutil, "rmtree", crash)
+    monkeypatch.setattr(retention.shutil, "rmtree", crash)
     with pytest.raises(OSError):
         safe_remove_checkpoint(ckpt / "step-1", ckpt)
     assert [c.step for c in list_checkpoints(ckpt)] == [2]
@@ -316,9 +313,9 @@ def test_clean_stale_tmp_removes_unfinished_saves_only(tmp_path):
     assert clean_stale_tmp(tmp_path / "missing") == []
 
 
-def test_rundir_module_never_imports_torch():
+def test_contract_and_retention_never_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, prime_train.rundir; sys.exit('torch' in sys.modules)"
+    code = "import sys, prime_train.contract, prime_train.retention; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

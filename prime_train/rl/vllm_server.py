@@ -1,6 +1,6 @@
 """A rollout worker on GPU: vLLM's OpenAI-compatible server with a route that loads the trainer's new weights.
 
-`python -m prime_train.engine.vllm_server --config RUN/config.toml --index I` starts vLLM's own server
+`python -m prime_train.rl.vllm_server --config RUN/config.toml --index I` starts vLLM's own server
 (`vllm serve`'s code path) on inference.base_port + I, with two routes added:
 
 - POST /update_weights {"path", "step"}: every vLLM worker process loads the safetensors in `path`
@@ -10,7 +10,7 @@
 
 The loading runs inside vLLM's workers through a worker extension (`WeightReloadExtension` below,
 passed as --worker-extension-cls) and engine_client.collective_rpc, the way prime-rl and other RL
-stacks extend vLLM. The trainer's client (engine/rollout_client.py) speaks the same protocol to this
+stacks extend vLLM. The trainer's client (rl/client.py) speaks the same protocol to this
 server and to the embedded CPU worker.
 
 Written for vLLM 0.10.2 to 0.11.x (V1 engine only; `VLLM_USE_V1` is gone from 0.11): the names used are
@@ -32,10 +32,10 @@ from typing import Any
 
 from prime_train.config.schema import Config
 
-logger = logging.getLogger("prime_train.engine.vllm_server")
+logger = logging.getLogger("prime_train.rl.vllm_server")
 
 TESTED_VLLM = ((0, 10, 2), (0, 12, 0))  # [from, to): the versions this server was written against
-EXTENSION = "prime_train.engine.vllm_server.WeightReloadExtension"
+EXTENSION = "prime_train.rl.vllm_server.WeightReloadExtension"
 
 
 def vllm_args(cfg: Config, index: int) -> list[str]:
@@ -192,7 +192,7 @@ def serve(cfg: Config, index: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     from prime_train.config.loader import ConfigError, load_config
 
-    parser = argparse.ArgumentParser(prog="python -m prime_train.engine.vllm_server", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m prime_train.rl.vllm_server", description=__doc__)
     parser.add_argument("--config", required=True, help="resolved run config (TOML)")
     parser.add_argument("--index", type=int, default=0, help="worker index: listens on inference.base_port + index")
     args = parser.parse_args(argv)

@@ -64,15 +64,11 @@ def gpu_split(cfg: Config, num_gpus: int) -> tuple[list[int], list[list[int]]]:
     return list(range(need, num_gpus)), workers
 
 
-def worker_url(cfg: Config, index: int) -> str:
-    return f"http://{cfg.inference.host}:{cfg.inference.base_port + index}"
-
-
 def inference_specs(
     cfg: Config, config_path: str, num_gpus: int, *, have_vllm: bool | None = None
 ) -> list[ProcessSpec]:
     backend = resolve_backend(cfg, num_gpus, have_vllm=have_vllm)
-    module = "prime_train.engine.vllm_server" if backend == "vllm" else "prime_train.engine.inference"
+    module = "prime_train.rl.vllm_server" if backend == "vllm" else "prime_train.rl.worker"
     _, devices = gpu_split(cfg, num_gpus)
     specs = []
     for i in range(cfg.inference.num_workers):

@@ -17,10 +17,17 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
-logger = logging.getLogger("prime_train.engine.rollout_client")
+from prime_train.config.schema import Config
+
+logger = logging.getLogger("prime_train.rl.client")
 
 _TOKEN_ID_RE = re.compile(r"^token_id:(\d+)$")
 DOWN_RECHECK_S = 5.0  # a worker that failed is health-checked again after this long, not on every call
+
+
+def worker_url(cfg: Config, index: int) -> str:
+    """The base URL of rollout worker `index`: inference.host on inference.base_port + index."""
+    return f"http://{cfg.inference.host}:{cfg.inference.base_port + index}"
 
 
 class ContextLengthError(ValueError):

@@ -1,0 +1,384 @@
+"""One training loop for every embedded job: SFT, pretraining and GRPO.
+
+A job is a `TrainingJob` subclass that supplies its batch source (`build_batch_source`), one
+optimizer step (`train_step`) and its evaluation (`evaluate`). Everything around them is shared
+and lives here: joining the process group, loading the model and tokenizer, building the
+optimizer, schedule, checkpointer and metrics, resuming, the heartbeat in every phase (the job
+contract, prime_train/contract.py), cross-rank agreement on stopping, periodic and resumable final
+saves, the final export, the profiled variant and the exit code. `main(JobClass)` is the process
+entry point each job module calls (`python -m prime_train.engine.train`, `python -m prime_train.rl.train`).
+
+SIGTERM/SIGINT only set a flag; the step in progress finishes, every rank agrees to stop at the
+same step, a checkpoint is saved synchronously and the process exits 75 (engine/checkpoint.py has
+the full design). See docs/architecture.md for how the job meets the supervisor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+
+from prime_train.config.loader import ConfigError, load_config
+from prime_train.config.schema import Config
+from prime_train.contract import ExitCode, Heartbeat, Phase, RunDir, newest_checkpoint, write_heartbeat
+from prime_train.engine import parallel
+from prime_train.engine.checkpoint import Checkpointer, TrainState
+from prime_train.engine.metrics import EngineConfigError, MetricsLogger
+from prime_train.engine.model import num_parameters
+from prime_train.engine.optim import build_optimizer
+from prime_train.engine.profiling import NullTimer, ProfileSession, profile_request
+from prime_train.engine.schedule import build_scheduler
+
+logger = logging.getLogger("prime_train.engine")
+
+# Heartbeat fields a step's metrics may carry; the loop copies whichever a job's step returns.
+_HEARTBEAT_METRICS = ("loss", "tokens_per_s", "step_time_s", "reward")
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT: finish the step, save, exit 75."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signal_name = ""
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name
+
+
+def setup_logging(cfg: Config, rank: int) -> None:
+    # per-rank chatter stays out of the console: other ranks log warnings and errors only
+    level = getattr(logging, cfg.logging.level.upper()) if rank == 0 else logging.WARNING
+    fmt = (
+        "%(asctime)s %(levelname)s %(message)s" if rank == 0 else f"%(asctime)s [rank{rank}] %(levelname)s %(message)s"
+    )
+    logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+    for noisy in ("transformers", "torch.distributed", "urllib3", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    try:  # transformers' own tqdm bars ("Writing model shards") would interleave with our log lines
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def load_model_and_tokenizer(cfg: Config):
+    """Tokenizer and model on the CPU; one that cannot be loaded is a configuration error (never retried)."""
+    from prime_train.engine.model import build_model
+    from prime_train.engine.tokenizer import load_tokenizer, padded_vocab_size
+
+    try:
+        tokenizer = load_tokenizer(cfg.model)
+        model = build_model(cfg.model, padded_vocab_size(tokenizer, cfg.model.vocab_multiple))
+    except (OSError, ValueError) as exc:
+        key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+        raise EngineConfigError(f"{key}: cannot load {getattr(cfg.model, key.split('.')[1])!r}: {exc}") from None
+    return tokenizer, model
+
+
+class TrainingJob:
+    """The shared parts of an embedded job and the loop that drives it; subclasses supply the job.
+
+    A subclass implements `build_batch_source` (its data: a loader, a rollout source; checkpointed
+    through `state_dict`/`load_state_dict`), `train_step` (one optimizer step, returning its metrics;
+    it increments `self.state.step`), `evaluate`, and may override the hooks below.
+    """
+
+    job_name = "sft"
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.run_dir = RunDir(cfg.run_dir)
+        self.dist = parallel.init_distributed(cfg.distributed)
+        setup_logging(cfg, self.dist.rank)
+        if self.dist.is_rank0:
+            self.run_dir.create()
+        parallel.set_seed(cfg.run.seed, self.dist.rank)
+        self.stop = StopFlag()
+        self.strategy = parallel.resolve_strategy(cfg.distributed, self.dist.world_size)
+        self._autocast = lambda: parallel.autocast(cfg.train.precision, self.dist.device)
+
+        self.tokenizer, model = load_model_and_tokenizer(cfg)
+        self.hf_config = model.config
+        self.prepare_model(model)
+        model.to(self.dist.device)
+        self.model = parallel.parallelize(model, cfg, self.dist)
+        self.optimizer = build_optimizer(self.model, cfg.train, self.dist.device)
+        self.scheduler = build_scheduler(self.optimizer, cfg.train)
+        self.batches = self.build_batch_source()
+        self.state = TrainState(self.model, self.optimizer, self.scheduler, self.batches, rank=self.dist.rank)
+        self.checkpointer = Checkpointer(self.run_dir, cfg.ckpt, rank=self.dist.rank, world_size=self.dist.world_size)
+        self.checkpointer.set_hf_assets(self.hf_config, self.tokenizer)
+        self.metrics = MetricsLogger(self.run_dir, cfg, enabled=self.dist.is_rank0)
+        request = profile_request()
+        self.profile = (
+            ProfileSession(self.run_dir, *request, device=self.dist.device, rank=self.dist.rank, job=self.job_name)
+            if request
+            else None
+        )
+        self.timer = self.profile.timer if self.profile else NullTimer()
+        self._last_loss: float | None = None
+        self.phase = Phase.STARTUP
+        self.device_name = torch.cuda.get_device_name(self.dist.device) if self.dist.device.type == "cuda" else "cpu"
+        logger.info(
+            "%s job, model %s: %.2fM parameters, strategy %s over %d process(es) on %s",
+            self.job_name,
+            self.hf_config.model_type,
+            num_parameters(self.model) / 1e6,
+            self.strategy,
+            self.dist.world_size,
+            self.device_name,
+        )
+
+    # ------------------------------------------------------------------ what a job supplies
+
+    def prepare_model(self, model) -> None:
+        """Called with the loaded model before it moves to the device and is wrapped (RL copies its reference)."""
+
+    def build_batch_source(self):
+        """The job's data: an iterator of batches or a rollout source, with state_dict/load_state_dict."""
+        raise NotImplementedError
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step; increments self.state.step and returns the step's metrics."""
+        raise NotImplementedError
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out metrics (`eval_*`); every rank calls it."""
+        raise NotImplementedError
+
+    def before_training(self) -> None:
+        """After resume, before the first step (RL: wait for the workers, give them the current weights)."""
+
+    def log_fields(self, m: dict[str, Any]) -> list[str]:
+        """The job's parts of a console progress line."""
+        return [f"loss {m['loss']:.4f}"]
+
+    def profile_tokens(self, m: dict[str, Any]) -> float:
+        """Tokens one profiled step processed (for tokens/s in the profile summary)."""
+        return m["tokens_per_s"] * m["step_time_s"]
+
+    def profile_extra(self, profiled: list[dict[str, Any]]) -> dict[str, Any]:
+        """The job's own fields of the profile summary, from the profiled steps' metrics."""
+        return {}
+
+    def close(self) -> None:
+        """Flush checkpoints and metrics, drop the model wrappers, leave the process group."""
+        self.checkpointer.close()
+        self.metrics.close()
+        # drop the DDP/FSDP wrappers before the process group goes, or gloo may abort at exit
+        self.state = self.optimizer = self.scheduler = self.model = None
+        gc.collect()
+        parallel.destroy_distributed()
+
+    # ------------------------------------------------------------------ the loop
+
+    def heartbeat(self, phase: Phase, **fields: Any) -> None:
+        """Tell the supervisor what the job is doing now (rank 0 writes progress.json)."""
+        self.phase = phase
+        self.metrics.heartbeat(self.state.step, phase=phase, tokens=self.state.tokens_seen, **fields)
+
+    def fit(self) -> int:
+        """Resume, train to train.max_steps, save and export; returns the exit code."""
+        cfg = self.cfg
+        self.stop.install()
+        self.heartbeat(Phase.STARTUP)
+        self.resume()
+        self.before_training()
+        if self.profile is not None:
+            return self._profile_fit()
+        if self.dist.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.dist.device)
+        if self.state.step == 0:
+            # a baseline at step 0 so curves and "did it learn" have a starting point
+            self.heartbeat(Phase.EVAL)
+            self.metrics.log(0, self.evaluate())
+        start_step, t_start = self.state.step, time.time()
+        # the first step of an attempt is part of start-up: CUDA and allocator warm-up, torch.compile
+        self.heartbeat(Phase.COMPILE if cfg.train.compile else Phase.STARTUP)
+        while self.state.step < cfg.train.max_steps:
+            if self._stop_agreed():
+                return self._stop_and_save()
+            m = self.train_step()
+            self._last_loss = m.get("loss")
+            step = self.state.step
+            self.checkpointer.poll()
+            last = step == cfg.train.max_steps
+            if step % cfg.logging.log_interval == 0 or last:
+                m["param_norm"] = self.param_norm()
+            if step % cfg.train.eval_interval == 0 or last:
+                self.heartbeat(Phase.EVAL, loss=m.get("loss"))
+                m.update(self.evaluate())
+            self.metrics.log(step, m)
+            self.heartbeat(Phase.STEP, **{k: m[k] for k in _HEARTBEAT_METRICS if k in m})
+            if step % cfg.logging.log_interval == 0 or last or step == start_step + 1:
+                self._log_line(step, m, t_start, start_step)
+            if step % cfg.ckpt.interval == 0 and not last:
+                self.save()
+        self.checkpointer.wait()
+        if cfg.ckpt.resumable_final_save and self._newest_saved_step() != self.state.step:
+            self.save(final=True)
+        if cfg.ckpt.export_final:
+            self.heartbeat(Phase.EXPORT)
+            from prime_train.engine.export import export_hf
+
+            export_hf(self.model, self.tokenizer, self.run_dir.final_dir, rank=self.dist.rank)
+        self.heartbeat(Phase.DONE, loss=self._last_loss)
+        return ExitCode.OK
+
+    def resume(self) -> None:
+        path = self.checkpointer.resolve_resume()
+        if path is not None:
+            self.checkpointer.load(self.state, path)
+            logger.info("resumed from %s at step %d", path, self.state.step)
+
+    def save(self, *, final: bool = False) -> None:
+        self.heartbeat(Phase.SAVE)
+        self.checkpointer.save(self.state, self.state.step, final=final)
+
+    def param_norm(self) -> float:
+        """The L2 norm of all parameters (the full tensor under FSDP: shards summed, replicas counted once)."""
+        local = torch.zeros((), dtype=torch.float64)
+        for p in self.model.parameters():
+            data = p.to_local() if hasattr(p, "to_local") else p
+            local += data.detach().double().pow(2).sum().cpu()
+        if self.strategy in ("fsdp", "hsdp"):
+            local = parallel.all_reduce_sum(local.reshape(1), self.dist)[0] / parallel.replica_count(
+                self.dist, self.cfg
+            )
+        return float(local.sqrt())
+
+    def clip_gradients(self) -> float:
+        """Clip to train.grad_clip (no clipping when unset) and return the total gradient norm before clipping."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip is not None else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=self.dist.device.type == "cuda")
+        if hasattr(norm, "full_tensor"):  # FSDP2 returns a DTensor
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _newest_saved_step(self) -> int | None:
+        newest = newest_checkpoint(self.run_dir.checkpoints_dir)
+        return newest.step if newest else None
+
+    def _stop_agreed(self) -> bool:
+        """All ranks stop at the same step: a signal seen by any rank stops every rank."""
+        flag = torch.tensor([1.0 if self.stop.requested else 0.0])
+        return bool(parallel.all_reduce_sum(flag, self.dist)[0] > 0)
+
+    def _stop_and_save(self) -> int:
+        logger.warning(
+            "stop requested (%s): saving a checkpoint at step %d and exiting 75",
+            self.stop.signal_name or "peer rank",
+            self.state.step,
+        )
+        self.checkpointer.wait()
+        if self.state.step > 0 and self._newest_saved_step() != self.state.step:
+            self.save(final=True)
+        self.heartbeat(Phase.STOPPED, exit_code=ExitCode.PREEMPTED)
+        return ExitCode.PREEMPTED
+
+    def _log_line(self, step: int, m: dict, t_start: float, start_step: int) -> None:
+        elapsed = time.time() - t_start
+        eta = elapsed / max(1, step - start_step) * (self.cfg.train.max_steps - step)
+        parts = [f"step {step}/{self.cfg.train.max_steps}", *self.log_fields(m)]
+        for key in ("eval_loss", "eval_exact_match", "eval_mc_accuracy", "eval_reward", "eval_pass_rate"):
+            if isinstance(m.get(key), float) and not math.isnan(m[key]):
+                parts.append(f"{key} {m[key]:.4f}")
+        parts.append(f"eta {eta:.0f}s")
+        logger.info(" | ".join(parts))
+
+    # ------------------------------------------------------------------ `prime-train profile`
+
+    def _profile_fit(self) -> int:
+        """Warmup steps, profiled steps, one timed checkpoint save; no eval, no export (profiling.py)."""
+        prof = self.profile
+        assert prof is not None
+        logger.info("profiling: %d warmup step(s), then %d step(s) under torch.profiler", prof.warmup, prof.steps)
+        self.heartbeat(Phase.STEP)
+        steps: list[dict] = []
+        prof.timer.reset()
+        for _ in range(prof.total_steps):
+            m = self.train_step()
+            prof.after_step()
+            steps.append(m)
+            self.metrics.log(self.state.step, m)
+            self.heartbeat(Phase.STEP, **{k: m[k] for k in _HEARTBEAT_METRICS if k in m})
+        t0 = time.perf_counter()
+        self.save()
+        self.checkpointer.wait()
+        checkpoint_s = time.perf_counter() - t0
+        profiled = steps[prof.warmup :] or steps
+        summary = prof.finish(
+            world_size=self.dist.world_size,
+            tokens_per_step=self.profile_tokens(steps[-1]),
+            checkpoint_s=checkpoint_s,
+            extra={
+                "ckpt_interval": self.cfg.ckpt.interval,
+                "device": str(self.dist.device),
+                **self.profile_extra(profiled),
+            },
+        )
+        logger.info("profile: %s", summary["bottleneck"]["kind"])
+        self.heartbeat(Phase.DONE)
+        return ExitCode.OK
+
+
+def _record_exit(cfg: Config, code: int, reason: str) -> None:
+    """Leave the verdict in progress.json: torchrun turns every worker failure into exit 1."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        run_dir = RunDir(cfg.run_dir)
+        run_dir.root.mkdir(parents=True, exist_ok=True)
+        write_heartbeat(run_dir.progress_path, Heartbeat.now(None, Phase.FAILED, exit_code=code, reason=reason))
+
+
+def run(job_class: type[TrainingJob], config_path: str) -> int:
+    """Load the resolved config and train; returns the process exit code."""
+    try:
+        cfg = load_config([config_path])
+    except ConfigError as exc:
+        print(f"config error:\n{exc}", file=sys.stderr)
+        return ExitCode.CONFIG
+    job = None
+    try:
+        job = job_class(cfg)
+        return job.fit()
+    except (EngineConfigError, ConfigError) as exc:
+        logger.error("configuration error: %s", exc)
+        print(f"configuration error: {exc}", file=sys.stderr)
+        _record_exit(cfg, ExitCode.CONFIG, str(exc))
+        return ExitCode.CONFIG
+    finally:
+        if job is not None:
+            job.close()
+
+
+def main(job_class: type[TrainingJob], argv: list[str] | None = None) -> None:
+    """The entry point of a job module: `python -m <module> --config RUN/config.toml`."""
+    parser = argparse.ArgumentParser(prog=f"python -m {job_class.__module__}", description=job_class.__doc__)
+    parser.add_argument("--config", required=True, help="resolved run config (TOML)")
+    args = parser.parse_args(argv)
+    code = run(job_class, args.config)
+    # everything is flushed and closed by now; skipping interpreter teardown avoids c10d's destructors
+    # aborting a finished run (gloo, "terminate called without an active exception")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code))

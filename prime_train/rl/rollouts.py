@@ -1,0 +1,196 @@
+"""The GRPO job's batch source: prompts in a resumable order, rollouts from the workers, group advantages.
+
+Torch-free. Rollouts for the next steps are requested in a background thread while the current
+step trains, at most rl.max_async_level steps ahead; each request carries a seed derived from the
+run seed and the prompt cursor, so a batch is the same whenever the same weights sample it (a
+resumed run replays the steps it lost exactly when rl.max_async_level = 0). The cursor's position
+is checkpointed with the rest of the train state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prime_train.config.schema import Config
+from prime_train.rl.client import RolloutPool, WorkerUnavailable
+from prime_train.rl.environments import Environment, Prompt
+
+logger = logging.getLogger("prime_train.rl")
+
+# distinct train prompts drawn from an environment: more than any tiny run uses, few enough to build at once
+TRAIN_PROMPTS = 20000
+
+
+@dataclass
+class Sample:
+    """One completion of one prompt, with what the loss needs."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    old_logprobs: list[float]  # the worker's logprobs of the sampled tokens
+    reward: float
+    advantage: float = 0.0
+
+
+@dataclass
+class RolloutBatch:
+    samples: list[Sample]
+    policy_step: int  # the weights the workers had when the batch was requested
+    seconds: float
+    end_position: int  # the prompt cursor just after this batch's prompts
+
+
+class PromptCursor:
+    """Deterministic, resumable order over the environment's train prompts (a data loader for RL)."""
+
+    def __init__(self, prompts: list[Prompt], seed: int, rank: int, world_size: int):
+        self.prompts = prompts
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.position = 0
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[Prompt]:
+        """This rank's share of the next n prompts of the shared order."""
+        out = []
+        for i in range(self.position, self.position + n):
+            epoch, index = divmod(i, len(self.prompts))
+            if i % self.world_size == self.rank:
+                out.append(self.prompts[self._order(epoch)[index]])
+        self.position += n
+        return out
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state.get("position", 0))
+
+
+def group_advantages(rewards: list[float], group_size: int) -> list[float]:
+    """(r - mean) / (std + eps) within each group of completions of one prompt."""
+    out = []
+    for start in range(0, len(rewards), group_size):
+        group = rewards[start : start + group_size]
+        mean = sum(group) / len(group)
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / len(group))
+        out.extend((r - mean) / (std + 1e-4) for r in group)
+    return out
+
+
+class RolloutSource:
+    """Batches of scored samples for the GRPO step, from the workers in `pool`.
+
+    `policy_step()` tells which weights the workers serve now; `republish()` gives a worker that
+    came back the current weights. Checkpointed through state_dict/load_state_dict (the cursor).
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        env: Environment,
+        pool: RolloutPool,
+        *,
+        rank: int,
+        world_size: int,
+        policy_step: Callable[[], int],
+        republish: Callable[[], None],
+    ):
+        self.cfg = cfg
+        self.env = env
+        self.pool = pool
+        self.cursor = PromptCursor(env.prompts("train", TRAIN_PROMPTS, cfg.run.seed), cfg.run.seed, rank, world_size)
+        self.policy_step = policy_step
+        self.republish = republish
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, cfg.rl.max_async_level))
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = threading.Event()
+        self._consumed = 0  # cursor position after the last batch handed to the trainer
+
+    def state_dict(self) -> dict:
+        # batches produced ahead but not trained on are not part of the state: a resume samples them again
+        return {"position": self._consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor.load_state_dict(state)
+        self._consumed = self.cursor.position
+
+    def complete(self, texts: list[str], **sampling):
+        """Ask the pool; when no worker answers, wait for one to come back (the supervisor restarts dead
+        workers), give it the current weights, and ask again. Bounded by inference.startup_timeout_s."""
+        for attempt in range(3):
+            try:
+                return self.pool.complete(texts, **sampling)
+            except WorkerUnavailable as exc:
+                if attempt == 2:
+                    raise
+                logger.warning("no rollout worker answered (%s); waiting for one to come back", exc)
+                self.pool.wait_healthy(self.cfg.inference.startup_timeout_s)
+                self.republish()
+        raise AssertionError("unreachable")
+
+    def _rollout(self) -> RolloutBatch:
+        rl = self.cfg.rl
+        t0 = time.time()
+        policy_step = self.policy_step()
+        # the batch's seed follows the cursor, so the same prompts under the same weights sample the same tokens
+        seed = self.cfg.run.seed * 1_000_003 + self.cursor.position
+        prompts = self.cursor.take(rl.prompts_per_step)
+        groups = self.complete(
+            [p.text for p in prompts], n=rl.group_size, max_tokens=rl.max_tokens, temperature=rl.temperature,
+            top_p=rl.top_p, seed=seed,
+        )  # fmt: skip
+        samples = []
+        for prompt, completions in zip(prompts, groups, strict=True):
+            for c in completions:
+                if c.token_ids:
+                    reward = self.env.reward(prompt, c.text)
+                    samples.append(Sample(list(c.prompt_token_ids), list(c.token_ids), list(c.logprobs), reward))
+        for s, a in zip(samples, group_advantages([s.reward for s in samples], rl.group_size), strict=True):
+            s.advantage = a
+        return RolloutBatch(samples, policy_step, time.time() - t0, self.cursor.position)
+
+    def _produce(self) -> None:
+        """Rollouts for the next steps while the current one trains: at most max_async_level ahead."""
+        try:
+            while not self._closed.is_set():
+                batch = self._rollout()
+                while not self._closed.is_set():
+                    try:
+                        self._queue.put(batch, timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as exc:  # surfaced by the training loop
+            self._error = exc
+            self._queue.put(None)
+
+    def next_batch(self) -> RolloutBatch:
+        if self.cfg.rl.max_async_level == 0:
+            batch = self._rollout()
+        else:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._produce, name="rollouts", daemon=True)
+                self._thread.start()
+            batch = self._queue.get(timeout=self.cfg.inference.request_timeout_s * 4)
+            if batch is None:
+                raise RuntimeError(f"rollouts failed: {self._error!r}") from self._error
+        self._consumed = batch.end_position
+        return batch
+
+    def close(self) -> None:
+        """Stop producing: the thread ends after the batch it is working on."""
+        self._closed.set()
