@@ -7,46 +7,35 @@ import ast
 import importlib.util
 import inspect
 import json
-import os
 import re
 import subprocess
 import sys
 import textwrap
 import tomllib
+import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import typer
+from enginetools import REPO, WIDE, run_cli
+from typer.models import ParameterInfo
 from typer.testing import CliRunner
 
 from prime_train import __version__
 from prime_train.cli import app
 from prime_train.config.loader import load_config, to_toml_dict
 from prime_train.config.schema import Config
+from prime_train.contract import ExitCode
 
-REPO = Path(__file__).resolve().parents[1]
 FSDP = REPO / "configs" / "examples" / "fsdp-2proc-cpu.toml"
 DDP = REPO / "configs" / "examples" / "ddp-2proc-cpu.toml"
-WIDE = {"COLUMNS": "200", "TERMINAL_WIDTH": "200", "NO_COLOR": "1"}
-CONFIG_ERROR = 78  # DESIGN.md: a configuration error, never retried
+CONFIG_ERROR = ExitCode.CONFIG  # DESIGN.md: a configuration error, never retried
 
 
 def invoke(*args: str):
     """Run the CLI in-process (fast) on a wide terminal so help and tables do not wrap."""
     return CliRunner().invoke(app, list(args), env=WIDE)
-
-
-def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    """Run `prime-train ARGS` in a fresh interpreter, as a user would."""
-    return subprocess.run(
-        [sys.executable, "-m", "prime_train", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, **WIDE},
-    )
 
 
 def registered(group: typer.Typer, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Callable]]:
@@ -129,6 +118,76 @@ def test_every_command_help_has_an_examples_section(path, function):
     assert f"prime-train {' '.join(path)}" in after, "the examples should show the command itself"
 
 
+# Rich reads "[word]" as markup and drops it; help texts are literal, so every such bracket must survive.
+RICH_TAG = re.compile(r"\[[a-z#/@][^\[\]]*\]")
+
+
+def raw_help(function: Callable) -> str:
+    """The help a command's source gives: its docstring and the help of each of its parameters."""
+    texts = [inspect.getdoc(function) or ""]
+    for hint in typing.get_type_hints(function, include_extras=True).values():
+        texts += [m.help for m in getattr(hint, "__metadata__", ()) if isinstance(m, ParameterInfo) and m.help]
+    return "\n".join(texts)
+
+
+def help_screens() -> Iterator[tuple[tuple[str, ...], str]]:
+    """(command path, the help text its --help screen shows) for the root, every group and every command."""
+
+    def walk(group: typer.Typer, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], str]]:
+        summaries = [group.info.help or ""]
+        for info in group.registered_commands:
+            yield (*path, info.name or info.callback.__name__.replace("_", "-")), raw_help(info.callback)
+            summaries.append((inspect.getdoc(info.callback) or "").split("\n\n")[0])
+        for sub in group.registered_groups:
+            yield from walk(sub.typer_instance, (*path, sub.name))
+            summaries.append(sub.typer_instance.info.help or "")
+        yield path, "\n".join(summaries)
+
+    yield from walk(app, ())
+
+
+SCREENS = list(help_screens())
+
+
+@pytest.mark.parametrize(("path", "text"), SCREENS, ids=[" ".join(p) or "prime-train" for p, _ in SCREENS])
+def test_help_shows_bracketed_words_as_written(path, text):
+    result = invoke(*path, "--help")
+    assert result.exit_code == 0, result.output
+    for literal in RICH_TAG.findall(text):
+        assert literal in result.stdout, f"`prime-train {' '.join(path)} --help` lost {literal}"
+
+
+def test_the_help_check_sees_the_brackets_rich_would_eat():
+    found = {literal for _, text in SCREENS for literal in RICH_TAG.findall(text)}
+    assert {"[spot]", "[aws,gcp]"} <= found
+
+
+# what other commands need: the engine, the supervisor, tracking, object storage, tables
+LAZY = (
+    "torch",
+    "transformers",
+    "wandb",
+    "boto3",
+    "rich.table",
+    "prime_train.engine",
+    "prime_train.resilience.supervisor",
+)
+
+
+def test_lint_leaves_every_other_commands_imports_for_later():
+    # bench/cli_startup.py times this; here the rule is pinned: lint loads what lint needs and nothing else
+    probe = (
+        "import sys\n"
+        "sys.argv = ['prime-train', 'lint', 'configs/examples/fsdp-2proc-cpu.toml']\n"
+        "from prime_train.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        f"print('LOADED=' + ','.join(m for m in sys.modules if m.startswith({LAZY!r})))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    [loaded] = [line for line in result.stdout.splitlines() if line.startswith("LOADED=")]
+    assert loaded == "LOADED=", result.stderr
+
+
 def test_version_prints_the_package_version():
     result = run_cli("--version")
     assert result.returncode == 0
@@ -199,7 +258,7 @@ def test_config_diff_table_shows_changed_added_and_removed_rows_and_exits_one(tw
 
 def test_config_diff_as_json_lists_each_change(two_configs):
     a, b = two_configs
-    result = invoke("config", "diff", "--format", "json", str(a), str(b))
+    result = invoke("config", "diff", "--json", str(a), str(b))
     assert result.exit_code == 1
     changes = {c["key"]: c for c in json.loads(result.stdout)}
     assert (changes["train.lr"]["kind"], changes["train.lr"]["old"], changes["train.lr"]["new"]) == (
@@ -209,7 +268,7 @@ def test_config_diff_as_json_lists_each_change(two_configs):
     )
     assert changes["model.path"]["kind"] == "added"
     assert changes["data.datasets[1].task"]["kind"] == "removed"
-    same = invoke("config", "diff", "--format", "json", str(a), str(a))
+    same = invoke("config", "diff", "--json", str(a), str(a))
     assert (same.exit_code, json.loads(same.stdout)) == (0, [])
 
 
@@ -220,6 +279,20 @@ def test_config_diff_of_a_broken_config_exits_with_the_config_error_code(tmp_pat
     assert result.returncode == CONFIG_ERROR
     assert "did you mean 'cosine'?" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_lint_and_config_diff_take_json_and_still_the_old_format_flag(two_configs):
+    a, b = two_configs
+    for new, old in (
+        (["lint", "--json", str(a), str(b)], ["lint", "--format", "json", str(a), str(b)]),
+        (["lint", str(a)], ["lint", "--format", "text", str(a)]),
+        (["config", "diff", "--json", str(a), str(b)], ["config", "diff", "--format", "json", str(a), str(b)]),
+        (["config", "diff", str(a), str(b)], ["config", "diff", "--format", "table", str(a), str(b)]),
+    ):
+        with_new, with_old = invoke(*new), invoke(*old)
+        assert (with_old.exit_code, with_old.stdout) == (with_new.exit_code, with_new.stdout)
+    assert json.loads(invoke("lint", "--json", str(a)).stdout) == []
+    assert "--format" not in invoke("lint", "--help").stdout, "the old spelling works but is not advertised"
 
 
 # ---------------------------------------------------------------- usage mistakes

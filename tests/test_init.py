@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from prime_train.config.loader import load_config
-from prime_train.init_wizard import Answers, build_config, parse_hardware
 from prime_train.validator.lint import lint_files
+from prime_train.validator.wizard import Answers, build_config, parse_hardware
 
 
 def init(tmp_path, *args: str) -> subprocess.CompletedProcess:

@@ -39,7 +39,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from prime_train.config.accelerators import parse_accelerators
 from prime_train.config.schema import Config
+from prime_train.contract import ExitCode
 from prime_train.resilience.redact import REDACTED, is_secret_name, redact
 
 DEFAULT_SKYPILOT = "skypilot==0.14.1"
@@ -55,8 +57,6 @@ NO_MULTI_NODE = {"runpod", "vast", "primeintellect"}
 # (checkpoints go through boto3), so this only matters to a hand-edited task; kept for reference.
 NO_BUCKET_MOUNT = {"runpod", "vast"}
 
-_ACCELERATORS = re.compile(r"^(?P<name>[A-Za-z][A-Za-z0-9_.\-]*)(?::(?P<count>[0-9]+(?:\.[0-9]+)?))?$")
-_COUNT_TYPO = re.compile(r"^(?P<name>[A-Za-z][A-Za-z0-9_.\-]*[0-9][A-Za-z0-9_.\-]*?)[xX*](?P<count>[0-9]+)$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -648,6 +648,19 @@ def _limit(
         )
 
 
+def _gpus_per_node(text: str) -> tuple[int | None, str | None]:
+    """The whole GPUs per node that spot.accelerators asks for, or the reason it asks for none that can train."""
+    what = "spot.accelerators"
+    try:
+        accelerators = parse_accelerators(text, what=what)
+        if accelerators.is_cpu:  # the task hands the string to SkyPilot, which has no accelerator called cpu
+            return None, f"{what} {text!r}: a managed job asks SkyPilot for GPUs by name: name one, e.g. 'H100:8'"
+        # SkyPilot allows a fraction of a GPU (shared by tasks); torchrun starts one training process per whole GPU
+        return accelerators.whole_count("a training node runs one process per GPU", what=what), None
+    except ValueError as exc:
+        return None, str(exc)
+
+
 def lint_spot(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
     """Known limits of `[spot]` as (key path, "error"|"warning", message); key paths suit Sources.problem.
 
@@ -659,42 +672,9 @@ def lint_spot(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
     clouds = _candidate_clouds(cfg)
     key_clouds = ("spot", "infra") if spot.infra else ("spot", "clouds")
 
-    m = _ACCELERATORS.match(spot.accelerators.strip())
-    gpus: int | None = None
-    typo = _COUNT_TYPO.match(spot.accelerators.strip())
-    if typo and (m is None or m.group("count") is None):
-        # 'H100x8' parses as a GPU called "H100x8", which no cloud has: SkyPilot would say so only at launch
-        problems.append(
-            (
-                ("spot", "accelerators"),
-                "error",
-                f"spot.accelerators {spot.accelerators!r} is not NAME or NAME:COUNT; did you mean "
-                f"'{typo.group('name')}:{typo.group('count')}'?",
-            )
-        )
-        m = None
-    elif not m:
-        problems.append(
-            (
-                ("spot", "accelerators"),
-                "error",
-                f"spot.accelerators {spot.accelerators!r} is not NAME or NAME:COUNT (e.g. 'H100:8', 'A100-80GB:4')",
-            )
-        )
-    elif m.group("count") is not None:
-        count = float(m.group("count"))
-        if count < 1 or not count.is_integer():
-            problems.append(
-                (
-                    ("spot", "accelerators"),
-                    "error",
-                    f"spot.accelerators {spot.accelerators!r}: a training node needs a whole number of GPUs (≥ 1)",
-                )
-            )
-        else:
-            gpus = int(count)
-    else:
-        gpus = 1
+    gpus, problem = _gpus_per_node(spot.accelerators)
+    if problem:
+        problems.append((("spot", "accelerators"), "error", problem))
     nproc = cfg.distributed.nproc_per_node
     if gpus is not None and nproc is not None and nproc != gpus:
         problems.append(
@@ -744,13 +724,14 @@ def lint_spot(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
                 "set ckpt.remote = 's3://bucket/prefix' so the recovered job resumes",
             )
         )
-    if 75 not in spot.recover_on_exit_codes:
+    if ExitCode.PREEMPTED not in spot.recover_on_exit_codes:
+        preempted = int(ExitCode.PREEMPTED)
         problems.append(
             (
                 ("spot", "recover_on_exit_codes"),
                 "warning",
-                "spot.recover_on_exit_codes lacks 75: a job that checkpointed and stopped on a preemption notice "
-                "exits 75 and would count as an error instead of being recovered",
+                f"spot.recover_on_exit_codes lacks {preempted}: a job that checkpointed and stopped on a preemption "
+                f"notice exits {preempted} and would count as an error instead of being recovered",
             )
         )
     for name in spot.secrets:

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prime_train.config.accelerators import Accelerators, parse_accelerators
 from prime_train.validator.memory import DATA_DIR, GpuSpec, GpuTable, MemoryInputError, load_gpus, resolve_model
 from prime_train.validator.preflight import count_parameters
 
@@ -255,19 +256,17 @@ class CostReport:
         return asdict(self)
 
 
-def _gpu_request(cfg: Config) -> tuple[str | None, int | None]:
-    """The GPU type and count a config asks for: [spot].accelerators ('H100:8') × spot.num_nodes.
+def _gpu_request(cfg: Config) -> Accelerators | None:
+    """The accelerators per node a config asks for in [spot].accelerators ('H100:8').
 
     Only a config that has a [spot] table asks for GPUs this way; the section's defaults mean nothing.
     """
     if "spot" not in cfg.model_fields_set:
-        return None, None
-    name, _, count = cfg.spot.accelerators.partition(":")
+        return None
     try:
-        per_node = int(count) if count else 1
-    except ValueError:
-        return name or None, None
-    return name or None, per_node * cfg.spot.num_nodes
+        return parse_accelerators(cfg.spot.accelerators, what="spot.accelerators")
+    except ValueError as exc:
+        raise CostInputError(str(exc)) from None
 
 
 def estimate_cost(
@@ -300,13 +299,20 @@ def estimate_cost(
     prices = load_prices(prices_file, gpus=gpus)
     notes: list[str] = []
 
-    requested_gpu, requested_count = _gpu_request(cfg)
+    requested = _gpu_request(cfg)
+    requested_gpu = requested.name if requested else None
     if num_gpus is None:
         if cfg.distributed.nproc_per_node:
             num_gpus = cfg.distributed.nproc_per_node * cfg.distributed.nnodes
-        else:
-            num_gpus = requested_count or 1
+        elif requested is not None and not requested.is_cpu:
+            try:  # GPUs are priced and sharded whole, though SkyPilot may share one
+                per_node = requested.whole_count("cost counts whole GPUs (or pass num_gpus)", what="spot.accelerators")
+            except ValueError as exc:
+                raise CostInputError(str(exc)) from None
+            num_gpus = per_node * cfg.spot.num_nodes
             notes.append(f"{num_gpus} GPU(s) from spot.accelerators = {cfg.spot.accelerators!r} × spot.num_nodes")
+        else:
+            num_gpus = 1
 
     if step_time_s is not None and gpu is None:
         if requested_gpu is None:

@@ -1,8 +1,10 @@
-"""`prime-train init`: ask what the run is (job, model, hardware), write a lint-clean config that explains itself.
+"""The config `prime-train init` writes: from a few answers (job, model, hardware), a lint-clean run config
+whose comments explain each choice.
 
-Every question has a flag; with no terminal (CI, scripts) nothing is asked and unanswered questions
-take their defaults. The config is shown before it is saved, and checked by the same lint as
-`prime-train lint`: the wizard never writes a config that lint rejects.
+It lives beside lint, the memory tables and the model checks because it is built from them: a GPU's
+memory decides sharding, a model's config.json its size, and `check_text` runs the same lint as
+`prime-train lint`, so the wizard never writes a config that lint rejects. Asking the questions (and
+not asking them without a terminal) is the CLI's part (prime_train/cli/init.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class Answers:
 
 @dataclass(frozen=True)
 class Hardware:
+    """One node of the run: `count` GPUs called `gpu` (None: the CPU, one process) and each one's memory."""
+
     gpu: str | None
     count: int
     memory_gib: float | None
@@ -46,23 +50,19 @@ class Hardware:
 
 def parse_hardware(text: str) -> Hardware:
     """'cpu', 'H100', 'H100:8', 'A100-80GB:4' -> Hardware; an unknown GPU keeps memory None (no guess)."""
-    text = text.strip()
-    if text.lower() == "cpu":
-        return Hardware(None, 1, None)
-    name, _, count = text.partition(":")
-    try:
-        n = int(count) if count else 1
-    except ValueError:
-        raise ValueError(f"hardware {text!r}: the count after ':' must be a whole number, e.g. 'H100:8'") from None
-    if n < 1:
-        raise ValueError(f"hardware {text!r}: at least one GPU")
+    from prime_train.config.accelerators import parse_accelerators
     from prime_train.validator.memory import MemoryInputError, load_gpus
 
+    accelerators = parse_accelerators(text, what="hardware")
+    if accelerators.is_cpu:
+        return Hardware(None, 1, None)
+    # the config gets one training process per GPU (distributed.nproc_per_node), so a shared GPU cannot be one
+    count = accelerators.whole_count("the run starts one training process per GPU", what="hardware")
     try:
-        memory_gib = load_gpus().find(name).memory_bytes / 2**30
+        memory_gib = load_gpus().find(accelerators.name).memory_bytes / 2**30
     except MemoryInputError:
         memory_gib = None
-    return Hardware(name, n, memory_gib)
+    return Hardware(accelerators.name, count, memory_gib)
 
 
 def _model_shape(model: str) -> tuple[dict[str, Any] | None, int | None]:

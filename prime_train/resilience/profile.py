@@ -1,4 +1,5 @@
-"""`prime-train profile CFG`: a few real steps of the job under the supervisor, timed, and the bottleneck named.
+"""A profiled run: a few real steps of the job under the supervisor, timed by the engine, for `prime-train profile`
+and `prime-train cost --measure` (the CLI renders the summary: prime_train/cli/run.py).
 
 The job runs in its own run directory, `<output_dir>/<name>-profile`, so the real run's checkpoints,
 metrics and resume state are never touched. The supervisor starts it exactly as `prime-train run`
@@ -8,12 +9,12 @@ PRIME_TRAIN_PROFILE and times its phases (prime_train/engine/profiling.py).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 
 from prime_train.config.schema import Config
+from prime_train.contract import ExitCode
 
 MARKER = ".prime-train-profile"
 
@@ -83,43 +84,7 @@ def profile(cfg: Config, *, warmup: int, steps: int, console, preflight: bool = 
     with ConsoleObserver(console) as observer:
         code, summary, root = run_profile(pcfg, warmup=warmup, steps=steps, observer=observer)
     if summary is None:
-        raise ProfileFailed(f"the profiled job wrote no summary (exit {code}); see {root}/logs/latest", code or 1)
+        raise ProfileFailed(
+            f"the profiled job wrote no summary (exit {code}); see {root}/logs/latest", code or ExitCode.FAILED
+        )
     return code, summary
-
-
-def render_profile(summary: dict, console) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"where a step goes ({summary['profiled_steps']} profiled steps, {summary['device']})")
-    table.add_column("phase")
-    table.add_column("seconds / step", justify="right")
-    table.add_column("share", justify="right")
-    for phase, seconds in summary["phases_s"].items():
-        share = summary["shares"].get(phase, 0.0)
-        table.add_row(phase, f"{seconds:.4f}", f"{share:.0%}")
-    table.add_row("[bold]step[/bold]", f"[bold]{summary['step_s']:.4f}[/bold]", "100%")
-    console.print(table)
-    extra = [f"{summary['tokens_per_s']:,.0f} tokens/s"]
-    if summary.get("mfu") is not None:
-        extra.append(f"MFU {summary['mfu']:.1%}")
-    if summary.get("communication_in_trace_s"):
-        extra.append(f"collectives in the trace {summary['communication_in_trace_s']:.4f}s/step")
-    if summary.get("checkpoint_save_s") is not None:
-        extra.append(f"one checkpoint save {summary['checkpoint_save_s']:.2f}s")
-    if summary.get("rollout_latency_s") is not None:
-        extra.append(f"rollout batch latency {summary['rollout_latency_s']:.2f}s")
-    console.print(" · ".join(extra), highlight=False)
-    b = summary["bottleneck"]
-    console.print(f"[bold]bottleneck: {b['kind']}[/bold]", highlight=False)
-    console.print(f"  evidence: {b['evidence']}", highlight=False, markup=False)
-    console.print(f"  change:   {b['advice']}", highlight=False, markup=False)
-    for note in b.get("notes", []):
-        console.print(f"  note:     {note}", highlight=False, markup=False)
-    if summary.get("trace"):
-        console.print(f"Chrome trace: {summary['trace']} (chrome://tracing or ui.perfetto.dev)", highlight=False)
-    if str(summary.get("device", "")).startswith("cuda"):
-        console.print("(phase timers synchronise the GPU, so a profiled step is a little slower than a normal one)")
-
-
-def summary_json(summary: dict) -> str:
-    return json.dumps(summary, indent=2)

@@ -1,0 +1,101 @@
+"""The `prime-train` command tree: every command and group, in the order `--help` lists them.
+
+A command parses its arguments, calls one function of the package, and prints through
+prime_train/cli/output.py. The root group (`PrimeTrainGroup`) does the two things every command needs:
+it runs each command under the one error handler (prime_train/cli/errors.py), and it makes every help
+text literal, so `[spot]` in a docstring is shown as `[spot]` instead of being taken for rich markup.
+
+Command modules import only typer and this package at the top; what a command needs (the validator,
+the supervisor, torch through the engine) is imported inside it, so `--help` and `lint` stay fast.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+import typer
+from typer.core import TyperGroup
+
+from prime_train import __version__
+from prime_train.cli import ckpt, config, errors, init, plan, run, spot, watch
+from prime_train.cli.common import OVERRIDES
+
+
+class PrimeTrainGroup(TyperGroup):
+    """The root command group: literal help text everywhere below it, and the error handler around every command."""
+
+    def __init__(self, **attrs: Any) -> None:
+        super().__init__(**attrs)
+        # typer builds the whole tree (fresh objects) before the root, so one walk escapes each help text once
+        _escape_help(self)
+
+    def invoke(self, ctx: typer.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except Exception as exc:
+            errors.handle(exc)
+
+
+def _escape_help(command: Any) -> None:
+    """Escape rich markup in the help of `command`, its parameters and every command below it."""
+    from rich.markup import escape
+
+    for attr in ("help", "short_help", "epilog"):
+        text = getattr(command, attr, None)
+        if text:
+            setattr(command, attr, escape(text))
+    for param in command.params:
+        if getattr(param, "help", None):
+            param.help = escape(param.help)  # type: ignore[attr-defined]
+    for sub in getattr(command, "commands", {}).values():
+        _escape_help(sub)
+
+
+app = typer.Typer(
+    name="prime-train",
+    cls=PrimeTrainGroup,
+    help="Keeps LLM training jobs alive and says why they die.",
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"prime-train {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = None,
+) -> None:
+    """Keeps LLM training jobs alive and says why they die."""
+
+
+# Commands that take config files also take `--section.key value` overrides (OVERRIDES).
+app.command(context_settings=OVERRIDES)(config.lint)
+app.add_typer(config.config_app, name="config")
+app.command(context_settings=OVERRIDES)(run.train)
+app.command(context_settings=OVERRIDES)(run.run)
+app.add_typer(spot.spot_app, name="spot")
+app.command(context_settings=OVERRIDES)(spot.monitor)
+app.command("verify-model")(plan.verify_model)
+app.add_typer(plan.models_app, name="models")
+app.command(context_settings=OVERRIDES)(plan.memory)
+app.command(context_settings=OVERRIDES)(plan.cost)
+app.command(context_settings=OVERRIDES)(run.profile)
+app.command()(init.init)
+app.command(context_settings=OVERRIDES)(run.preflight)
+app.command()(watch.diagnose)
+app.command()(watch.status)
+app.command()(watch.logs)
+app.add_typer(ckpt.ckpt_app, name="ckpt")
+
+
+def main() -> None:
+    """The `prime-train` console script and `python -m prime_train`."""
+    app()

@@ -1,0 +1,35 @@
+"""`prime-train ckpt to-hf`: turn a training checkpoint into a model that transformers and vLLM load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from prime_train.cli import output
+from prime_train.cli.errors import CliError
+
+ckpt_app = typer.Typer(help="Work with checkpoints.", no_args_is_help=True)
+
+
+@ckpt_app.command("to-hf")
+def ckpt_to_hf(
+    step_dir: Annotated[Path, typer.Argument(help="A whole DCP checkpoint: <run>/checkpoints/step-N.")],
+    out: Annotated[Path, typer.Argument(help="Output directory for the HF model (safetensors, config, tokenizer).")],
+) -> None:
+    """Convert a DCP checkpoint to HF format, loadable by transformers and vLLM.
+
+    Exit 0 when written, 1 when the checkpoint is missing or not one prime-train wrote.
+
+    Examples:
+
+      prime-train ckpt to-hf runs/tiny-sft/checkpoints/step-200 exported/
+    """
+    from prime_train.engine.export import dcp_to_hf
+
+    try:
+        dcp_to_hf(step_dir, out)
+    except (FileNotFoundError, ValueError) as exc:  # what the user pointed at is not a checkpoint
+        raise CliError(exc) from None
+    output.success("wrote", out, sep=" ")

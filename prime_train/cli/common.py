@@ -1,0 +1,66 @@
+"""What the commands share: config arguments with `--section.key value` overrides, loading a config, and flags."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+
+from prime_train.cli.errors import CliError
+from prime_train.contract import ExitCode
+
+if TYPE_CHECKING:
+    from prime_train.config.schema import Config
+
+# Commands that take a config also take overrides: click hands the unknown `--train.lr 3e-4` to the file list.
+OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
+# str, not Path: click also hands `--key value` overrides through here, and Path("s3://b/x") would become "s3:/b/x"
+RunConfigFiles = Annotated[
+    Optional[list[str]], typer.Argument(help="Config files merged in order; none: the tiny CPU default.")
+]
+# The one spelling of "print machine-readable output" in every command.
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON on stdout (one document) instead of the view.")]
+# What the embedded engine imports; `require_engine` checks them before a long launch.
+ENGINE_MODULES = ("torch", "transformers", "safetensors")
+
+
+def split_overrides(files: list[str] | None, extra: list[str]) -> tuple[list[str], list[str]]:
+    """(config files, overrides): everything from the first `--` token on is `--section.key value` overrides."""
+    tokens = [str(f) for f in files or []] + list(extra)
+    for i, token in enumerate(tokens):
+        if token.startswith("--"):
+            return tokens[:i], tokens[i:]
+    return tokens, []
+
+
+def default_config() -> str:
+    """The tiny CPU config shipped inside the package: what runs when no config is given."""
+    return str(Path(__file__).resolve().parents[1] / "configs" / "tiny-sft.toml")
+
+
+def load(files: list[str], overrides: list[str]) -> Config:
+    """Load and lint a config for a command; its mistakes raise ConfigError (printed by the error handler, exit 78)."""
+    from prime_train.validator.lint import load_checked
+
+    return load_checked(files, overrides)
+
+
+def load_run_config(files: list[str] | None, extra: list[str]) -> Config:
+    """The config of a command's FILES and overrides; with no files, the shipped tiny one."""
+    paths, overrides = split_overrides(files, extra)
+    return load(paths or [default_config()], overrides)
+
+
+def require_engine(cfg: Config) -> None:
+    """The embedded engine needs the `engine` extra; an external [job] command does not."""
+    if cfg.job.command:
+        return
+    missing = [m for m in ENGINE_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise CliError(
+            f"the embedded engine needs {', '.join(missing)}: pip install 'prime-train[engine]' "
+            "(on a machine without a GPU install torch's CPU build first, see the README)",
+            ExitCode.CONFIG,
+        )

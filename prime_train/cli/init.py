@@ -1,0 +1,103 @@
+"""`prime-train init`: ask what the run is, show the config the wizard writes (validator/wizard.py), save it.
+
+Every question is also a flag; without a terminal (CI, scripts) nothing is asked and the unanswered
+questions take their defaults.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional, TypeVar
+
+import typer
+
+from prime_train.cli import output
+from prime_train.cli.errors import USAGE, CliError
+from prime_train.contract import ExitCode
+
+T = TypeVar("T")
+
+
+def init(
+    output_path: Annotated[Path, typer.Option("--output", "-o", help="Where to write the config.")] = Path(
+        "prime-train.toml"
+    ),
+    job: Annotated[Optional[str], typer.Option(help="sft, pretrain or rl.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="'tiny' (random-initialised, CPU), an HF id or a path.")] = None,
+    hardware: Annotated[
+        Optional[str], typer.Option(help="'cpu' or '<GPU>:<count>', e.g. H100:8 (whole GPUs: one process each).")
+    ] = None,
+    nodes: Annotated[Optional[int], typer.Option(min=1, help="Nodes.")] = None,
+    name: Annotated[Optional[str], typer.Option(help="Run name.")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(min=8, help="Tokens per sequence.")] = None,
+    max_steps: Annotated[Optional[int], typer.Option(min=1, help="Optimizer steps.")] = None,
+    environment: Annotated[Optional[str], typer.Option(help="RL environment.")] = None,
+    dataset: Annotated[Optional[str], typer.Option(help="SFT/pretrain data: a local file, directory or glob.")] = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Save without asking.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+) -> None:
+    """Write a lint-clean run config by answering a few questions (job, model, hardware).
+
+    Every question is also a flag; without a terminal nothing is asked and defaults fill the rest.
+
+    Examples:
+
+      prime-train init
+
+      prime-train init --job rl --model Qwen/Qwen2.5-1.5B-Instruct --hardware H100:8 -o rl.toml --yes
+    """
+    import tempfile
+
+    from prime_train.validator.wizard import Answers, build_config, check_text
+
+    interactive = sys.stdin.isatty() and not yes
+    a = Answers()
+
+    def ask(value: T | None, prompt: str, default: T) -> T:
+        if value is not None:
+            return value
+        if not interactive:
+            return default
+        return typer.prompt(prompt, default=default, type=type(default))
+
+    a.job = ask(job, "Job (sft, pretrain, rl)", a.job)
+    a.model = ask(model, "Model ('tiny', an HF id or a local path)", a.model)
+    a.hardware = ask(hardware, "Hardware ('cpu' or GPU:count, e.g. H100:8)", a.hardware)
+    a.nodes = ask(nodes, "Nodes", a.nodes)
+    if a.job == "rl":
+        a.environment = ask(environment, "RL environment", a.environment)
+    a.name, a.seq_len, a.max_steps, a.dataset = name, seq_len, max_steps, dataset
+    try:
+        text = build_config(a)
+    except ValueError as exc:  # an answer that names nothing usable: the message says which and why
+        raise CliError(exc, USAGE) from None
+    with tempfile.TemporaryDirectory() as tmp:
+        problems = check_text(text, Path(tmp) / output_path.name)
+    for p in problems:
+        p.file = str(output_path)
+
+    _show(text)
+    for note in a.notes:
+        output.note(note)
+    if problems:
+        output.problems(problems)
+        if any(p.severity == "error" for p in problems):
+            raise CliError("not saved: the generated config does not lint (a bug: please report it)")
+    if output_path.exists() and not force:
+        raise CliError(f"{output_path} exists; pass --force to overwrite it")
+    if interactive and not typer.confirm(f"Save to {output_path}?", default=True):
+        raise typer.Exit(ExitCode.FAILED)
+    output_path.write_text(text)
+    output.success("saved", f"{output_path}; next: prime-train preflight {output_path}", sep=" ")
+
+
+def _show(text: str) -> None:
+    """The config about to be saved: highlighted TOML on a terminal, the text itself otherwise (tests, pipes)."""
+    console = output.console()
+    if console.is_terminal:
+        from rich.syntax import Syntax
+
+        console.print(Syntax(text, "toml", line_numbers=False, word_wrap=True))
+    else:
+        output.document(text)

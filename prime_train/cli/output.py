@@ -1,0 +1,110 @@
+"""The one way the CLI prints: rich for people, `--json` for machines, and never markup in what it did not write.
+
+Every line a command prints goes through here. Text that comes from outside the CLI's own source (paths,
+config values, messages of exceptions, log lines) is printed as a `rich.text.Text`, never parsed as rich
+markup, so `pip install 'prime-train[engine]'` keeps its `[engine]` and a path like `runs/[x]` keeps its
+`[x]`. Labels (`error:`, `warning:`, `note:`, `ok:`) are the only styled parts. Messages go to stderr and
+results to stdout, so `--json` output stays one JSON document for `| jq`.
+
+Rich is imported inside the functions: `prime-train --help` and `lint` stay fast (bench/cli_startup.py).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.text import Text
+
+    from prime_train.config.loader import Problem
+
+
+def console(*, stderr: bool = False) -> Console:
+    """A console on stdout (results) or stderr (messages); no highlighting of numbers and paths, no hard wraps."""
+    from rich.console import Console
+
+    # soft_wrap: long lines (paths, commands to copy) are not broken in the middle
+    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+
+
+def literal(text: object, style: str = "") -> Text:
+    """`text` as it is: brackets stay brackets."""
+    from rich.text import Text
+
+    return Text(str(text), style=style)
+
+
+def labelled(label: str, message: object, *, style: str, stderr: bool, sep: str = ": ") -> None:
+    """`<label><sep><message>`: the label styled, the message printed as is."""
+    from rich.text import Text
+
+    console(stderr=stderr).print(Text.assemble((label, style), sep, str(message)))
+
+
+def error(message: object) -> None:
+    """`error: <message>` on stderr."""
+    labelled("error", message, style="red", stderr=True)
+
+
+def warning(message: object) -> None:
+    """`warning: <message>` on stderr."""
+    labelled("warning", message, style="yellow", stderr=True)
+
+
+def note(message: object) -> None:
+    """`note: <message>` on stderr."""
+    labelled("note", message, style="yellow", stderr=True)
+
+
+def success(label: str, message: object, *, sep: str = ": ") -> None:
+    """A green `<label>` and the outcome on stdout, e.g. `ok: 2 file(s), no problems`, `saved run.toml`."""
+    labelled(label, message, style="green", stderr=False, sep=sep)
+
+
+def say(message: object, *, stderr: bool = False) -> None:
+    """One plain line, printed as is."""
+    console(stderr=stderr).print(literal(message))
+
+
+def document(text: str) -> None:
+    """A document for other programs (YAML, TOML) on stdout, byte for byte, ending in one newline."""
+    sys.stdout.write(text.rstrip("\n") + "\n")
+    sys.stdout.flush()
+
+
+def problems(found: Iterable[Problem]) -> None:
+    """Config problems as `file:line:col: error: message` on stderr, as `prime-train lint` prints them."""
+    from rich.text import Text
+
+    err = console(stderr=True)
+    for p in found:
+        where = p.file if p.line <= 0 else f"{p.file}:{p.line}:{p.column}"
+        colour = "red" if p.severity == "error" else "yellow"
+        err.print(Text.assemble((where, "bold"), ": ", (p.severity, colour), ": ", p.message))
+
+
+def to_json(data: Any) -> Any:
+    """`data` as JSON values: objects with `to_dict()` (reports) become their dict, lists of them lists."""
+    if hasattr(data, "to_dict"):
+        return data.to_dict()
+    if isinstance(data, list | tuple):
+        return [to_json(item) for item in data]
+    return data
+
+
+def print_json(data: Any) -> None:
+    """`data` as one indented JSON document on stdout; values JSON has no type for (paths, dates) as strings."""
+    sys.stdout.write(json.dumps(to_json(data), indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def emit(data: Any, as_json: bool, render: Callable[[Console], None]) -> None:
+    """The tail of a command that has a result: JSON on stdout with `--json`, else `render` it on a stdout console."""
+    if as_json:
+        print_json(data)
+    else:
+        render(console())

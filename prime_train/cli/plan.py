@@ -1,0 +1,165 @@
+"""Before you pay: `prime-train verify-model`, `models list`, `memory` and `cost`.
+
+Bad sizes, GPU names, strategies and price files raise `MemoryInputError` (cost's `CostInputError` is one);
+the CLI's error handler prints them and exits 78, a configuration error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from prime_train.cli import output
+from prime_train.cli.common import JsonFlag, RunConfigFiles, load_run_config, require_engine, split_overrides
+from prime_train.cli.errors import USAGE, CliError
+from prime_train.contract import ExitCode
+
+models_app = typer.Typer(help="The tested-model registry shipped with prime-train.", no_args_is_help=True)
+
+
+def verify_model(
+    model: Annotated[str, typer.Argument(help="HF model id, HF cache entry or local directory with config.json.")],
+    job: Annotated[str, typer.Option(help="The job it is for: sft, pretrain or rl.")] = "rl",
+    as_json: JsonFlag = False,
+) -> None:
+    """Can this model be used, before you pay: architecture, vLLM support, size, memory, tool calling.
+
+    Reads config.json (and tokenizer_config.json) from a directory, the HF cache, or the hub when
+    online. Exit 0 when usable for the job, 1 when not, 2 when its config cannot be found.
+
+    Examples:
+
+      prime-train verify-model Qwen/Qwen2.5-7B-Instruct
+
+      prime-train verify-model runs/tiny-sft/final --job sft --json
+    """
+    from prime_train.validator.models import ModelConfigNotFound, render_report
+    from prime_train.validator.models import verify_model as verify
+
+    try:
+        report = verify(model, job=job)
+    except ModelConfigNotFound as exc:
+        if not as_json:
+            raise
+        output.print_json({"ok": False, "error": str(exc)})  # a script reading the JSON learns why, too
+        raise typer.Exit(USAGE) from None
+    except ValueError as exc:  # a job or a model name that names nothing
+        raise CliError(exc, USAGE) from None
+    output.emit(report, as_json, lambda console: render_report(report, console))
+    raise typer.Exit(ExitCode.OK if report.ok else ExitCode.FAILED)
+
+
+@models_app.command("list")
+def models_list(as_json: JsonFlag = False) -> None:
+    """Models with the vLLM and transformers versions they were checked against, and their known issues.
+
+    Examples:
+
+      prime-train models list
+
+      prime-train models list --json
+    """
+    from prime_train.validator.registry import models_json, render_models
+
+    output.emit(models_json(), as_json, render_models)
+
+
+def memory(
+    ctx: typer.Context,
+    files: RunConfigFiles = None,
+    model: Annotated[Optional[str], typer.Option(help="Without a config: HF id, directory or config.json.")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="Tokens per sequence.")] = None,
+    micro_batch: Annotated[Optional[int], typer.Option(help="Sequences per forward/backward per GPU.")] = None,
+    gpus_per_node: Annotated[Optional[int], typer.Option(help="GPUs (trainer processes) per node.")] = None,
+    nodes: Annotated[Optional[int], typer.Option(help="Nodes.")] = None,
+    strategy: Annotated[Optional[str], typer.Option(help="none, ddp, zero1, zero2, zero3, fsdp or hsdp.")] = None,
+    precision: Annotated[Optional[str], typer.Option(help="bf16 or fp32.")] = None,
+    optimizer: Annotated[Optional[str], typer.Option(help="adamw, adamw8bit or sgd.")] = None,
+    checkpointing: Annotated[
+        Optional[str], typer.Option(help="Activation checkpointing: none, selective, full.")
+    ] = None,
+    max_model_len: Annotated[Optional[int], typer.Option(help="vLLM: longest sequence (turns on inference).")] = None,
+    max_num_seqs: Annotated[Optional[int], typer.Option(help="vLLM: sequences batched at once.")] = None,
+    gpu_memory_utilization: Annotated[Optional[float], typer.Option(help="vLLM: its share of the GPU.")] = None,
+    colocate: Annotated[Optional[bool], typer.Option(help="Trainer and vLLM on the same GPU.")] = None,
+    gpu: Annotated[Optional[list[str]], typer.Option(help="GPUs to give a verdict for (repeatable).")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Will it fit: per-GPU memory of the trainer (and vLLM), and a verdict for each common GPU.
+
+    Weights, gradients and optimizer states by precision, optimizer and sharding strategy;
+    activations by sequence length, micro-batch and checkpointing (Korthikanti et al. 2022); the
+    KV cache of vLLM; a recommended split when both share one GPU.
+
+    Examples:
+
+      prime-train memory configs/tiny-sft.toml
+
+      prime-train memory --model Qwen/Qwen2.5-7B-Instruct --seq-len 4096 --gpus-per-node 8 --strategy fsdp
+
+      prime-train memory configs/tiny-rl.toml --colocate --gpu H100 --json
+    """
+    from prime_train.validator.memory import estimate, inputs_from_config, inputs_from_flags, render_memory
+
+    paths, overrides = split_overrides(files, ctx.args)
+    flags = {
+        "seq_len": seq_len, "micro_batch": micro_batch, "gpus_per_node": gpus_per_node, "num_nodes": nodes,
+        "strategy": strategy, "precision": precision, "optimizer": optimizer,
+        "activation_checkpointing": checkpointing, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+        "gpu_memory_utilization": gpu_memory_utilization, "colocate": colocate, "gpus": gpu,
+    }  # fmt: skip
+    flags = {k: v for k, v in flags.items() if v is not None}
+    if paths or overrides or model is None:  # a config (the tiny default when none), flags on top
+        cfg = load_run_config(files, ctx.args)
+        inputs = inputs_from_config(cfg, **({"model": model} if model else {}), **flags)
+    else:
+        inputs = inputs_from_flags(model, **flags)
+    report = estimate(inputs)
+    output.emit(report, as_json, lambda console: render_memory(report, console))
+
+
+def cost(
+    ctx: typer.Context,
+    files: RunConfigFiles = None,
+    gpu: Annotated[Optional[str], typer.Option(help="One GPU type; default: every priced GPU.")] = None,
+    num_gpus: Annotated[Optional[int], typer.Option(help="GPUs in all; default: from the config.")] = None,
+    step_time: Annotated[Optional[float], typer.Option(help="Measured seconds per step on those GPUs.")] = None,
+    measure: Annotated[
+        bool, typer.Option("--measure", help="Measure the step time here with a short profile.")
+    ] = False,
+    mfu: Annotated[float, typer.Option(help="Model FLOPs utilisation assumed when estimating.")] = 0.4,
+    prices: Annotated[Optional[Path], typer.Option(help="TOML/JSON file overriding the shipped prices.")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Steps; default: train.max_steps.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """What will it cost: steps × step time × GPU price, as a range, spot and on-demand side by side.
+
+    The step time is estimated from FLOPs per token at a stated MFU, or given (--step-time), or
+    measured on this machine by a short profile run (--measure; then use --gpu for this machine's
+    GPU). Prices come from a shipped, dated table that --prices can override.
+
+    Examples:
+
+      prime-train cost configs/tiny-sft.toml --gpu H100
+
+      prime-train cost my-run.toml --num-gpus 8 --mfu 0.35 --prices my-prices.toml --json
+    """
+    from prime_train.validator.cost import estimate_cost, render_cost
+
+    cfg = load_run_config(files, ctx.args)
+    if measure:
+        if step_time is not None:
+            raise typer.BadParameter("--measure and --step-time exclude each other", param_hint="--measure")
+        require_engine(cfg)
+        from prime_train.resilience.profile import profile
+
+        _, summary = profile(cfg, warmup=1, steps=3, console=output.console(stderr=True), preflight=False)
+        step_time = summary["step_s"]
+        output.say(f"measured {step_time:.4f} s per step ({summary['device']})", stderr=True)
+    report = estimate_cost(
+        cfg, gpu=gpu, num_gpus=num_gpus, step_time_s=step_time, mfu=mfu,
+        prices_file=str(prices) if prices else None, steps=steps,
+    )  # fmt: skip
+    output.emit(report, as_json, lambda console: render_cost(report, console))

@@ -1,0 +1,96 @@
+"""`prime-train status | logs | diagnose`: read a run directory or any trainer's logs, running or finished."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+
+from prime_train.cli import output
+from prime_train.cli.common import JsonFlag
+from prime_train.cli.errors import USAGE, CliError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+STATUS_FIELDS = ("state", "attempt", "restarts", "step", "max_steps", "phase", "loss", "heartbeat_age_s", "checkpoints")
+
+
+def status(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (<output_dir>/<name>).")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Show a running or finished run: state, step, attempts, last failure, recent events.
+
+    Examples:
+
+      prime-train status runs/tiny-sft
+
+      prime-train status runs/tiny-sft --json
+    """
+    from prime_train.resilience.status import run_status
+
+    if not run_dir.is_dir():
+        raise CliError(f"{run_dir} is not a run directory", USAGE)
+    state = run_status(run_dir)
+    output.emit(state, as_json, lambda console: render_status(state, console))
+
+
+def render_status(s: dict, console: Console) -> None:
+    """The run's state as a two-column table, then its recent events one a line."""
+    from rich.table import Table
+
+    literal = output.literal
+    table = Table(show_header=False, title=literal(s["run_dir"]))
+    for key in STATUS_FIELDS:
+        table.add_row(key, literal(s[key] if s[key] is not None else "-"))
+    if s["last_failure"]:
+        failure = s["last_failure"]
+        table.add_row("last failure", literal(f"{failure.get('kind')}: {failure.get('message')}"))
+    console.print(table)
+    for event in s["recent_events"]:
+        stamp = time.strftime("%H:%M:%S", time.localtime(event.get("time", 0)))
+        rest = {k: v for k, v in event.items() if k not in ("time", "event")}
+        console.print(literal(stamp, "dim") + literal(f" {event.get('event')} {json.dumps(rest, default=str)[:160]}"))
+
+
+def logs(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (<output_dir>/<name>).")],
+    process: Annotated[str, typer.Option("--process", "-p", help="trainer, job, inference-0, …")] = "",
+    attempt: Annotated[Optional[int], typer.Option("--attempt", help="Attempt number; default the latest.")] = None,
+    lines: Annotated[int, typer.Option("--lines", "-n", help="Last N lines; 0 for all.")] = 100,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
+) -> None:
+    """Print a run's process logs (the latest attempt unless --attempt).
+
+    Examples:
+
+      prime-train logs runs/tiny-sft
+
+      prime-train logs runs/tiny-sft --process trainer --attempt 1 -n 0
+    """
+    from prime_train.resilience.status import logs_command
+
+    raise typer.Exit(logs_command(run_dir, process, attempt, lines, follow))
+
+
+def diagnose(
+    paths: Annotated[list[Path], typer.Argument(help="Run directories or log files (any trainer's).")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Find known failures in logs: OOM, NCCL timeouts, vLLM errors, tracebacks — with what to do.
+
+    Exit 0 when nothing fatal is found, 1 when something is.
+
+    Examples:
+
+      prime-train diagnose runs/tiny-sft
+
+      prime-train diagnose outputs/logs/trainer.log --json
+    """
+    from prime_train.resilience.diagnose import diagnose_command
+
+    raise typer.Exit(diagnose_command([str(p) for p in paths], as_json))
