@@ -173,6 +173,7 @@ class _PendingSave:
     final: bool
     hf_config: Any = None
     tokenizer: Any = None
+    stager: Any = None  # a stager used for this save only (torch 2.11/2.12), closed at finalize
 
 
 def _dir_bytes(path: Path) -> int:
@@ -184,18 +185,26 @@ def _dir_bytes(path: Path) -> int:
     return total
 
 
+def _torch_minor() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+# torch 2.11 and 2.12 close a DefaultStager at the end of each save (its copier forgets how to copy), so a
+# second save through the same stager fails with `KeyError: <class 'type'>` (seen on an H100 with 2.11).
+# 2.10 and 2.13+ keep it open: one stager for the run reuses its pinned buffers across saves.
+STAGER_REUSABLE = not (2, 11) <= _torch_minor() < (2, 13)
+
+
 def _make_stager():
-    """On GPU, one stager for the run: it copies the state into pinned host buffers it reuses
-    across saves (faster device-to-host copies, no re-allocation). The copy finishes before
-    async_save returns, so the optimizer may change the parameters right after. On CPU, DCP's
-    own per-save stager copies just as well."""
-    if not torch.cuda.is_available():
-        return None
+    """A stager for async saves: it copies the state to host memory before async_save returns, so the
+    optimizer may change the parameters right after. On GPU the buffers are pinned (faster device-to-host
+    copies); on CPU pinning means nothing and is off, but the same stager path runs, so tests cover it."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     return DefaultStager(
         StagingOptions(
-            use_pinned_memory=True,
+            use_pinned_memory=torch.cuda.is_available(),
             use_shared_memory=False,
             use_async_staging=False,
             use_non_blocking_copy=False,
@@ -253,7 +262,7 @@ class Checkpointer:
                 self._save_pg = process_group
                 self._sync_pg = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
         self._pending: _PendingSave | None = None
-        self._stager = _make_stager()
+        self._stager = None  # kept across saves only where torch allows it (STAGER_REUSABLE)
         self._hf_config = None
         self._tokenizer = None
 
@@ -332,12 +341,17 @@ class Checkpointer:
         state_dict = state.state_dict()
         no_dist = not self._distributed
         if self.cfg.async_save and not final:
+            stager = self._stager or _make_stager()
+            if STAGER_REUSABLE:
+                self._stager = stager
+            else:
+                pending.stager = stager  # closed when this save is finalized
             response = dcp.async_save(
                 state_dict,
                 checkpoint_id=tmp,
                 process_group=self._save_pg,
                 no_dist=no_dist,
-                async_stager=self._stager,
+                async_stager=stager,
             )
             pending.future = getattr(response, "upload_completion", response)
             self._pending = pending
@@ -465,6 +479,8 @@ class Checkpointer:
                 p.future.result()
             except Exception as e:
                 error = e
+        if p.stager is not None:
+            p.stager.close()
         if error is None and self.rank == 0:
             try:
                 self._write_extras(p)
