@@ -1,8 +1,10 @@
 """`prime-train diagnose PATH... [--json]`: the log-surfacing library run over logs after the fact.
 
 Works on a run directory (its newest attempt, or every attempt) or on any log files or
-directories, a prime-rl or torchtitan output directory say. Exit code: 0 nothing fatal found,
-1 a fatal finding, 2 a path that does not exist.
+directories, a prime-rl or torchtitan output directory say. Each file gets a verdict: its root
+cause (the earliest finding of the most causal kind, see logscan.root_cause) and what followed
+from it; the whole gets one the same way. Exit code: 0 nothing fatal found, 1 a fatal finding,
+2 a path that does not exist.
 """
 
 from __future__ import annotations
@@ -10,29 +12,81 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from prime_train.resilience.logscan import FATAL, LOG_SUFFIXES, Finding, classify, log_files, scan_log
+from prime_train.resilience.logscan import FATAL, LOG_SUFFIXES, Finding, log_files, root_cause, scan_log
 
 EXIT_CLEAN, EXIT_FATAL, EXIT_BAD_PATH = 0, 1, 2
 
 
-def _verdict(findings: list[Finding], num_files: int, paths: Sequence[str]) -> str:
-    if num_files == 0:
+@dataclass
+class FileVerdict:
+    """What one log file shows: its root cause and the fatal findings that followed from it."""
+
+    file: str
+    process: str | None
+    findings: list[Finding]
+    suppressed: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def root_cause(self) -> Finding | None:
+        return root_cause(self.findings)
+
+    def consequences(self) -> Counter[str]:
+        """Fatal kinds other than the root cause's, with how many findings show each."""
+        cause = self.root_cause
+        return Counter(
+            f.kind for f in self.findings if f.severity == FATAL and f.kind and cause and f.kind != cause.kind
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        cause = self.root_cause
+        return {
+            "file": self.file,
+            "process": self.process,
+            "kind": cause.kind if cause else None,
+            "root_cause": cause.to_dict() if cause else None,
+            "consequences": dict(self.consequences()),
+            "warnings": sum(1 for f in self.findings if f.severity != FATAL),
+        }
+
+
+def _where(f: Finding) -> str:
+    return f"{_shown_path(f.file)}:{f.line}" + (f" ({f.process})" if f.process else "")
+
+
+def _then(consequences: Counter[str]) -> str:
+    return ", ".join(f"{kind} ×{n}" if n > 1 else kind for kind, n in consequences.most_common())
+
+
+def _verdict(verdicts: list[FileVerdict], paths: Sequence[str]) -> str:
+    if not verdicts:
         return (
             f"verdict: no log files found in {', '.join(paths)} "
             f"(looked for logs/latest of a run directory, or {' / '.join('*' + s for s in LOG_SUFFIXES)})"
         )
-    kind = classify(findings)
-    scanned = f"{num_files} log file{'s' if num_files != 1 else ''}"
-    if kind is None:
-        warnings = sum(1 for f in findings if f.severity != FATAL)
+    scanned = f"{len(verdicts)} log file{'s' if len(verdicts) != 1 else ''}"
+    causes = [(v, cause) for v in verdicts if (cause := v.root_cause) is not None]
+    if not causes:
+        warnings = sum(1 for v in verdicts for f in v.findings if f.severity != FATAL)
         if warnings:
             return f"verdict: no fatal failure found in {scanned}; {warnings} warning{'s' if warnings != 1 else ''}"
         return f"verdict: nothing known found in {scanned}"
-    first = next(f for f in findings if f.kind == str(kind) and f.severity == FATAL)
-    where = f"{first.file}:{first.line}" + (f" ({first.process})" if first.process else "")
-    return f"verdict: {kind}, first seen at {where}: {first.hint}"
+    # the files' own root causes compete like findings do; what else failed in the winner's file
+    # followed from it, what failed in other files is reported beside it
+    cause = root_cause(c for _, c in causes)
+    assert cause is not None
+    home = next(v for v, c in causes if c is cause)
+    out = f"verdict: {cause.kind}, root cause at {_where(cause)}: {cause.hint}"
+    if then := home.consequences():
+        out += f"\n  then: {_then(then)} (consequences of it)"
+    elsewhere = [f"{_shown_path(v.file)}: {c.kind}" for v, c in causes if v is not home]
+    if elsewhere:
+        out += f"\n  also failing: {'; '.join(elsewhere)}"
+    return out
 
 
 def _shown_path(path: str | None) -> str:
@@ -43,13 +97,16 @@ def _shown_path(path: str | None) -> str:
     return path if rel.startswith("..") else rel
 
 
-def _print_table(findings: list[Finding], suppressed: dict[tuple[str, str], int]) -> None:
+def _print_table(verdicts: list[FileVerdict]) -> None:
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
     console = Console(highlight=False)
+    # each file's findings in line order: finish() reports a cut-off traceback after the rest
+    findings = [f for v in verdicts for f in sorted(v.findings, key=lambda f: f.line)]
     if findings:
+        causes = {id(v.root_cause) for v in verdicts if v.root_cause is not None}
         table = Table(expand=True, show_lines=True)
         # the log line and, under it, what to do, get most of the width
         table.add_column("where", ratio=2, overflow="fold")
@@ -58,22 +115,31 @@ def _print_table(findings: list[Finding], suppressed: dict[tuple[str, str], int]
         table.add_column("line → what to do", ratio=5, overflow="fold")
         for f in findings:
             style = "red" if f.severity == FATAL else "yellow"
+            kind = Text(f.kind or "warning", style=style)
+            if id(f) in causes:
+                kind.append("\nroot cause", style="bold")
             # Text(), not markup: log lines are full of "[rank0]:" and "[core.py:708]"
             line_and_hint = Text(f.text)
             line_and_hint.append(f"\n→ {f.hint}", style="dim")
-            table.add_row(
-                Text(f"{_shown_path(f.file)}:{f.line}"),
-                Text(f.process or ""),
-                Text(f.kind or "warning", style=style),
-                line_and_hint,
-            )
+            table.add_row(Text(f"{_shown_path(f.file)}:{f.line}"), Text(f.process or ""), kind, line_and_hint)
         console.print(table)
-    for (file, name), count in suppressed.items():
-        console.print(Text(f"{_shown_path(file)}: {count} more line{'s' if count != 1 else ''} like {name} not shown"))
+    for v in verdicts:
+        for name, count in v.suppressed.items():
+            more = f"{count} more line{'s' if count != 1 else ''}"
+            console.print(Text(f"{_shown_path(v.file)}: {more} like {name} not shown"))
+    # with several files, each one's own verdict: which rank or worker failed first, and how
+    fatal_files = [(v, cause) for v in verdicts if (cause := v.root_cause) is not None]
+    if len(fatal_files) > 1:
+        for v, cause in fatal_files:
+            then = v.consequences()
+            after = f", then {_then(then)}" if then else ""
+            console.print(Text(f"{_shown_path(v.file)}: {cause.kind} at line {cause.line}{after}"))
 
 
 def diagnose_command(paths: list[str], as_json: bool, all_attempts: bool = False) -> int:
-    """Print what the known-failure library finds in `paths` and a verdict; returns the exit code."""
+    """Print what the known-failure library finds in `paths`, a verdict per file and one for all; returns the exit code.
+
+    With `as_json`, stdout is one JSON object: {"verdict": {...}, "files": [per-file verdicts], "findings": [...]}."""
     missing = [p for p in paths if not os.path.exists(p)]
     if not paths or missing:
         what = ", ".join(missing) if missing else "(none given)"
@@ -82,20 +148,27 @@ def diagnose_command(paths: list[str], as_json: bool, all_attempts: bool = False
             file=sys.stderr,
         )
         return EXIT_BAD_PATH
-    files = log_files(paths, all_attempts=all_attempts)
-    findings: list[Finding] = []
-    suppressed: dict[tuple[str, str], int] = {}
-    for path in files:
+    verdicts = []
+    for path in log_files(paths, all_attempts=all_attempts):
         scanner = scan_log(path)
-        findings.extend(scanner.findings)
-        for name, count in scanner.suppressed.items():
-            suppressed[(str(path), name)] = count
-    verdict = _verdict(findings, len(files), paths)
+        verdicts.append(FileVerdict(str(path), scanner.process, scanner.findings, dict(scanner.suppressed)))
+    findings = [f for v in verdicts for f in v.findings]
+    verdict = _verdict(verdicts, paths)
     if as_json:
-        print(json.dumps([f.to_dict() for f in findings], indent=2))
+        cause = root_cause(findings)
+        document = {
+            "verdict": {
+                "kind": cause.kind if cause else None,
+                "root_cause": cause.to_dict() if cause else None,
+                "text": verdict,
+            },
+            "files": [v.to_dict() for v in verdicts],
+            "findings": [f.to_dict() for f in findings],
+        }
+        print(json.dumps(document, indent=2))
         # stdout stays one JSON document for `| jq`; the verdict is for the human watching
         print(verdict, file=sys.stderr)
     else:
-        _print_table(findings, suppressed)
+        _print_table(verdicts)
         print(verdict)
     return EXIT_FATAL if any(f.severity == FATAL for f in findings) else EXIT_CLEAN

@@ -1,258 +1,53 @@
-"""Known failures in a child's output: the pattern library, a line-by-line scanner and classify().
+"""Known failures in a child's output: a line-by-line scanner over the pattern library, and classify().
 
 The supervisor runs one LogScanner per child process and feeds it every output line;
 `prime-train diagnose` runs the same scanner over log files after the fact. A Finding names the
-line, the failure it shows and what to do about it; classify() turns a dead child's findings into
-the FailureKind the restart policy reads. Torch-free: this runs in the supervisor.
+line, the failure it shows and what to do about it; root_cause() picks, among a dead child's
+findings, the one that explains the others, and classify() turns it into the FailureKind the
+restart policy reads. The patterns themselves, data, are in patterns.py. Torch-free: this runs
+in the supervisor.
+
+The scanner is linear in its input and bounded in memory whatever the input: each line is cut to
+MAX_LINE_CHARS before it is matched, at most MAX_OPEN_TRACEBACKS tracebacks are followed at once,
+and the state carried from line to line is a few short strings.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from prime_train.resilience.failures import FailureKind
+from prime_train.resilience.patterns import (
+    CONTEXT_PATTERNS,
+    EXCEPTION_LINE,
+    FATAL,
+    FRAME_MARKS,
+    GRAD_NORM_STREAK,
+    GRAD_NORM_STUCK,
+    GRAD_NORM_VALUE,
+    PATTERNS,
+    PYTHON_EXCEPTION,
+    ROOT_CAUSE_TIERS,
+    TRACEBACK_CUT_OFF,
+    Pattern,
+)
 from prime_train.resilience.redact import redact
-
-FATAL = "fatal"
-WARNING = "warning"
 
 # Longer lines are cut in findings: vLLM's "Supported architectures: dict_keys([...])" runs to
 # thousands of characters and would bury the console.
 MAX_TEXT_CHARS = 500
-
-
-@dataclass(frozen=True)
-class Pattern:
-    """One known failure or warning: how to spot its line and what to do about it."""
-
-    name: str
-    regex: re.Pattern[str]
-    kind: FailureKind | None  # None: a warning only, never the cause of a death
-    severity: str  # FATAL or WARNING
-    hint: str  # what to do, one line; names the config key where there is one
-    # Substrings (case-sensitive), one of which every line the regex matches contains. All
-    # patterns' needles together make one gate regex: most lines contain none of them, and
-    # those lines never reach the per-pattern regexes. Empty: the regex runs on every line.
-    needles: tuple[str, ...] = ()
-
-    def search(self, line: str) -> bool:
-        """Whether `line` shows this pattern."""
-        for needle in self.needles:
-            if needle in line:
-                return self.regex.search(line) is not None
-        return not self.needles and self.regex.search(line) is not None
-
-
-def _pattern(name: str, kind: FailureKind | None, regex: str, needles: tuple[str, ...], hint: str) -> Pattern:
-    return Pattern(name, re.compile(regex), kind, FATAL if kind is not None else WARNING, hint, needles)
-
-
-K = FailureKind
-
-# Order matters only within one line: the first fatal match names it. Specific causes come
-# before the generic ones they often appear with (OOM before a native crash, say).
-PATTERNS: list[Pattern] = [
-    _pattern(
-        "configuration_error",
-        K.CONFIG_ERROR,
-        r"(?<![\w-])config(?:uration)? error:(?=\s|$)",
-        ("configuration error:", "config error:"),
-        "the job refused its config and exits 78: fix the key the message names (`prime-train lint CFG` "
-        "checks it) and start again; retrying cannot help",
-    ),
-    _pattern(
-        "cuda_out_of_memory",
-        K.OUT_OF_MEMORY,
-        r"(?:CUDA|HIP) out of memory|CUDA error: out of memory|\bOutOfMemoryError\b",
-        ("out of memory", "OutOfMemoryError"),
-        "lower train.micro_batch_size or data.seq_len, or enable model.activation_checkpointing "
-        "(in an inference worker: lower gpu_memory_utilization or max_num_seqs)",
-    ),
-    _pattern(
-        "killed_by_oom_killer",
-        K.OUT_OF_MEMORY,
-        r"^\s*Killed\s*$|:\s*\d+\s+Killed\s|\bOut of memory: Kill(?:ed)? process\b|exitcode\s*:\s*-9\b"
-        r"|Signal 9 \(SIGKILL\) received",
-        ("Killed", "Out of memory: Kill", "exitcode", "SIGKILL"),
-        "SIGKILL, most often the kernel's OOM killer (`dmesg -T | grep -i oom`): lower data.num_workers or "
-        "train.micro_batch_size, or use a machine with more RAM",
-    ),
-    _pattern(
-        "disk_full",
-        K.DISK_FULL,
-        r"No space left on device|\bENOSPC\b|Disk quota exceeded",
-        ("No space left", "ENOSPC", "Disk quota exceeded"),
-        "the disk is full: free space, or lower ckpt.keep_last / set supervisor.max_disk_gb "
-        "(`du -sh RUN_DIR/checkpoints` shows what checkpoints take)",
-    ),
-    _pattern(
-        "kv_cache_too_small",
-        K.CONFIG_ERROR,
-        r"KV cache is needed, which is larger than the available KV cache memory"
-        r"|larger than the maximum number of tokens that can be stored in KV cache"
-        r"|No available memory for the cache blocks",
-        ("KV cache is needed", "stored in KV cache", "memory for the cache blocks"),
-        "one max_model_len sequence does not fit vLLM's KV cache: raise gpu_memory_utilization or lower "
-        "inference.max_model_len, or shard the model over more GPUs (tensor parallel)",
-    ),
-    _pattern(
-        "context_length_exceeded",
-        K.CONFIG_ERROR,
-        r"maximum context length is \d+ tokens|is longer than the maximum model length of \d+",
-        ("maximum context length", "maximum model length"),
-        "raise inference.max_model_len or lower max_tokens (prompt + max_tokens must fit in max_model_len)",
-    ),
-    _pattern(
-        "unsupported_architecture",
-        K.CONFIG_ERROR,
-        r"Model architectures \[[^\]]*\] (?:are not supported for now|failed to be inspected)"
-        r"|has no vLLM implementation and the Transformers implementation is not compatible with vLLM"
-        r"|Cannot find model module\. '[^']*' is not a registered model",
-        ("Model architectures", "no vLLM implementation", "Cannot find model module"),
-        "the installed vLLM cannot serve this model (`prime-train lint` checks compatibility): pick a supported "
-        "model or vLLM version; 'failed to be inspected' can also mean a broken vLLM install (see above it)",
-    ),
-    _pattern(
-        "hf_hub_access_denied",
-        K.CONFIG_ERROR,
-        r"\bGatedRepoError\b|\bRepositoryNotFoundError\b|Cannot access gated repo"
-        r"|401 Client Error: Unauthorized for url: https://huggingface\.co",
-        ("GatedRepoError", "RepositoryNotFoundError", "gated repo", "401 Client Error"),
-        "the Hugging Face repo is gated, private or misspelled: check model.path or the dataset id, accept "
-        "its licence on the hub and export HF_TOKEN (list it in supervisor.required_env)",
-    ),
-    _pattern(
-        "nccl_watchdog_timeout",
-        K.NCCL_TIMEOUT,
-        r"Watchdog caught collective operation timeout",
-        ("Watchdog caught collective",),
-        "a collective waited past distributed.timeout_s: a rank stalled or died first, so find the earliest "
-        "error across the ranks' logs; raise distributed.timeout_s only if a step legitimately takes that long",
-    ),
-    _pattern(
-        "gloo_timeout",
-        K.NCCL_TIMEOUT,
-        r"Timed out waiting \d+ms for (?:send|recv) operation to complete",
-        ("Timed out waiting",),
-        "a gloo collective timed out: a rank stalled or died first, so find the earliest error across the "
-        "ranks' logs; raise distributed.timeout_s only if a step legitimately takes that long",
-    ),
-    _pattern(
-        "nccl_error",
-        K.NCCL_TIMEOUT,
-        r"(?i:\bNCCL error\b)|\bnccl(?:InternalError|SystemError|UnhandledCudaError|RemoteError|InvalidUsage"
-        r"|InvalidArgument)\b|NCCL communicator was aborted",
-        ("NCCL error", "NCCL Error", "NCCL ERROR", "nccl", "communicator was aborted"),
-        "NCCL failed: rerun with NCCL_DEBUG=INFO for the cause (often the network interface: set "
-        "NCCL_SOCKET_IFNAME) and check the other ranks' logs for the first failure",
-    ),
-    _pattern(
-        "gpu_hardware_fault",
-        K.GPU_BROKEN,
-        # Xid codes of hardware faults (48 double-bit ECC, 79 fallen off the bus, 94/95 contained/uncontained
-        # ECC, …); the others are usually an application's own illegal access
-        r"uncorrectable ECC error|GPU has fallen off the bus"
-        r"|NVRM: Xid \([^)]*\): (?:48|63|64|74|79|92|94|95|119|120)\b",
-        ("ECC error", "fallen off the bus", "Xid"),
-        "the GPU reported a hardware fault: it needs a reset (`nvidia-smi -r`) or the node a reboot; on a "
-        "cloud node, move the job to another one",
-    ),
-    _pattern(
-        "cuda_unavailable",
-        K.CRASH,
-        r"No CUDA GPUs are available|CUDA driver version is insufficient"
-        r"|CUDA-capable device\(s\) is/are busy or unavailable|Found no NVIDIA driver on your system"
-        r"|no CUDA-capable device is detected",
-        ("No CUDA GPUs", "driver version is insufficient", "busy or unavailable", "NVIDIA driver", "CUDA-capable"),
-        "CUDA is not usable in this process: check nvidia-smi, CUDA_VISIBLE_DEVICES and that no leftover "
-        "process holds the GPUs (`prime-train preflight` checks this before a run)",
-    ),
-    _pattern(
-        "vllm_engine_start_failed",
-        K.INFERENCE_DIED,
-        r"Engine core initialization failed|Engine process failed to start",
-        ("initialization failed", "Engine process failed"),
-        "the vLLM engine did not start: the root cause is the first error above this line in the inference "
-        "log (KV cache size, GPU memory, model support)",
-    ),
-    _pattern(
-        "vllm_engine_dead",
-        K.INFERENCE_DIED,
-        r"\bEngineDeadError\b|EngineCore encountered an issue",
-        ("EngineDeadError", "EngineCore encountered"),
-        "the vLLM engine died while serving: the first error above it is the cause (often CUDA out of "
-        "memory: lower gpu_memory_utilization or max_num_seqs)",
-    ),
-    _pattern(
-        "too_many_open_files",
-        K.CRASH,
-        r"Too many open files|\bEMFILE\b",
-        ("Too many open files", "EMFILE"),
-        "ulimit -n 65536 (or raise the hard limit in /etc/security/limits.conf)",
-    ),
-    _pattern(
-        "shared_memory_exhausted",
-        K.CRASH,
-        r"insufficient shared memory \(shm\)|out of shared memory",
-        ("shared memory",),
-        "/dev/shm is too small for data-loader workers: run the container with --shm-size=16g (or "
-        "--ipc=host), or lower data.num_workers",
-    ),
-    _pattern(
-        "address_in_use",
-        K.CRASH,
-        r"(?i:address already in use)|\bEADDRINUSE\b",
-        ("ddress already in use", "DDRESS ALREADY IN USE", "EADDRINUSE"),
-        "a port the job binds is taken (distributed.master_port or the inference port): `ss -ltnp` shows "
-        "who holds it; stop that process or pick another port",
-    ),
-    _pattern(
-        "native_crash",
-        K.CRASH,
-        r"Signal (?:6 \(SIGABRT\)|7 \(SIGBUS\)|11 \(SIGSEGV\)) received|\bSegmentation fault\b"
-        r"|Fatal Python error: |exitcode\s*:\s*-(?:6|7|11)\b",
-        ("Signal ", "Segmentation fault", "Fatal Python error", "exitcode"),
-        "the process died in native code (abort, bus error or segfault): the first error above it is "
-        "usually the cause; after an NCCL timeout the watchdog aborts on purpose",
-    ),
-    _pattern(
-        "vllm_use_v1_set",
-        None,
-        r"\bVLLM_USE_V1\b",
-        ("VLLM_USE_V1",),
-        "VLLM_USE_V1 does nothing since vLLM 0.11 (V1 is the only engine): remove it from the environment",
-    ),
-    _pattern(
-        "gpu_throttling",
-        None,
-        r"(?:HW|SW)(?: Thermal| Power Brake)? Slowdown\s*:\s*Active"
-        r"|temperature above threshold, cpu clock throttled|(?i:\b(?:thermal|power)[ -]throttl(?:ed|ing)\b)",
-        ("Slowdown", "throttl", "Throttl", "THROTTL"),
-        "a GPU or CPU is throttling (heat or power cap) and steps slow down: check cooling with "
-        "`nvidia-smi -q -d PERFORMANCE`, or move to another node if it persists",
-    ),
-    _pattern(
-        "loss_not_finite",
-        None,
-        r"(?i)(?:loss|grad(?:[_ ]norm)?)\b[\"']?\s*[:=]?\s*[\"']?[-+]?(?:nan|inf(?:inity)?)\b",
-        # not "INF": every INFO line has it. "loss: INF" goes unnoticed; "inf", "Inf", "nan" do not
-        ("nan", "NaN", "NAN", "inf", "Inf"),
-        "the loss or gradient norm is NaN/inf: lower train.lr, keep train.grad_clip set, look for broken "
-        "records in the data, and resume from a checkpoint before it diverged",
-    ),
-    _pattern(
-        "nccl_warning",
-        None,
-        r"\bNCCL WARN\b",
-        ("NCCL WARN",),
-        "NCCL reported a problem: if the job later hangs or dies this is the first clue (NCCL_DEBUG=INFO shows more)",
-    ),
-]
+# Longer lines are matched on their head and tail only (half each): a progress bar redrawn with \r
+# for hours, or a binary blob, is one "line" of megabytes, and its decisive part is at one end
+# ("...it/s]Killed" at the tail, a "[rank3]:" prefix at the head).
+MAX_LINE_CHARS = 16_384
+# Log files are read in pieces of at most this many bytes, so a line without a newline never has
+# to fit in memory whole.
+MAX_READ_BYTES = 65_536
 
 
 def _literal_union(words: Iterable[str]) -> re.Pattern[str]:
@@ -275,44 +70,20 @@ def _literal_union(words: Iterable[str]) -> re.Pattern[str]:
     return re.compile(emit(trie))
 
 
+# The pattern whose findings count gradient norms in a row (see LogScanner._grad_norm).
+_GRAD_NORM_NOT_FINITE = next(p for p in PATTERNS if p.name == "grad_norm_not_finite")
+# The gate looks for the needles' first _GATE_CHARS characters only: a needle's prefix is in every
+# line the needle is, shorter words make the gate cheaper, and a needle cut by a wrap then starts
+# within _CUT characters of the cut.
+_GATE_CHARS = 16
+_CUT = _GATE_CHARS - 1
 # None when some pattern has no needles: then every line goes through every pattern
 _GATE: re.Pattern[str] | None = (
-    _literal_union({n for p in PATTERNS for n in p.needles}) if all(p.needles for p in PATTERNS) else None
+    _literal_union({n[:_GATE_CHARS] for p in PATTERNS for n in p.needles}) if all(p.needles for p in PATTERNS) else None
 )
 
-# The last line of a Python traceback: `pkg.mod.SomeError: message`, or a bare `KeyboardInterrupt`.
-EXCEPTION_LINE = re.compile(r"(?:[A-Za-z_]\w*\.)*(?P<name>[A-Za-z_]\w*)(?P<colon>:(?:\s|$))?")
+# Exception lines without a message are taken only for names like these: `KeyboardInterrupt`, `StopIteration`.
 _BARE_EXCEPTION_SUFFIXES = ("Error", "Exception", "Interrupt", "Exit", "Iteration", "Warning")
-
-PYTHON_EXCEPTION = Pattern(
-    "python_exception",
-    EXCEPTION_LINE,
-    K.CRASH,
-    FATAL,
-    "an uncaught Python exception: the traceback above this line shows where it was raised",
-)
-TRACEBACK_CUT_OFF = Pattern(
-    "python_traceback_cut_off",
-    EXCEPTION_LINE,
-    K.CRASH,
-    FATAL,
-    "the log ends inside a Python traceback (the process was killed or its output cut off): the frames "
-    "above show where it was",
-)
-
-# Most specific first: a deterministic config problem beats what it caused; a root cause (memory,
-# disk, hardware) beats the collective timeouts it triggers on other ranks; a bare traceback is last.
-PRECEDENCE: list[FailureKind] = [
-    K.CONFIG_ERROR,
-    K.OUT_OF_MEMORY,
-    K.DISK_FULL,
-    K.GPU_BROKEN,
-    K.NCCL_TIMEOUT,
-    K.INFERENCE_DIED,
-    K.HANG,
-    K.PREEMPTED,
-    K.CRASH,
-]
 
 
 @dataclass
@@ -334,11 +105,38 @@ class Finding:
 
 _TRACEBACK_HEADER = "Traceback (most recent call last):"
 _GROUP_HEADER = "Exception Group Traceback (most recent call last):"
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+# Tracebacks that Python prints for an error it survives: a __del__ or callback that raised
+# ("Exception ignored in: <function ...>"), a logging handler that failed ("--- Logging error ---").
+_BENIGN_INTRODUCERS = ("Exception ignored in", "Exception ignored on calling", "--- Logging error ---")
+# Colour codes as a terminal gets them (ESC), as syslog/journald/docker escape them (#033[), as
+# `cat -v` or `less` shows them (^[[), and JSON- or repr-escaped.
+_ANSI = re.compile(r"(?:\x1b|#033|\^\[|\\033|\\x1b|\\u001b)\[[0-9;?]*[A-Za-z]")
 _DIGITS_TO_ZERO = str.maketrans("0123456789", "0000000000")
 # Non-frame lines tolerated inside a traceback before it is given up: interleaved output from
 # other threads or ranks, not the traceback's own.
 _MAX_FOREIGN_LINES = 50
+# Tracebacks followed at once. Every rank or worker prefix ("[rank3]:", "(EngineCore pid=7)") has
+# its own; past this many the least recently continued one is dropped, so lines that open a
+# traceback and never close it (`[abc123] Traceback (most recent call last):` over and over) cost
+# constant time and memory each.
+MAX_OPEN_TRACEBACKS = 16
+# Lines that are themselves warnings: Python's `file.py:12: UserWarning: ...` and torch's C++
+# `[W socket.cpp:464]` / `[W1121 10:00:00.123 ProcessGroupNCCL.cpp:1250]`. Such a line is never the
+# cause of a death (torch warns "Address already in use" for IPv6 and then binds IPv4), so only
+# warning patterns apply to it.
+_WARNING_LINE = re.compile(r"\b[A-Z][a-z]\w*Warning: |^(?:\[rank\d+\]:)?\[W(?:\d{4} [\d:.]+(?: \d+)?)? [\w./-]+:\d+\]")
+# A wrapped line: a terminal or a log collector broke the decisive phrase over two lines. The
+# scanner matches the end of the previous line joined to the start of this one, directly (a hard
+# wrap at the terminal width) or with a space (a soft wrap that ate it); only a match that spans
+# the join counts, so nothing is reported twice.
+_WRAP_WINDOW = 96
+# No terminal is narrower than this: a shorter line ended where its writer ended it, not at a wrap.
+_MIN_WRAP_WIDTH = 40
+# A per-line prefix a log collector repeats on the continuation of a wrapped line.
+_LINE_PREFIX = re.compile(r"^(?:\[[^\]\n]{1,40}\]:?\s|\([^)\n]{1,60}\)\s)")
+# What the previous line was, for a wrap: never joined (a warning, a traceback header or frame),
+# passed the needle gate (the join is searched whole), or plain (searched where a needle was cut).
+_UNJOINABLE, _GATED, _PLAIN = "unjoinable", "gated", "plain"
 
 
 @dataclass
@@ -350,17 +148,25 @@ class _OpenTraceback:
     group: bool  # an exception group: body lines carry "| " markers
     last_line: int
     last_text: str
+    benign: bool = False  # printed for an exception Python survived (see _BENIGN_INTRODUCERS)
     foreign: int = 0
+    marks: set[str] = field(default_factory=set)  # what its frames show (see FRAME_MARKS)
 
 
 def _clean(line: str) -> str:
     line = line.rstrip("\r\n")
+    if len(line) > MAX_LINE_CHARS:
+        half = MAX_LINE_CHARS // 2
+        line = line[:half] + " … " + line[-half:]
     if "\r" in line:
         # progress bars redraw with \r; what the reader last saw is the final segment
         segments = [s for s in line.split("\r") if s.strip()]
         line = segments[-1] if segments else ""
-    if "\x1b" in line:
+    if "\x1b" in line or "033[" in line or "[[" in line or "1b[" in line:
         line = _ANSI.sub("", line)
+    while line.endswith("^M"):
+        # a carriage return as `cat -v` and some pastes show it
+        line = line[:-2]
     return line
 
 
@@ -373,6 +179,67 @@ def _is_exception_line(body: str) -> bool:
         # "INFO: …", "ERROR: …" are log lines that landed inside the block, not exceptions
         return not (name.isupper() and len(name) > 1)
     return m.end() == len(body.rstrip()) and name[:1].isupper() and name.endswith(_BARE_EXCEPTION_SUFFIXES)
+
+
+def _matching(line: str, warning_line: bool) -> list[Pattern]:
+    """The patterns `line` shows, fatal ones first in table order; none fatal on a warning line."""
+    matched = [p for p in PATTERNS if p.search(line)]
+    if warning_line:
+        return [p for p in matched if p.severity != FATAL]
+    if len(matched) > 1:
+        matched.sort(key=lambda p: p.severity != FATAL)
+    return matched
+
+
+def _gate(tail: str, line: str) -> tuple[bool, bool]:
+    """Whether a needle lies wholly in `line`, and whether one is cut by the join of `tail` (the end of the
+    previous line) and `line`: one search of the gate regex for both, the cost of almost every line."""
+    if _GATE is None:
+        return True, bool(tail)
+    joined = tail + line
+    at = len(tail)
+    cut = False
+    m = _GATE.search(joined)
+    while m is not None:
+        if m.start() >= at:
+            return True, cut
+        cut = cut or m.end() > at
+        m = _GATE.search(joined, m.start() + 1)
+    return False, cut
+
+
+def _soft_cut(tail: str, line: str) -> bool:
+    """Whether a needle spans `tail` and `line` joined by a space: a soft wrap that ate the space
+    between two words (the caller checked that both sides of the cut are letters)."""
+    if _GATE is None:
+        return False
+    window = tail + " " + line[:_CUT]
+    return any(m.start() < len(tail) and m.end() > len(tail) + 1 for m in _GATE.finditer(window))
+
+
+def _continuation(prev: str, line: str) -> str:
+    """`line` as the continuation of `prev`: without the prefix a log collector repeats on every line."""
+    prefix = _LINE_PREFIX.match(prev)
+    if prefix is not None and line.startswith(prefix.group()):
+        return line[len(prefix.group()) :]
+    return line
+
+
+def _wrapped(prev: str, line: str) -> tuple[Pattern, str] | None:
+    """A fatal pattern whose phrase starts at the end of `prev` and goes on at the start of `line` (its
+    continuation, see _continuation), and the two lines joined as its finding's text."""
+    tail = prev[-_WRAP_WINDOW:]
+    head = line[:_WRAP_WINDOW]
+    for sep in ("", " "):
+        window = tail + sep + head
+        for pattern in _matching(window, warning_line=False):
+            if pattern.severity != FATAL:
+                break
+            if not pattern.wraps:
+                continue
+            if any(m.start() < len(tail) and m.end() > len(tail) + len(sep) for m in pattern.regex.finditer(window)):
+                return pattern, tail.lstrip() + sep + line
+    return None
 
 
 class LogScanner:
@@ -388,15 +255,29 @@ class LogScanner:
         self.suppressed: dict[str, int] = {}
         self._counts: dict[str, int] = {}
         self._open: list[_OpenTraceback] = []
+        # the previous line, cleaned, and what it was: what a traceback header or a wrapped phrase follows
+        self._prev = ""
+        self._prev_state = _UNJOINABLE
+        self._prev_fatal: Pattern | None = None  # the pattern of the previous line's fatal finding
+        self._grad_streak = 0
 
     def feed(self, line: str, line_no: int) -> list[Finding]:
         """Scan one line (1-based `line_no`); returns the findings it produced."""
         line = _clean(line)
+        prev, prev_state = self._prev, self._prev_state
+        warning_line = ("Warning: " in line or "[W" in line) and _WARNING_LINE.search(line) is not None
+        # warnings, traceback headers and frames are never half of a wrapped phrase
+        self._prev, self._prev_state = line, _UNJOINABLE
         header_at = line.find(_TRACEBACK_HEADER)
         if header_at >= 0:
-            self._open_traceback(line, header_at, line_no)
+            self._open_traceback(line, header_at, line_no, benign=any(s in prev for s in _BENIGN_INTRODUCERS))
+            # what precedes the header on its line is output of its own: a bar or a message it was glued to
+            before = line[:header_at]
+            if _gate("", before)[0] and (found := _matching(before, warning_line)):
+                return [f for f in [self._record(found[0], line, line_no)] if f is not None]
             return []
-        ends_traceback = False
+        ended: _OpenTraceback | None = None
+        exception = ""
         if self._open:
             block, body = self._route(line)
             if block is not None:
@@ -409,37 +290,80 @@ class LogScanner:
                     # a frame: source lines quote code ("raise RuntimeError('Engine core …')"),
                     # which must not count as the message itself
                     block.last_line, block.last_text = line_no, line
+                    for mark, words in FRAME_MARKS:
+                        if any(w in body for w in words):
+                            block.marks.add(mark)
                     return []
                 if _is_exception_line(body):
                     self._open.remove(block)
-                    ends_traceback = True
+                    ended, exception = block, body.strip()
                 else:
                     block.foreign += 1
                     if block.foreign > _MAX_FOREIGN_LINES:
                         self._open.remove(block)
-        if _GATE is not None and _GATE.search(line) is None:
-            if not ends_traceback:
-                return []  # the common case, kept free of the bookkeeping below
-            matched: list[Pattern] = []
-        else:
-            matched = [p for p in PATTERNS if p.search(line)]
-        fatal = [p for p in matched if p.severity == FATAL]
-        chosen = fatal[:1] if fatal else matched[:1]
-        if ends_traceback and not fatal:
-            chosen.append(PYTHON_EXCEPTION)
-        return [f for p in chosen if (f := self._record(p, line, line_no)) is not None]
+        tail, cont = "", line
+        if not warning_line and prev_state != _UNJOINABLE and len(prev) >= _MIN_WRAP_WIDTH:
+            tail = prev[-_CUT:]
+            if line[:1] in ("[", "(") and line[0] == prev[0]:
+                cont = _continuation(prev, line)
+        in_line, cut = _gate(tail, cont)
+        if not warning_line:
+            self._prev_state = _GATED if in_line else _PLAIN
+        joinable = bool(tail) and (
+            cut
+            or in_line
+            or prev_state == _GATED
+            or (tail[-1].isalpha() and cont[:1].isalpha() and _soft_cut(tail, cont))
+        )
+        prev_fatal, self._prev_fatal = self._prev_fatal, None
+        if not (in_line or joinable or ended or self._grad_streak):
+            return []  # the common case, kept free of the bookkeeping below
+        matched = _matching(line, warning_line) if in_line else []
+        chosen = [(p, line) for p in matched[:1]]
+        fatal = bool(matched) and matched[0].severity == FATAL
+        if ended is not None and not fatal:
+            context = next(
+                (p for mark, p in CONTEXT_PATTERNS if mark in ended.marks and p.regex.search(exception)), None
+            )
+            if context is not None:
+                chosen, fatal = [(context, line)], True
+            elif not ended.benign:
+                chosen.append((PYTHON_EXCEPTION, line))
+        if not fatal and joinable:
+            wrapped = _wrapped(prev, cont)
+            # the previous line already showed this failure: the join adds its end, not a second one
+            if wrapped is not None and wrapped[0] is not prev_fatal:
+                chosen, fatal = [wrapped], True
+        if fatal:
+            self._prev_fatal = chosen[0][0]
+        if (matched or self._grad_streak) and self._grad_norm(line, matched) and not fatal:
+            chosen.append((GRAD_NORM_STUCK, line))
+        return [f for p, text in chosen if (f := self._record(p, text, line_no)) is not None]
 
     def finish(self) -> list[Finding]:
         """Flush what end of input completes: a traceback whose exception line never came."""
         out = []
         for block in self._open:
+            if block.benign:
+                continue
             finding = self._record(TRACEBACK_CUT_OFF, block.last_text, block.last_line)
             if finding is not None:
                 out.append(finding)
         self._open.clear()
         return out
 
-    def _open_traceback(self, line: str, header_at: int, line_no: int) -> None:
+    def _grad_norm(self, line: str, matched: list[Pattern]) -> bool:
+        """Count non-finite gradient norms in a row; True on the one that makes GRAD_NORM_STREAK."""
+        if any(p is _GRAD_NORM_NOT_FINITE for p in matched):
+            self._grad_streak += 1
+            return self._grad_streak == GRAD_NORM_STREAK
+        if self._grad_streak and ("grad" in line or "Grad" in line):
+            m = GRAD_NORM_VALUE.search(line)
+            if m is not None and m.group("value")[:1].isdigit():
+                self._grad_streak = 0  # a finite norm: the loss scaler recovered
+        return False
+
+    def _open_traceback(self, line: str, header_at: int, line_no: int, benign: bool) -> None:
         group_at = line.find(_GROUP_HEADER)
         group = group_at >= 0
         if group:
@@ -449,7 +373,10 @@ class LogScanner:
         else:
             prefix = line[:header_at]
         self._open = [b for b in self._open if b.prefix != prefix]
-        self._open.append(_OpenTraceback(prefix, prefix.translate(_DIGITS_TO_ZERO), group, line_no, line))
+        if len(self._open) >= MAX_OPEN_TRACEBACKS:
+            # drop the one continued longest ago: a prefix that never comes back was never a traceback
+            self._open.remove(min(self._open, key=lambda b: b.last_line))
+        self._open.append(_OpenTraceback(prefix, prefix.translate(_DIGITS_TO_ZERO), group, line_no, line, benign))
         self._open.sort(key=lambda b: len(b.prefix), reverse=True)
 
     def _route(self, line: str) -> tuple[_OpenTraceback | None, str]:
@@ -490,13 +417,29 @@ class LogScanner:
         return finding
 
 
+def _tier(kind: str) -> int:
+    for i, tier in enumerate(ROOT_CAUSE_TIERS):
+        if kind in tier:
+            return i
+    return len(ROOT_CAUSE_TIERS)
+
+
+def root_cause(findings: Iterable[Finding]) -> Finding | None:
+    """The fatal finding that explains the others: the earliest one of the most causal tier (ROOT_CAUSE_TIERS).
+
+    `findings` in the order they were seen: a CUDA illegal memory access, then the NCCL timeout it
+    left the other ranks in, names the memory access; two causes in one tier name the first."""
+    best: Finding | None = None
+    for f in findings:
+        if f.severity == FATAL and f.kind is not None and (best is None or _tier(f.kind) < _tier(best.kind or "")):
+            best = f
+    return best
+
+
 def classify(findings: Iterable[Finding]) -> FailureKind | None:
-    """The most specific fatal kind among `findings` (see PRECEDENCE), or None when none is fatal."""
-    kinds = {f.kind for f in findings if f.severity == FATAL and f.kind is not None}
-    for kind in PRECEDENCE:
-        if str(kind) in kinds:
-            return kind
-    return None
+    """The kind of the root cause among `findings` (see root_cause), or None when none is fatal."""
+    cause = root_cause(findings)
+    return FailureKind(cause.kind) if cause is not None and cause.kind is not None else None
 
 
 # What counts as a log file below a directory that is not a run directory (a prime-rl output
@@ -516,12 +459,32 @@ def process_name(path: str | os.PathLike[str]) -> str:
     return stem
 
 
+def read_lines(f: IO[bytes], max_bytes: int = MAX_READ_BYTES) -> Iterator[bytes]:
+    """The newline-terminated lines of a binary stream, each cut to its head and tail when longer than max_bytes.
+
+    Memory stays within a few max_bytes however long a line is: a progress bar redrawn with \\r for
+    hours has no newline and can run to gigabytes."""
+    half = max_bytes // 2
+    while True:
+        piece = f.readline(max_bytes)
+        if not piece:
+            return
+        if piece.endswith(b"\n") or len(piece) < max_bytes:
+            yield piece
+            continue
+        head, tail = piece[:half], piece[-half:]
+        while piece and not piece.endswith(b"\n"):
+            piece = f.readline(max_bytes)
+            tail = (tail + piece)[-half:]
+        yield head + " … ".encode() + tail
+
+
 def scan_log(path: str | os.PathLike[str], process: str | None = None) -> LogScanner:
     """Scan one log file to its end; the finished scanner holds its findings and suppressed counts."""
     scanner = LogScanner(process or process_name(path), str(path))
     # binary read: text mode would also split on the \r of progress bars and shift line numbers
     with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, 1):
+        for line_no, raw in enumerate(read_lines(f), 1):
             scanner.feed(raw.decode("utf-8", "replace"), line_no)
     scanner.finish()
     return scanner

@@ -6,6 +6,14 @@ from dataclasses import dataclass
 
 from prime_train.resilience.failures import Failure, FailureKind
 
+# Why a kind that is not retryable (failures.RETRYABLE) is never retried: each one fails the same
+# way again after a resume from the newest checkpoint.
+WHY_NOT_RETRIED = {
+    FailureKind.CONFIG_ERROR: "the config fails the same way every time",
+    FailureKind.DEVICE_ASSERT: "a resume replays the same batch, whose ids or labels are out of range",
+    FailureKind.LOSS_NOT_FINITE: "the same lr, precision and data diverge again",
+}
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -26,7 +34,8 @@ class RestartPolicy:
 
     def decide(self, failure: Failure, restarts_so_far: int) -> Decision:
         if not failure.retryable:
-            return Decision(False, 0.0, f"{failure.kind} is not retryable")
+            why = WHY_NOT_RETRIED.get(failure.kind)
+            return Decision(False, 0.0, f"{failure.kind} is not retryable" + (f": {why}" if why else ""))
         if restarts_so_far >= self.max_restarts:
             return Decision(False, 0.0, f"supervisor.max_restarts ({self.max_restarts}) exhausted")
         # a preemption notice means the job checkpointed on purpose: resume at once, no backoff

@@ -1,0 +1,41 @@
+"""Failure kinds as data: every kind has a retry rule and a hint, and the restart policy reads them."""
+
+from __future__ import annotations
+
+import pytest
+
+from prime_train.resilience.failures import HINTS, RETRYABLE, Failure, FailureKind
+from prime_train.resilience.patterns import PATTERNS
+from prime_train.resilience.policy import WHY_NOT_RETRIED, RestartPolicy
+
+K = FailureKind
+
+
+def test_every_kind_has_a_retry_rule_and_a_hint_and_every_unretried_kind_a_reason():
+    assert set(RETRYABLE) == set(FailureKind) == set(HINTS)
+    assert all(HINTS[k] and "\n" not in HINTS[k] for k in FailureKind)
+    assert set(WHY_NOT_RETRIED) == {k for k, retry in RETRYABLE.items() if not retry}
+
+
+def test_every_kind_the_log_scanner_reports_is_a_failure_kind_the_policy_knows():
+    assert {p.kind for p in PATTERNS if p.kind is not None} <= set(RETRYABLE)
+
+
+@pytest.mark.parametrize("kind", [K.DEVICE_ASSERT, K.LOSS_NOT_FINITE, K.CONFIG_ERROR])
+def test_failures_that_recur_after_a_resume_are_not_retried_and_the_decision_says_why(kind):
+    decision = RestartPolicy(max_restarts=5).decide(Failure(kind, "x"), restarts_so_far=0)
+    assert not decision.restart
+    assert "not retryable" in decision.reason and WHY_NOT_RETRIED[kind] in decision.reason
+
+
+@pytest.mark.parametrize("kind", [K.HOST_OUT_OF_MEMORY, K.NCCL_ERROR, K.CUDA_ERROR])
+def test_new_transient_kinds_are_retried_with_backoff(kind):
+    policy = RestartPolicy(max_restarts=3, backoff_initial_s=2.0)
+    first, third = policy.decide(Failure(kind, "x"), 0), policy.decide(Failure(kind, "x"), 2)
+    assert first.restart and first.delay_s == 2.0 and third.delay_s == 8.0
+    assert not policy.decide(Failure(kind, "x"), 3).restart
+
+
+def test_failure_dict_names_the_kind_and_whether_it_is_retried():
+    d = Failure(K.DEVICE_ASSERT, "assert", exit_code=1).to_dict()
+    assert d["kind"] == "device_assert" and d["retryable"] is False
