@@ -119,6 +119,14 @@ def test_flash_attention_without_cuda_is_a_config_error():
         build_model(ModelConfig(attn_implementation="flash_attention_2"), VOCAB)
 
 
+def test_flash_attention_on_a_gpu_without_flash_attn_is_a_config_error_not_a_crash(monkeypatch):
+    # on the H100 this was an ImportError from transformers, retried as a crash; with no flash-attn package
+    # installed here, transformers raises the same ImportError once it believes a GPU is present
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(EngineConfigError, match=r"model\.attn_implementation = 'flash_attention_2' cannot be used"):
+        build_model(ModelConfig(attn_implementation="flash_attention_2"), VOCAB)
+
+
 def test_decoder_layers_finds_the_largest_module_list_of_an_unknown_model():
     class Odd(nn.Module):
         def __init__(self):

@@ -33,6 +33,21 @@ def test_verdicts_follow_the_largest_avoidable_share():
     assert "max_async_level" in verdict["advice"] and "75%" in verdict["evidence"]
 
 
+def test_compute_bound_at_low_mfu_says_how_far_from_what_the_gpu_reaches():
+    # the H100 verdict that was wrong: "compute-bound ... this is where a step should be" at 14 % MFU
+    low = _summary(data=0.01, forward=0.4, backward=0.5, optimizer=0.09)
+    low["mfu"] = 0.14
+    verdict = diagnose(low)
+    assert verdict["kind"] == "under-utilised compute"
+    assert "MFU 14%" in verdict["evidence"] and "35% of the ~40%" in verdict["evidence"]
+    assert "train.compile" in verdict["advice"] and "where a step should be" not in verdict["advice"]
+    tuned = {**low, "mfu": 0.38}  # nanoGPT's measured MFU at GPT-2-124M shape on an H100
+    assert diagnose(tuned)["kind"] == "compute-bound" and "where a step should be" in diagnose(tuned)["advice"]
+    # on a device with no known peak the verdict says it cannot tell
+    unknown = {**low, "mfu": None}
+    assert diagnose(unknown)["kind"] == "compute-bound" and "unknown" in diagnose(unknown)["evidence"]
+
+
 def test_a_slow_checkpoint_is_noted_against_its_interval():
     s = _summary(forward=0.5, backward=0.5)
     s["checkpoint_save_s"] = 30.0

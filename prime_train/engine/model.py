@@ -43,7 +43,15 @@ def build_model(cfg: ModelConfig, vocab_size: int, *, device: str | torch.device
             "model.attn_implementation = 'flash_attention_2' needs a CUDA GPU and the flash-attn package; "
             "use 'sdpa' on this machine"
         )
-    model = _load_pretrained(cfg, vocab_size) if cfg.path else _random_init(cfg, vocab_size)
+    try:
+        model = _load_pretrained(cfg, vocab_size) if cfg.path else _random_init(cfg, vocab_size)
+    except ImportError as exc:
+        # transformers refuses an attention implementation whose package is missing (flash_attention_2 without
+        # flash-attn): the config asks for something this environment cannot do, and a retry would fail again
+        raise EngineConfigError(
+            f"model.attn_implementation = {cfg.attn_implementation!r} cannot be used here: {_first_line(exc)}; "
+            "install its package (pip install flash-attn) or use 'sdpa'"
+        ) from None
     # Training forwards need no KV cache. Left on, transformers fills a DynamicCache on every forward: it
     # keeps each layer's K/V alive (undoing activation checkpointing's savings), is appended to again when
     # a checkpointed layer recomputes, and makes torch.compile fall back to eager at the cache update.
