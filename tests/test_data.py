@@ -13,15 +13,8 @@ import pytest
 import torch
 
 from prime_train.config.schema import DataConfig, DatasetConfig
-from prime_train.engine.data import (
-    IGNORE_INDEX,
-    Batch,
-    build_eval_batches,
-    build_train_loader,
-    encode_prompt,
-    held_out_examples,
-    pack_best_fit,
-)
+from prime_train.engine.data import build_eval_batches, build_train_loader, encode_prompt, held_out_examples
+from prime_train.engine.packing import IGNORE_INDEX, Batch, pack_best_fit
 from prime_train.engine.tokenizer import build_byte_tokenizer
 
 CPU = torch.device("cpu")
@@ -276,7 +269,7 @@ def test_hub_stream_gives_each_rank_its_own_records(tok, tmp_path, caplog):
     for shard in range(3):
         write_jsonl(tmp_path / f"part-{shard}.jsonl", [{"text": f"shard {shard} doc {i}"} for i in range(30)])
     data = DataConfig(datasets=[DatasetConfig(hub=str(tmp_path))], held_out_fraction=0.0)
-    caplog.set_level(logging.WARNING, logger="prime_train.engine.data")
+    caplog.set_level(logging.WARNING, logger="prime_train.engine.records")
     shards = [set(one_epoch(loader(tok, data, mbs=1, rank=r, world_size=2), tok)) for r in range(2)]
     assert not shards[0] & shards[1] and len(shards[0] | shards[1]) == 90
     assert any("3 shards, which 2 ranks do not divide" in r.getMessage() for r in caplog.records)
@@ -355,7 +348,7 @@ def test_whole_files_go_to_ranks_when_the_file_count_divides_the_world_size(tok,
 
     # three files over two ranks: a warning, then every rank reads every file and keeps alternate records
     (tmp_path / "part-3.jsonl").unlink()
-    caplog.set_level(logging.WARNING, logger="prime_train.engine.data")
+    caplog.set_level(logging.WARNING, logger="prime_train.engine.records")
     shards = [one_epoch(loader(tok, data, mbs=1, rank=r, world_size=2), tok) for r in range(2)]
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "3 files, which 2 ranks do not divide" in warnings[0].getMessage()

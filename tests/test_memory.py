@@ -9,22 +9,11 @@ import pytest
 from rich.console import Console
 
 from prime_train.config.schema import Config
-from prime_train.validator.memory import (
-    GIB,
-    MIB,
-    MemoryInputError,
-    MemoryInputs,
-    ModelShape,
-    estimate,
-    inputs_from_config,
-    inputs_from_flags,
-    kv_bytes_per_token,
-    load_gpus,
-    render_memory,
-    resolve_model,
-    trainer_memory,
-)
-from prime_train.validator.preflight import model_shape
+from prime_train.validator.gpus import load_gpus
+from prime_train.validator.memory import estimate, inputs_from_config, inputs_from_flags, render_memory
+from prime_train.validator.memory_breakdown import kv_bytes_per_token, trainer_memory
+from prime_train.validator.memory_inputs import GIB, MIB, MemoryInputError, MemoryInputs, ModelShape, resolve_model
+from prime_train.validator.model_shape import model_shape
 
 # Qwen2.5-7B-Instruct's published config.json (the fields the calculator reads)
 QWEN25_7B = {

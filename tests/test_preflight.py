@@ -15,6 +15,8 @@ import pytest
 
 from prime_train.config.schema import Config
 from prime_train.validator import preflight
+from prime_train.validator.model_shape import model_shape
+from prime_train.validator.param_count import count_parameters
 from prime_train.validator.preflight import (
     FAIL,
     PASS,
@@ -27,9 +29,7 @@ from prime_train.validator.preflight import (
     check_ports,
     check_secrets,
     checkpoint_disk_need,
-    count_parameters,
     estimate_memory,
-    model_shape,
     preflight_command,
     probe_gpus,
     run_preflight,

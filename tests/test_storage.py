@@ -1,7 +1,7 @@
 """Checkpoints in object storage, against moto's S3 server over HTTP (a real subprocess on 127.0.0.1).
 
-Covers integrations/storage.py (archive, manifest, verified download, tar-slip refusal, retention,
-heartbeat) and resilience/backup.py (background uploads from the watcher, restore before start).
+Covers integrations/storage.py and checkpoint_archive.py (archive, manifest, verified download, tar-slip
+refusal, retention, heartbeat) and resilience/backup.py (background uploads from the watcher, restore before start).
 """
 
 from __future__ import annotations

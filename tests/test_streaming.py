@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from prime_train.config.schema import DataConfig, DatasetConfig
-from prime_train.engine import data as data_mod
-from prime_train.engine.data import IGNORE_INDEX, Batch, build_train_loader
-from prime_train.engine.streaming import StreamingLoader, _rows_from, build_streaming_loader
+from prime_train.engine.data import build_train_loader
+from prime_train.engine.packing import IGNORE_INDEX, Batch
+from prime_train.engine.records import is_held_out, parquet_rows
+from prime_train.engine.streaming import StreamingLoader, build_streaming_loader
 from prime_train.engine.tokenizer import build_byte_tokenizer
 
 CPU = torch.device("cpu")
@@ -161,7 +162,7 @@ def test_memory_holds_at_most_one_buffer_of_documents(tok, tmp_path):
 def test_held_out_records_never_stream_and_the_rest_all_do(tok, tmp_path):
     path = write_shards(tmp_path / "shards", 2, 250, kind="text")
     texts = [row["text"] for f in sorted((tmp_path / "shards").iterdir()) for row in pq.read_table(f).to_pylist()]
-    held_out = {t for t in texts if data_mod._is_held_out(t, 0, 0.3)}
+    held_out = {t for t in texts if is_held_out(t, 0, 0.3)}
     assert 0 < len(held_out) < len(texts)
     seen = {
         tok.decode(list(ids)[:-1]) for ids, _ in one_epoch(streaming(tok, config(path, held_out_fraction=0.3), mbs=1))
@@ -237,7 +238,7 @@ def test_a_mixed_stream_resumes_exactly(tok, tmp_path):
 def test_reading_a_shard_from_a_row_skips_whole_row_groups_and_yields_the_rest_in_order(tmp_path, first_row):
     path = str(tmp_path / "numbers.parquet")
     pq.write_table(pa.Table.from_pylist([{"x": i} for i in range(300)]), path, row_group_size=97)
-    got = list(_rows_from(path, first_row))
+    got = list(parquet_rows(path, first_row))
     assert [number for number, _ in got] == [fields["x"] for _, fields in got] == list(range(first_row, 300))
 
 

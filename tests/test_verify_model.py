@@ -18,17 +18,11 @@ from typing import ClassVar
 
 import pytest
 
-from prime_train.validator import models, registry
-from prime_train.validator.models import (
-    MXFP4_BYTES_PER_PARAM,
-    TRAIN_BYTES_PER_PARAM,
-    ModelConfigNotFound,
-    count_model_parameters,
-    render_report,
-    verify_model,
-    vllm_support,
-)
-from prime_train.validator.preflight import count_parameters
+from prime_train.validator import models, param_count, registry, vllm_compat
+from prime_train.validator.model_files import ModelConfigNotFound
+from prime_train.validator.models import MXFP4_BYTES_PER_PARAM, TRAIN_BYTES_PER_PARAM, render_report, verify_model
+from prime_train.validator.param_count import count_model_parameters, count_parameters
+from prime_train.validator.vllm_compat import vllm_support
 
 CONFIGS = Path(__file__).resolve().parent / "data" / "model_configs"
 FAMILIES = sorted(p.name for p in CONFIGS.iterdir() if (p / "config.json").is_file())
@@ -84,7 +78,7 @@ PLAIN_TEMPLATE = (
 def test_counter_gives_the_published_parameter_counts(name, expected):
     hf = config_of(name)
     assert count_model_parameters(hf).total == expected
-    assert count_parameters(hf) == expected  # preflight's estimate is the same counter
+    assert count_parameters(hf) == expected  # the total preflight and the memory and cost calculators use
 
 
 def _meta_model(directory: Path):
@@ -140,11 +134,11 @@ def test_gpt_oss_active_count_includes_the_input_embedding_that_openai_leaves_ou
 def test_defaults_fill_fields_a_nested_text_config_leaves_out():
     hf = config_of("gemma-3-4b-it")
     assert "num_attention_heads" not in hf["text_config"] and "vocab_size" not in hf["text_config"]
-    text = models.text_config(hf)
+    text = param_count.text_config(hf)
     assert (text["num_attention_heads"], text["num_key_value_heads"], text["vocab_size"]) == (8, 4, 262208)
 
 
-@pytest.mark.parametrize("model_type", sorted(set(models._DEFAULTS) - {"qwen2_vl", "qwen2_5_vl"}))
+@pytest.mark.parametrize("model_type", sorted(set(param_count._DEFAULTS) - {"qwen2_vl", "qwen2_5_vl"}))
 def test_shipped_defaults_match_the_transformers_config_classes(model_type):
     """The defaults table is what transformers fills in; a new transformers release that changes one fails here."""
     transformers = pytest.importorskip("transformers")
@@ -153,7 +147,7 @@ def test_shipped_defaults_match_the_transformers_config_classes(model_type):
         "num_key_value_heads": built.num_attention_heads,
         "head_dim": built.hidden_size // built.num_attention_heads,
     }
-    for key, value in models._DEFAULTS[model_type].items():
+    for key, value in param_count._DEFAULTS[model_type].items():
         # a field the class leaves unset (or lacks) is derived by the modeling code, as the counter derives it
         expected = getattr(built, key, None)
         if key in derived:
@@ -184,7 +178,7 @@ BRIEF_ARCHITECTURES = [
 
 
 def test_shipped_vllm_table_covers_the_common_architectures_with_versions_and_a_date():
-    table = models.load_vllm_table()
+    table = vllm_compat.load_vllm_table()
     assert table["checked"] and table["source"]
     for arch in BRIEF_ARCHITECTURES:
         support = vllm_support(arch)
@@ -284,7 +278,7 @@ def test_a_model_without_tokenizer_files_cannot_have_its_template_checked(tmp_pa
      ("Qwen3-30B-A3B", "hermes"), ("DeepSeek-V3", "deepseek_v3"), ("gemma-2-2b", None)],
 )  # fmt: skip
 def test_tool_call_parser_by_family(name, parser):
-    assert models.suggest_tool_parser(config_of(name), name)[0] == parser
+    assert vllm_compat.suggest_tool_parser(config_of(name), name)[0] == parser
 
 
 # ---------------------------------------------------------------- memory, context, dtype
@@ -480,7 +474,7 @@ def test_registry_loads_and_every_entry_has_the_required_keys():
     doc = registry.load_registry()
     assert "nobody has served or trained" in doc["note"]
     assert len(doc["models"]) >= 8
-    table = models.load_vllm_table()["architectures"]
+    table = vllm_compat.load_vllm_table()["architectures"]
     for entry in doc["models"]:
         assert set(registry.REQUIRED_KEYS) <= set(entry), entry.get("model_id")
         for issue in entry["known_issues"]:

@@ -3,8 +3,8 @@
 FineWeb-style datasets are folders of parquet shards on the hub. Streaming them needs no download
 of whole shards: a parquet file is read by its footer and then row group by row group, and each of
 those is one HTTP range request. So a hub shard is named here as `hub://<repo>@<revision>/<path>`
-and opened as a seekable file whose reads are range requests; everything else (shard order, rank
-split, windows, resume) is the local-parquet streaming code in streaming.py, unchanged.
+and opened as a seekable file whose reads are range requests; everything else (parquet rows in
+records.py; shard order, rank split, windows, resume in streaming.py) is the local-parquet code, unchanged.
 
 Standard library HTTP with bounded timeouts and a few retries. The endpoint is HF_ENDPOINT (default
 https://huggingface.co), the token HF_TOKEN or huggingface_hub's saved login; the token is sent to

@@ -1,4 +1,4 @@
-"""Bounded-memory streaming of local parquet shards into packed, resumable batches (data.streaming).
+"""Bounded-memory streaming of parquet shards (local, or on the hub) into packed, resumable batches (data.streaming).
 
 data.py reads a rank's whole share of records into memory, which web-scale shards (FineWeb-style
 parquet) do not fit. Here a rank reads its shards row group by row group, in a per-epoch seeded
@@ -9,7 +9,8 @@ the next, so a window is a pure function of its start position: the loader's sta
 (epoch, shard, row) plus the rows of the window already handed out, and a restored loader re-reads
 the window and yields exactly the batches an uninterrupted one would.
 
-Held-out records are dropped by the same content hash as data.py, so the eval split agrees. With
+Records, documents and packing are data.py's (records.py, documents.py, packing.py): held-out records
+are dropped by the same content hash, so the eval split agrees. With
 several shards that the ranks divide, rank r reads shards r, r + world_size, …; otherwise every rank
 reads every shard and keeps the rows whose index in their shard is r modulo world_size.
 """
@@ -24,8 +25,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from prime_train.engine import data as data_mod
-from prime_train.engine.data import Batch
+from prime_train.engine import hub_files
+from prime_train.engine.documents import Encoder
+from prime_train.engine.packing import Batch, PackedRows, build_rows
+from prime_train.engine.records import (
+    Record,
+    dataset_key,
+    detect_format,
+    expand_local_path,
+    extract,
+    is_held_out,
+    parquet_num_rows,
+    parquet_rows,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -38,8 +50,6 @@ _STATE_VERSION = 1
 # Documents packed together: enough for best fit to fill rows well (the few part-filled rows of a
 # window are then rare), few enough that a window's tokens are a few MB whatever the shard size.
 BUFFER_DOCUMENTS = 4096
-# Parquet rows decoded per read; a record batch is the only other thing held besides the window.
-_READ_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -55,7 +65,7 @@ class _Position:
 class _Window:
     start: _Position
     end: _Position  # where the next window starts
-    rows: data_mod._Rows
+    rows: PackedRows
     order: np.ndarray  # the order the rows are handed out in
 
 
@@ -86,7 +96,7 @@ class StreamingLoader:
             raise ValueError(f"buffer_documents must be at least 1, got {buffer_documents}")
         self._ds = ds
         self._index = index
-        self._encoder = data_mod._Encoder(tokenizer, job)
+        self._encoder = Encoder(tokenizer, job)
         self._pad_id = tokenizer.pad_token_id
         self._seq_len = seq_len
         self._packing = packing
@@ -102,13 +112,11 @@ class StreamingLoader:
         self._format: str | None = None
 
         if ds.hub is not None:
-            from prime_train.engine import hub_files
-
-            self._source_key, self._source = data_mod._key(index, "hub"), ds.hub
+            self._source_key, self._source = dataset_key(index, "hub"), ds.hub
             files = hub_files.list_parquet(ds.hub, ds.split, key=self._source_key)
         else:
-            self._source_key, self._source = data_mod._key(index, "path"), ds.path
-            files = data_mod._expand_local_path(ds.path or "", index)
+            self._source_key, self._source = dataset_key(index, "path"), ds.path
+            files = expand_local_path(ds.path or "", index)
         not_parquet = [f for f in files if not f.endswith(".parquet")]
         if not_parquet:
             raise ValueError(
@@ -174,7 +182,7 @@ class StreamingLoader:
         return self
 
     def __next__(self) -> Batch:
-        parts: list[data_mod.Batch] = []
+        parts: list[Batch] = []
         needed = self._micro_batch_size
         while needed:
             window = self._current_window()
@@ -254,15 +262,15 @@ class StreamingLoader:
             order = self._shard_order(epoch)
             while shard < len(order):
                 path = self._shards[order[shard]]
-                for number, fields in _rows_from(path, row):
+                for number, fields in parquet_rows(path, row):
                     following = _Position(epoch, shard, number + 1)
                     if not self._sharded and number % self._world_size != self._rank:
                         continue
-                    record = data_mod._Record(fields, f"{path} row {number}")
+                    record = Record(fields, f"{path} row {number}")
                     if self._format is None:
-                        self._format = data_mod._detect_format(self._ds, self._index, record)
-                    content = data_mod._extract(self._ds, self._index, self._format, record)
-                    if data_mod._is_held_out(content, self._seed, self._held_out_fraction):
+                        self._format = detect_format(self._ds, self._index, record)
+                    content = extract(self._ds, self._index, self._format, record)
+                    if is_held_out(content, self._seed, self._held_out_fraction):
                         continue
                     yield following, content
                 shard, row = shard + 1, 0
@@ -293,14 +301,14 @@ class StreamingLoader:
                 break
         docs = self._encoder.encode(self._format or "text", contents)
         del contents
-        rows = data_mod._build_rows(docs, self._seq_len, self._pad_id, self._packing)
+        rows = build_rows(docs, self._seq_len, self._pad_id, self._packing)
         tags = [self._seed, self._rank, 4, window_start.epoch, window_start.shard, window_start.row]
         order = np.random.default_rng(tags).permutation(len(rows.lengths))
         return _Window(window_start, self._past_epoch_end(end), rows, order)
 
     def _rows_in(self, shard_index: int) -> int:
         if shard_index not in self._row_counts:
-            self._row_counts[shard_index] = _num_rows(self._shards[shard_index])
+            self._row_counts[shard_index] = parquet_num_rows(self._shards[shard_index])
         return self._row_counts[shard_index]
 
     def _past_epoch_end(self, position: _Position) -> _Position:
@@ -312,48 +320,9 @@ class StreamingLoader:
         return _Position(position.epoch + 1, 0, 0) if shard == len(order) else _Position(position.epoch, shard, row)
 
 
-def _parquet(path: str):
-    """A ParquetFile of a local shard or of a hub shard read by range requests."""
-    import pyarrow.parquet as pq
-
-    from prime_train.engine import hub_files
-
-    return pq.ParquetFile(hub_files.open_source(path))
-
-
-def _num_rows(path: str) -> int:
-    return _parquet(path).metadata.num_rows
-
-
-def _rows_from(path: str, first_row: int) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(row number, fields) of a parquet file from `first_row` on, one record batch in memory at a time."""
-    try:
-        parquet = _parquet(path)
-    except ImportError as exc:
-        raise ValueError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from exc
-    # Whole row groups before `first_row` are skipped without being read.
-    groups, group_start = [], 0
-    for group in range(parquet.metadata.num_row_groups):
-        count = parquet.metadata.row_group(group).num_rows
-        if groups or group_start + count > first_row:
-            groups.append(group)
-        else:
-            group_start += count
-    if not groups:
-        return
-    number = group_start
-    for record_batch in parquet.iter_batches(batch_size=_READ_ROWS, row_groups=groups):
-        count = record_batch.num_rows
-        if number + count > first_row:
-            skip = max(0, first_row - number)
-            for offset, fields in enumerate(record_batch.slice(skip).to_pylist()):
-                yield number + skip + offset, fields
-        number += count
-
-
-def _concat_batches(parts: list[data_mod.Batch]) -> data_mod.Batch:
+def _concat_batches(parts: list[Batch]) -> Batch:
     pads = [p.pad_mask for p in parts]
-    return data_mod.Batch(
+    return Batch(
         torch.cat([p.input_ids for p in parts]),
         torch.cat([p.labels for p in parts]),
         torch.cat([p.position_ids for p in parts]),

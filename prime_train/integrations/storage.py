@@ -16,67 +16,52 @@ Credentials come only from boto3's standard chain (environment, ~/.aws, instance
 run config, and they never reach a message: every error is described by its S3 error code and
 scrubbed of the credential values in use before it leaves this module.
 
-boto3 and zstandard are imported lazily: the supervisor and `prime-train lint` import this module
-without them.
+The archives themselves (writing, verified extraction, tar-slip refusal) are checkpoint_archive.py's;
+this module is the bucket: keys, transfers, listing, retention and the heartbeat. boto3 and zstandard
+are imported lazily: the supervisor and `prime-train lint` import this module without them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import gzip
-import hashlib
-import io
 import json
 import logging
 import math
 import os
 import re
 import socket
-import tarfile
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO, Protocol
+from typing import Any, Protocol
 
 from prime_train.contract import fsync_dir, read_json
+from prime_train.integrations.checkpoint_archive import (
+    ARCHIVE_SUFFIXES,
+    STAGING_PREFIX,
+    CorruptCheckpoint,
+    StorageError,
+    UnsafeArchive,
+    extract_archive,
+    remove_stale_staging,
+    sha256_file,
+    write_archive,
+    zstandard_module,
+)
 from prime_train.resilience.redact import REDACTED, redact
 from prime_train.retention import safe_remove_checkpoint, select_for_deletion
 
 logger = logging.getLogger("prime_train.storage")
 
 MANIFEST_FORMAT = 1
-CHUNK = 1 << 20  # bytes per read while hashing, archiving and extracting
-ZSTD_LEVEL = 3  # fast; checkpoint weights compress little, so a higher level buys almost nothing
 # S3 allows at most 10,000 parts per upload, each >= 5 MiB (except the last)
 MIN_PART_BYTES = 5 * 1024 * 1024
 MAX_PARTS = 10_000
 DEFAULT_PART_BYTES = 64 * 1024 * 1024
-STAGING_PREFIX = ".remote-"  # temp archives in a checkpoint directory; never matches step-N / step-N.tmp
 
-_SUFFIX = {"zstd": ".tar.zst", "gzip": ".tar.gz"}
 _KEY_RE = re.compile(r"^step-(\d+)(\.manifest\.json|\.tar\.zst|\.tar\.gz)$")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._\-]{1,61}[a-z0-9]$")
-
-
-class StorageError(RuntimeError):
-    """The bucket could not be reached or used; the message is safe to show (no credentials)."""
-
-
-class CorruptCheckpoint(StorageError):
-    """A remote checkpoint whose archive or files do not match its manifest, or an unsafe archive."""
-
-    def __init__(self, step: int, file: str, detail: str):
-        self.step = step
-        self.file = file
-        self.detail = detail
-        super().__init__(f"remote checkpoint step-{step} is corrupt: {file}: {detail}")
-
-
-class UnsafeArchive(CorruptCheckpoint):
-    """An archive member that would land outside the checkpoint (tar-slip), or a link or device."""
 
 
 class EventSink(Protocol):
@@ -117,78 +102,6 @@ def parse_remote(url: str) -> tuple[str, str]:
     return bucket, prefix
 
 
-# ---------------------------------------------------------------- streams that hash what passes
-
-
-class _HashingWriter(io.RawIOBase):
-    """Writes to `raw` and hashes and counts every byte: the archive's sha256 without a second read."""
-
-    def __init__(self, raw: BinaryIO):
-        self.raw = raw
-        self.sha = hashlib.sha256()
-        self.size = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b) -> int:  # type: ignore[override]
-        view = memoryview(b)
-        self.sha.update(view)
-        self.size += view.nbytes
-        self.raw.write(view)
-        return view.nbytes
-
-    def flush(self) -> None:
-        self.raw.flush()
-
-
-class _HashingReader:
-    """Reads from `raw` and hashes what tarfile copies into the archive: one read per file."""
-
-    def __init__(self, raw: BinaryIO):
-        self.raw = raw
-        self.sha = hashlib.sha256()
-        self.size = 0
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.raw.read(n)
-        self.sha.update(data)
-        self.size += len(data)
-        return data
-
-
-def _sha256_file(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            sha.update(chunk)
-    return sha.hexdigest()
-
-
-def _zstandard():
-    """The zstandard module, or None when it is not installed."""
-    try:
-        import zstandard
-    except ImportError:
-        return None
-    return zstandard
-
-
-def remove_stale_staging(directory: str | os.PathLike[str]) -> list[Path]:
-    """Delete temp archives a killed upload or download left in `directory` (only our own names)."""
-    removed: list[Path] = []
-    try:
-        entries = list(os.scandir(directory))
-    except (FileNotFoundError, NotADirectoryError):
-        return removed
-    for entry in entries:
-        if entry.name.startswith(STAGING_PREFIX) and entry.is_file(follow_symlinks=False):
-            with contextlib.suppress(OSError):
-                os.unlink(entry.path)
-                removed.append(Path(entry.path))
-    return removed
-
-
 # ---------------------------------------------------------------- the store
 
 
@@ -212,7 +125,7 @@ class CheckpointStore:
         read_timeout_s: float = 120.0,
         max_attempts: int = 5,
     ):
-        if compression not in _SUFFIX:
+        if compression not in ARCHIVE_SUFFIXES:
             raise ValueError(f"ckpt.remote_compression must be 'zstd' or 'gzip', got {compression!r}")
         if part_bytes < MIN_PART_BYTES:
             raise ValueError(f"part_bytes must be at least {MIN_PART_BYTES} (S3's smallest part), got {part_bytes}")
@@ -220,7 +133,7 @@ class CheckpointStore:
         self.bucket, self.prefix = parse_remote(url)
         self.endpoint_url = endpoint_url
         self.notes: list[str] = []
-        if compression == "zstd" and _zstandard() is None:
+        if compression == "zstd" and zstandard_module() is None:
             note = "the zstandard package is not installed: uploading gzip archives (pip install zstandard)"
             self.notes.append(note)
             logger.warning(note)
@@ -273,7 +186,7 @@ class CheckpointStore:
         return self._key("checkpoints/")
 
     def archive_key(self, step: int, compression: str | None = None) -> str:
-        return self.checkpoints_prefix + f"step-{step}{_SUFFIX[compression or self.compression]}"
+        return self.checkpoints_prefix + f"step-{step}{ARCHIVE_SUFFIXES[compression or self.compression]}"
 
     def manifest_key(self, step: int) -> str:
         return self.checkpoints_prefix + f"step-{step}.manifest.json"
@@ -357,14 +270,14 @@ class CheckpointStore:
         staging = self.staging_dir or step_dir.parent
         staging.mkdir(parents=True, exist_ok=True)
         compression = self.compression
-        suffix = _SUFFIX[compression]
+        suffix = ARCHIVE_SUFFIXES[compression]
         fd, tmp_name = tempfile.mkstemp(dir=staging, prefix=f"{STAGING_PREFIX}step-{step}-", suffix=suffix)
         tmp = Path(tmp_name)
         archive_key = self.archive_key(step, compression)
         manifest_key = self.manifest_key(step)
         try:
             with os.fdopen(fd, "wb") as raw:
-                files, archive_sha, archive_bytes = self._write_archive(step_dir, raw, compression)
+                files, archive_sha, archive_bytes = write_archive(step_dir, raw, compression)
             if not files:
                 raise StorageError(f"checkpoint directory {step_dir} holds no files; refusing to upload it")
             manifest = {
@@ -401,45 +314,6 @@ class CheckpointStore:
             "sha256": archive_sha,
             "seconds": round(time.monotonic() - started, 3),
         }
-
-    def _write_archive(
-        self, step_dir: Path, raw: BinaryIO, compression: str
-    ) -> tuple[dict[str, dict[str, Any]], str, int]:
-        hashing = _HashingWriter(raw)
-        files: dict[str, dict[str, Any]] = {}
-        if compression == "zstd":
-            zstd = _zstandard()
-            if zstd is None:  # uninstalled since construction: unlikely, but say what is missing
-                raise StorageError("zstd archives need the zstandard package (pip install zstandard)")
-            compressed = zstd.ZstdCompressor(level=ZSTD_LEVEL).stream_writer(hashing, closefd=False)
-        else:
-            compressed = gzip.GzipFile(fileobj=hashing, mode="wb", compresslevel=6, mtime=0)
-        try:
-            with tarfile.open(fileobj=compressed, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-                for path, rel in _walk(step_dir):
-                    info = tar.gettarinfo(str(path), arcname=rel)
-                    info.uid = info.gid = 0
-                    info.uname = info.gname = ""
-                    if info.isdir():
-                        tar.addfile(info)
-                        continue
-                    if not info.isreg():
-                        raise StorageError(
-                            f"{path} is not a regular file or directory (a link or device); a checkpoint "
-                            "to upload must be self-contained"
-                        )
-                    with open(path, "rb") as f:
-                        reader = _HashingReader(f)
-                        # tarfile copies exactly info.size bytes and raises if the file is shorter now
-                        tar.addfile(info, reader)
-                        if f.read(1):
-                            raise OSError(f"{path} grew while it was archived")
-                    files[rel] = {"sha256": reader.sha.hexdigest(), "bytes": reader.size}
-        finally:
-            compressed.close()
-        raw.flush()
-        os.fsync(raw.fileno())
-        return files, hashing.sha.hexdigest(), hashing.size
 
     def _transfer_config(self, size: int) -> Any:
         from boto3.s3.transfer import TransferConfig
@@ -533,7 +407,7 @@ class CheckpointStore:
             and manifest.get("step") == step
             and isinstance(manifest.get("files"), dict)
             and isinstance(manifest.get("archive_sha256"), str)
-            and manifest.get("compression") in _SUFFIX
+            and manifest.get("compression") in ARCHIVE_SUFFIXES
             and isinstance(manifest.get("archive"), str)
             and _KEY_RE.match(manifest["archive"])
         )
@@ -560,7 +434,9 @@ class CheckpointStore:
         manifest = self._get_manifest(step)
         archive_key = self.checkpoints_prefix + manifest["archive"]
         compression = manifest["compression"]
-        fd, tmp_name = tempfile.mkstemp(dir=dest, prefix=f"{STAGING_PREFIX}step-{step}-", suffix=_SUFFIX[compression])
+        fd, tmp_name = tempfile.mkstemp(
+            dir=dest, prefix=f"{STAGING_PREFIX}step-{step}-", suffix=ARCHIVE_SUFFIXES[compression]
+        )
         os.close(fd)
         archive = Path(tmp_name)
         work = dest / f"step-{step}.tmp"
@@ -574,12 +450,12 @@ class CheckpointStore:
                 )
             except Exception as exc:
                 raise self._fail(exc, "cannot download", archive_key) from None
-            if _sha256_file(archive) != manifest["archive_sha256"]:
+            if sha256_file(archive) != manifest["archive_sha256"]:
                 raise CorruptCheckpoint(step, manifest["archive"], "sha256 differs from the manifest")
             if work.exists() or work.is_symlink():
                 safe_remove_checkpoint(work, dest)
             work.mkdir()
-            self._extract(archive, work, step, manifest)
+            extract_archive(archive, work, step, manifest)
             fsync_dir(work)
             os.rename(work, final)  # the commit point, as for a local save
             fsync_dir(dest)
@@ -592,72 +468,6 @@ class CheckpointStore:
             with contextlib.suppress(FileNotFoundError):
                 archive.unlink()
         return final
-
-    def _extract(self, archive: Path, work: Path, step: int, manifest: dict[str, Any]) -> None:
-        expected: dict[str, dict[str, Any]] = manifest["files"]
-        seen: set[str] = set()
-        compression = manifest["compression"]
-        with open(archive, "rb") as raw:
-            if compression == "zstd":
-                zstd = _zstandard()
-                if zstd is None:
-                    raise StorageError(
-                        f"remote checkpoint step-{step} is a zstd archive: install the zstandard package"
-                    )
-                stream: Any = zstd.ZstdDecompressor().stream_reader(raw, closefd=False)
-            else:
-                stream = gzip.GzipFile(fileobj=raw, mode="rb")
-            try:
-                with tarfile.open(fileobj=stream, mode="r|") as tar:
-                    for member in tar:
-                        name = _safe_member(member, work, step)
-                        target = work.joinpath(*PurePosixPath(name).parts)
-                        try:
-                            if member.isdir():
-                                target.mkdir(parents=True, exist_ok=True)
-                                continue
-                            entry = expected.get(name)
-                            if entry is None:
-                                raise CorruptCheckpoint(step, name, "in the archive but not in the manifest")
-                            if member.size != entry["bytes"]:
-                                raise CorruptCheckpoint(
-                                    step, name, f"{member.size} bytes in the archive, {entry['bytes']} in the manifest"
-                                )
-                            target.parent.mkdir(parents=True, exist_ok=True)
-                            source = tar.extractfile(member)
-                            if source is None:
-                                raise UnsafeArchive(step, name, "not a regular file")
-                            sha = hashlib.sha256()
-                            with open(target, "xb") as out:
-                                while chunk := source.read(CHUNK):
-                                    sha.update(chunk)
-                                    out.write(chunk)
-                                out.flush()
-                                os.fsync(out.fileno())
-                        except (FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
-                            raise UnsafeArchive(step, name, f"clashes with another member ({exc.strerror})") from None
-                        if sha.hexdigest() != entry["sha256"]:
-                            raise CorruptCheckpoint(step, name, "sha256 differs from the manifest")
-                        seen.add(name)
-            except (tarfile.TarError, EOFError, gzip.BadGzipFile) as exc:
-                raise CorruptCheckpoint(step, manifest["archive"], f"unreadable archive ({exc})") from None
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise StorageError(f"no space left in {work.parent} to restore step-{step}") from None
-                if exc.errno is None:  # raised by a decoder, not by the filesystem
-                    raise CorruptCheckpoint(step, manifest["archive"], f"unreadable archive ({exc})") from None
-                raise
-            except Exception as exc:
-                if type(exc).__name__ == "ZstdError":
-                    raise CorruptCheckpoint(step, manifest["archive"], f"unreadable archive ({exc})") from None
-                raise
-            finally:
-                stream.close()
-        missing = sorted(set(expected) - seen)
-        if missing:
-            raise CorruptCheckpoint(
-                step, missing[0], f"in the manifest but not in the archive ({len(missing)} missing)"
-            )
 
     def restore_newest(self, dest_ckpt_dir: str | os.PathLike[str], events: EventSink | None = None) -> int | None:
         """Download the newest whole remote checkpoint; a corrupt one is reported and the one before tried.
@@ -744,58 +554,6 @@ class CheckpointStore:
         except ValueError:
             return None
         return obj if isinstance(obj, dict) else None
-
-
-# ---------------------------------------------------------------- archive safety
-
-
-def _walk(root: Path) -> Iterator[tuple[Path, str]]:
-    """(path, posix name relative to root) of every directory and file below root, sorted, top-down.
-
-    Unlike a bare os.walk, an unreadable or vanished directory raises: a checkpoint deleted mid-walk
-    must fail the upload, not yield a short archive that passes for whole.
-    """
-
-    def fail(exc: OSError) -> None:
-        raise exc
-
-    for current, dirs, files in os.walk(root, onerror=fail, followlinks=False):
-        dirs.sort()
-        base = Path(current)
-        for name in dirs:
-            path = base / name
-            yield path, path.relative_to(root).as_posix()
-        for name in sorted(files):
-            path = base / name
-            yield path, path.relative_to(root).as_posix()
-
-
-def _safe_member(member: tarfile.TarInfo, work: Path, step: int) -> str:
-    """The member's normalised name, or UnsafeArchive when it could escape `work` (tar-slip)."""
-    name = member.name
-    if not (member.isreg() or member.isdir()):
-        kind = "link" if (member.issym() or member.islnk()) else "special file"
-        raise UnsafeArchive(step, name, f"a {kind}; checkpoints hold only files and directories")
-    path = PurePosixPath(name)
-    if path.is_absolute() or name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name):
-        raise UnsafeArchive(step, name, "an absolute path")
-    if any(part == ".." for part in path.parts) or "\\" in name or "\x00" in name:
-        raise UnsafeArchive(step, name, "a path that leaves the checkpoint directory")
-    data_filter = getattr(tarfile, "data_filter", None)
-    if data_filter is not None:
-        try:
-            data_filter(member, str(work))
-        except tarfile.TarError as exc:  # FilterError and its subclasses
-            raise UnsafeArchive(step, name, f"refused by tarfile's data filter ({exc})") from None
-    normal = path.as_posix()
-    while normal.startswith("./"):
-        normal = normal[2:]
-    if normal in ("", "."):
-        raise UnsafeArchive(step, name, "an empty name")
-    target = os.path.realpath(work.joinpath(*PurePosixPath(normal).parts))
-    if os.path.commonpath([target, os.path.realpath(work)]) != os.path.realpath(work):
-        raise UnsafeArchive(step, name, "a path that leaves the checkpoint directory")
-    return normal
 
 
 __all__ = [

@@ -26,8 +26,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prime_train.config.accelerators import Accelerators, parse_accelerators
-from prime_train.validator.memory import DATA_DIR, GpuSpec, GpuTable, MemoryInputError, load_gpus, resolve_model
-from prime_train.validator.preflight import count_parameters
+from prime_train.validator.gpus import DATA_DIR, GpuSpec, GpuTable, load_gpus
+from prime_train.validator.memory import estimate, inputs_from_config
+from prime_train.validator.memory_inputs import MemoryInputError, resolve_model
+from prime_train.validator.model_shape import model_shape
+from prime_train.validator.param_count import count_parameters
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -287,8 +290,6 @@ def estimate_cost(
     spot.accelerators × spot.num_nodes. `step_time_s` is a measured seconds per full-batch step on `gpu` × `num_gpus`
     (from a profile run); without it the step time is estimated from FLOPs at `mfu`.
     """
-    from prime_train.validator.preflight import model_shape
-
     if not 0 < mfu <= 1:
         raise CostInputError(f"mfu = {mfu!r}: must be a fraction in (0, 1], e.g. 0.4")
     if step_time_s is not None and not step_time_s > 0:
@@ -427,8 +428,6 @@ def estimate_cost(
 
 def _memory_need(cfg: Config, hf: dict[str, Any], num_gpus: int, notes: list[str]) -> int | None:
     """Per-GPU training memory of the run on `num_gpus` GPUs (the memory calculator), to flag GPUs it cannot fit."""
-    from prime_train.validator.memory import estimate, inputs_from_config
-
     per_node = cfg.distributed.nproc_per_node or max(1, num_gpus // max(1, cfg.spot.num_nodes))
     if num_gpus % per_node:
         per_node = num_gpus

@@ -19,9 +19,8 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import psutil
 
@@ -29,13 +28,15 @@ from prime_train.config.schema import Config
 from prime_train.contract import ExitCode
 from prime_train.launch import node_rank, procs_per_node, rendezvous_endpoint, visible_gpu_count
 from prime_train.rl.budget import preflight_checks as rl_preflight_checks
+from prime_train.validator.checks import FAIL, PASS, WARN, CheckResult
+from prime_train.validator.memory import estimate, inputs_from_config
+from prime_train.validator.model_shape import model_shape
+from prime_train.validator.param_count import count_parameters
 
 try:
     import resource
 except ImportError:  # Windows has no rlimits
     resource = None  # type: ignore[assignment]
-
-PASS, WARN, FAIL = "pass", "warn", "fail"
 
 # Open files the job needs. Without inference workers, 4096: torch's DataLoader workers pass tensors to the
 # trainer as file descriptors (Linux's default "file_descriptor" sharing strategy, one fd per tensor in flight),
@@ -61,21 +62,8 @@ GPU_OVERHEAD_BYTES = 1 << 30
 CPU_OVERHEAD_BYTES = 512 << 20
 MEMORY_WARN_FRACTION = 0.8
 
-Status = Literal["pass", "warn", "fail"]
 GpuProbe = Callable[[int], dict[str, Any]]
 DiskUsage = Callable[[str], Any]
-
-
-@dataclass
-class CheckResult:
-    name: str
-    status: Status
-    message: str
-    fix: str | None = None
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # ---------------------------------------------------------------- open files
@@ -261,74 +249,7 @@ def check_cuda(cfg: Config, gpu_probe: GpuProbe | None = None) -> CheckResult:
     )
 
 
-# ---------------------------------------------------------------- model size
-
-
-def count_parameters(hf: dict[str, Any]) -> int:
-    """Parameters of the model an HF config dict describes; exact for the families `validator.models` mirrors.
-
-    Delegates to the counter behind `prime-train verify-model`, so preflight's disk and memory estimates and
-    verify-model agree. Raises KeyError / TypeError for a config that lacks hidden size, layers or heads.
-    """
-    from prime_train.validator.models import count_model_parameters
-
-    return count_model_parameters(hf).total
-
-
-def _tokenizer_size(cfg: Config) -> int | None:
-    """len(tokenizer) of a random-initialised model's tokenizer, when it can be known without loading it."""
-    if cfg.model.tokenizer is None:
-        from prime_train.engine.tokenizer import NUM_BYTES, SPECIAL_TOKENS  # torch-free constants
-
-        return NUM_BYTES + len(SPECIAL_TOKENS)
-    path = Path(os.path.expanduser(cfg.model.tokenizer)) / "tokenizer.json"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    ids = set((data.get("model") or {}).get("vocab", {}).values()) | {t["id"] for t in data.get("added_tokens", [])}
-    return max(ids) + 1 if ids else None
-
-
-def _hub_config_path(repo_id: str) -> str | None:
-    """config.json of a hub model if it is already in the local HF cache (no network)."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        found = try_to_load_from_cache(repo_id, "config.json")
-    except Exception:  # not installed, or not a valid repo id
-        return None
-    return found if isinstance(found, str) else None
-
-
-def model_shape(cfg: Config) -> tuple[dict[str, Any] | None, str]:
-    """The HF config dict of the model the run trains, and where it came from (or why it is unknown)."""
-    m = cfg.model
-    if m.path is None:
-        size = _tokenizer_size(cfg)
-        if size is None:
-            return None, f"the vocabulary of model.tokenizer {m.tokenizer!r} is unknown (no local tokenizer.json)"
-        hf = {
-            "model_type": m.arch,
-            "hidden_size": m.hidden_size,
-            "num_hidden_layers": m.num_layers,
-            "num_attention_heads": m.num_heads,
-            "num_key_value_heads": m.num_kv_heads or m.num_heads,
-            "intermediate_size": m.intermediate_size or 4 * m.hidden_size,
-            "vocab_size": -(-size // m.vocab_multiple) * m.vocab_multiple,
-            "tie_word_embeddings": m.tie_embeddings,
-        }
-        return hf, f"random-initialised {m.arch}"
-    local = Path(os.path.expanduser(m.path)) / "config.json"
-    path = str(local) if local.is_file() else _hub_config_path(m.path)
-    if path is None:
-        return None, f"model.path {m.path!r} has no local config.json (not downloaded yet)"
-    try:
-        hf = json.loads(Path(path).read_text(encoding="utf-8"))
-        count_parameters(hf)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return None, f"{path} does not describe a decoder this estimate knows ({type(exc).__name__}: {exc})"
-    return hf, path
+# ---------------------------------------------------------------- model source
 
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -588,8 +509,6 @@ def estimate_memory(cfg: Config, hf: dict[str, Any], *, on_gpu: bool) -> dict[st
     The same figures as `prime-train memory`, so preflight and the calculator never disagree; on the
     CPU the run is fp32 and the CUDA runtime allowance is replaced by the CPU process's own.
     """
-    from prime_train.validator.memory import estimate, inputs_from_config
-
     nproc = procs_per_node(cfg)
     world = nproc * cfg.distributed.nnodes
     strategy = _strategy(cfg, world)

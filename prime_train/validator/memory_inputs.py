@@ -1,0 +1,212 @@
+"""What the memory calculator computes from: the model's shape and the run's settings, validated.
+
+The shape comes from an HF config dict (given, in a config.json, a model directory, or a hub id's
+config.json); the settings are plain fields with their allowed values. Every part of the calculator
+(gpus.py, memory_breakdown.py, memory.py) imports its units and its one error from here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prime_train.validator.param_count import count_parameters
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+STRATEGIES = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
+PRECISIONS = ("bf16", "fp32")
+OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
+CHECKPOINTING = ("none", "selective", "full")
+ATTENTION = ("sdpa", "flash", "eager")
+KV_CACHE_DTYPES = {"auto": None, "bf16": 2, "fp16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp32": 4}
+INFERENCE_DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+ZERO_FAMILY = ("zero1", "zero2", "zero3")
+
+
+class MemoryInputError(ValueError):
+    """A setting the calculator cannot work with; the message names the flag or key."""
+
+
+# ---------------------------------------------------------------- model shape
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the calculator needs from an HF config dict, with its defaults filled in."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp_width: int  # per token: intermediate size, or routed experts' width × experts per token (+ shared)
+    experts: int
+    vocab: int
+    tied: bool
+    attention_dropout: float
+    num_params: int
+    layer_params: int
+    root_params: int  # embeddings, final norm and an untied lm_head: FSDP's root unit
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], source: str = "model config") -> ModelShape:
+        if "hidden_size" not in hf and isinstance(hf.get("text_config"), dict):
+            hf = hf["text_config"]  # a vision-language model: its language model is what trains
+        try:
+            num_params = count_parameters(hf)
+            h, layers, heads = int(hf["hidden_size"]), int(hf["num_hidden_layers"]), int(hf["num_attention_heads"])
+            vocab = int(hf["vocab_size"])
+        except KeyError as exc:
+            raise MemoryInputError(
+                f"{source} has no {exc.args[0]!r}: not a decoder config this calculator knows"
+            ) from None
+        except (TypeError, ValueError) as exc:
+            raise MemoryInputError(f"{source} is not a decoder config this calculator knows: {exc}") from None
+        kv_heads = int(hf.get("num_key_value_heads") or heads)
+        head_dim = int(hf.get("head_dim") or h // heads)
+        experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
+        if experts:
+            per_token = int(hf.get("num_experts_per_tok") or 2)
+            width = per_token * int(hf.get("moe_intermediate_size") or hf["intermediate_size"])
+            width += int(hf.get("shared_expert_intermediate_size") or 0)
+        else:
+            width = int(hf["intermediate_size"])
+        tied = bool(hf.get("tie_word_embeddings", True))
+        root = vocab * h * (1 if tied else 2) + h
+        return cls(
+            hidden=h,
+            layers=layers,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            mlp_width=width,
+            experts=experts,
+            vocab=vocab,
+            tied=tied,
+            attention_dropout=float(hf.get("attention_dropout") or 0.0),
+            num_params=num_params,
+            layer_params=(num_params - root) // layers,
+            root_params=root,
+        )
+
+
+def resolve_model(spec: dict[str, Any] | str) -> tuple[dict[str, Any], str]:
+    """An HF config dict and where it came from: a dict, a config.json file, a model directory, or a hub id.
+
+    A hub id is looked up in the local HF cache first and downloaded (config.json only) when it is not there.
+    """
+    if isinstance(spec, dict):
+        return spec, "model config dict"
+    path = Path(os.path.expanduser(spec))
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise MemoryInputError(f"model {spec!r}: the directory has no config.json")
+    if path.is_file():
+        try:
+            return json.loads(path.read_text(encoding="utf-8")), str(path)
+        except (OSError, ValueError) as exc:
+            raise MemoryInputError(f"model {spec!r}: cannot read {path}: {exc}") from None
+    if spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise MemoryInputError(f"model {spec!r} is neither a config.json, a model directory nor a hub id")
+    try:
+        from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    except ImportError:
+        raise MemoryInputError(
+            f"model {spec!r} looks like a hub id but huggingface_hub is not installed; pass a config.json"
+        ) from None
+    cached = try_to_load_from_cache(spec, "config.json")
+    found = cached if isinstance(cached, str) else None
+    if found is None:
+        try:
+            found = hf_hub_download(spec, "config.json")
+        except Exception as exc:  # offline, gated, unknown repo: all say the same to the user
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise MemoryInputError(
+                f"model {spec!r}: config.json is not in the local HF cache and could not be downloaded ({first}); "
+                "pass the path of its config.json instead"
+            ) from None
+    return json.loads(Path(found).read_text(encoding="utf-8")), f"{spec} ({found})"
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@dataclass
+class MemoryInputs:
+    """Everything the estimate depends on; build it from flags or with `inputs_from_config`."""
+
+    model: dict[str, Any]
+    model_source: str = "model config dict"
+    seq_len: int = 2048
+    micro_batch: int = 1
+    gpus_per_node: int = 1
+    num_nodes: int = 1
+    strategy: str = "none"
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    activation_checkpointing: str = "none"
+    attention: str = "sdpa"
+    hsdp_shard_size: int | None = None
+    # inference (vLLM); off unless max_model_len is set
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    inference_dtype: str = "bf16"
+    tensor_parallel: int = 1
+    colocate: bool = False
+    gpus: list[str] | None = None  # the GPUs to give verdicts for; None: the whole table
+
+    def __post_init__(self) -> None:
+        choices = {
+            "strategy": STRATEGIES,
+            "precision": PRECISIONS,
+            "optimizer": OPTIMIZERS,
+            "activation_checkpointing": CHECKPOINTING,
+            "attention": ATTENTION,
+            "kv_cache_dtype": tuple(KV_CACHE_DTYPES),
+            "inference_dtype": tuple(INFERENCE_DTYPES),
+        }
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise MemoryInputError(f"{key} = {getattr(self, key)!r}: must be one of {', '.join(allowed)}")
+        for key in ("seq_len", "micro_batch", "gpus_per_node", "num_nodes", "max_num_seqs", "tensor_parallel"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise MemoryInputError(f"{key} = {value!r}: must be a whole number ≥ 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise MemoryInputError(f"max_model_len = {self.max_model_len!r}: must be ≥ 1")
+        if self.hsdp_shard_size is not None and self.hsdp_shard_size < 1:
+            raise MemoryInputError(f"hsdp_shard_size = {self.hsdp_shard_size!r}: must be ≥ 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise MemoryInputError(
+                f"gpu_memory_utilization = {self.gpu_memory_utilization!r}: must be in (0, 1], a fraction of the GPU"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.num_nodes
+
+    @property
+    def shard_group(self) -> int:
+        """GPUs the sharded states are spread over."""
+        if self.strategy == "hsdp":
+            return min(self.hsdp_shard_size or self.gpus_per_node, self.world_size)
+        if self.strategy in ("zero1", "zero2", "zero3", "fsdp"):
+            return self.world_size
+        return 1
