@@ -179,6 +179,7 @@ class RunDir:
     ```
     runs/<name>/
       config.toml  events.jsonl  supervisor.json  progress.json  metrics.jsonl
+      gpu.jsonl                 the GPU readings the supervisor acted on (PRIME_TRAIN_GPU_REPLAY replays them)
       logs/attempt-<n>/<process>.log  logs/latest -> attempt-<n>
       checkpoints/step-<N>/     written as step-<N>.tmp, renamed when whole
       weights/step-<N>/         RL: HF weights published for the inference workers, renamed when whole
@@ -196,6 +197,7 @@ class RunDir:
         self.logs_dir = self.root / "logs"
         self.latest_logs = self.logs_dir / "latest"
         self.progress_path = self.root / "progress.json"
+        self.gpu_log_path = self.root / "gpu.jsonl"
         self.metrics_path = self.root / "metrics.jsonl"
         self.checkpoints_dir = self.root / "checkpoints"
         self.weights_dir = self.root / "weights"

@@ -20,28 +20,31 @@ from prime_train.contract import ExitCode, Heartbeat, RunDir, read_heartbeat
 JOB_MODULES = {"sft": "prime_train.engine.train", "pretrain": "prime_train.engine.train", "rl": "prime_train.rl.train"}
 
 
+def gpu_devices() -> list[str]:
+    """The GPUs a run here may use, as CUDA_VISIBLE_DEVICES entries: the user's own list when it is set, else
+    every GPU NVML sees (or the recording PRIME_TRAIN_GPU_REPLAY names); [] on a machine without NVIDIA GPUs."""
+    from prime_train.resilience.gpu import ENV_GPU_REPLAY, gpu_inventory, readings_of, visible_devices
+
+    devices = visible_devices()
+    if devices is not None and not os.environ.get(ENV_GPU_REPLAY):
+        return devices
+    inventory = gpu_inventory()
+    if devices is None:
+        return [str(r.index) for r in inventory]
+    # a replayed machine seen through the user's mask: the entries that name one of its GPUs
+    return [d for d in devices if readings_of(inventory, [d])]
+
+
 def visible_gpu_count() -> int:
-    """GPUs this process may use, from CUDA_VISIBLE_DEVICES or NVML; 0 on a machine without NVIDIA GPUs."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetCount())
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no driver, no library: a CPU machine
-        return 0
+    """How many GPUs a run here may use (gpu_devices); 0 on a machine without NVIDIA GPUs."""
+    return len(gpu_devices())
 
 
-def procs_per_node(cfg: Config) -> int:
-    """`distributed.nproc_per_node`, or one per visible GPU, or 1 on CPU."""
+def procs_per_node(cfg: Config, num_gpus: int | None = None) -> int:
+    """`distributed.nproc_per_node`, or one per GPU the trainer gets (`num_gpus`, default every visible one), or 1."""
     if cfg.distributed.nproc_per_node:
         return cfg.distributed.nproc_per_node
-    return max(1, visible_gpu_count())
+    return max(1, visible_gpu_count() if num_gpus is None else num_gpus)
 
 
 def node_rank(cfg: Config) -> int:
@@ -67,9 +70,14 @@ class LaunchPlan:
     uses_torchrun: bool = False
 
 
-def plan_engine_launch(cfg: Config, config_path: str, *, log_dir: str | None = None) -> LaunchPlan:
-    """The argv that runs the embedded engine on the resolved config written at `config_path`."""
-    nproc = procs_per_node(cfg)
+def plan_engine_launch(
+    cfg: Config, config_path: str, *, log_dir: str | None = None, num_gpus: int | None = None
+) -> LaunchPlan:
+    """The argv that runs the embedded engine on the resolved config written at `config_path`.
+
+    `num_gpus`: the GPUs the trainer is given (after RL's workers took theirs); default every visible one.
+    """
+    nproc = procs_per_node(cfg, num_gpus)
     nnodes = cfg.distributed.nnodes
     job = [JOB_MODULES[cfg.run.job], "--config", config_path]
     env = {"PYTHONUNBUFFERED": "1"}

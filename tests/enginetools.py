@@ -96,8 +96,10 @@ def run_train(out: Path, name: str, timeout: float = 600, **extra) -> subprocess
 
 
 def start(argv: list[str], **kw) -> subprocess.Popen:
+    """Start `argv` in its own session (kill_group ends it and its children), output merged into stdout."""
+    kw.setdefault("env", env())
     return subprocess.Popen(
-        argv, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw
     )
 
 

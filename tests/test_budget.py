@@ -12,10 +12,11 @@ from prime_train.rl.budget import (
     check_gotchas,
     check_token_budget,
     percentile,
-    preflight_checks,
 )
 from prime_train.validator.lint import lint_files
+from prime_train.validator.param_count import count_parameters
 from prime_train.validator.preflight import run_preflight
+from prime_train.validator.rl_checks import rl_preflight_checks
 
 
 def rl_config(tmp_path, **sections) -> Config:
@@ -45,7 +46,7 @@ def test_tiny_rl_defaults_have_no_budget_problem(tmp_path):
 def test_budget_is_not_checked_for_sft_runs(tmp_path):
     cfg = Config.model_validate({"rl": {"max_tokens": 10_000}})
     assert check_token_budget(cfg) == []
-    assert preflight_checks(cfg) == []
+    assert rl_preflight_checks(cfg) == []
 
 
 def test_over_budget_is_an_error_with_every_number(tmp_path):
@@ -212,16 +213,21 @@ def test_colocated_trainer_without_room_gets_a_suggested_utilization(tmp_path):
     (model_dir / "config.json").write_text(json.dumps(hf))
     base = {"model": {"path": str(model_dir)}}
     cfg = rl_config(tmp_path, inference={"colocate": True, "gpu_memory_utilization": 0.9}, **base)
-    [(severity, message, key)] = check_gotchas(cfg, environ={}, gpu_memory_bytes=80e9)
+    params = count_parameters(hf)
+    [(severity, message, key)] = check_gotchas(cfg, environ={}, gpu_memory_bytes=80e9, num_params=params)
     assert (severity, key) == ("warning", "inference.gpu_memory_utilization")
     assert "leaves 8.0 GB of a 80 GB GPU to the trainer, which needs about 10.1 GB (494.0M params" in message
     assert "set inference.gpu_memory_utilization = 0.85" in message
-    unknown = check_gotchas(cfg, environ={}, gpu_memory_bytes=None)
+    unknown = check_gotchas(cfg, environ={}, gpu_memory_bytes=None, num_params=params)
     assert "(assumed: NVML unavailable)" in unknown[0][1]
     roomy = rl_config(tmp_path, inference={"colocate": True, "gpu_memory_utilization": 0.8}, **base)
-    assert check_gotchas(roomy, environ={}, gpu_memory_bytes=80e9) == []
-    small_gpu = check_gotchas(cfg, environ={}, gpu_memory_bytes=8e9)
+    assert check_gotchas(roomy, environ={}, gpu_memory_bytes=80e9, num_params=params) == []
+    small_gpu = check_gotchas(cfg, environ={}, gpu_memory_bytes=8e9, num_params=params)
     assert "set inference.colocate = false" in small_gpu[0][1]
+    # one GPU with colocate unset: the placement shares it all the same, and the same check applies
+    shared = rl_config(tmp_path, inference={"gpu_memory_utilization": 0.9}, **base)
+    assert check_gotchas(shared, environ={}, gpu_memory_bytes=80e9, num_params=params) == []
+    assert check_gotchas(shared, environ={}, gpu_memory_bytes=80e9, num_params=params, colocated=True)
 
 
 def test_vllm_use_v1_warns_by_name_and_never_prints_its_value(tmp_path):

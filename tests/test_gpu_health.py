@@ -1,223 +1,246 @@
-"""GPU health watcher: recorded NVML readings in, events and GPU_BROKEN failures out."""
+"""GPU health from GPU traces (tests/data/gpu, one measured on an H100): readings in, events and decisions out.
+
+The watcher never matches NVML's process list against the job's PIDs (in a container NVML lists host PIDs):
+a GPU is the trainer's or a worker's because CUDA_VISIBLE_DEVICES says so, and "empty" means back at the
+memory it held before the attempt started.
+"""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from prime_train.resilience.failures import FailureKind
 from prime_train.resilience.gpu import (
+    BASELINE_MARGIN_MIB,
+    ENV_GPU_REPLAY,
     GpuHealthWatcher,
+    GpuProcess,
     GpuReading,
+    GpuRecorder,
     NvmlSource,
-    RecordedSource,
+    ReplaySource,
+    gpu_inventory,
+    readings_of,
     summary,
+    visible_devices,
 )
 
-NVML_DATA = Path(__file__).parent / "data" / "nvml"
+TRACES = Path(__file__).parent / "data" / "gpu"
 
 
-class Timeline:
-    """What the progress watcher would say at each poll: the step, and whether it stopped advancing."""
+class Clock:
+    def __init__(self, now: float = 100.0):
+        self.now = now
 
-    def __init__(self, steps: list[int]):
-        self.steps = steps
-        self.poll = -1
-
-    def advance(self) -> None:
-        self.poll += 1
-
-    def step(self) -> int | None:
-        return self.steps[min(self.poll, len(self.steps) - 1)]
-
-    def stalled(self) -> bool:
-        i = min(self.poll, len(self.steps) - 1)
-        return i > 0 and self.steps[i] == self.steps[i - 1]
+    def __call__(self) -> float:
+        return self.now
 
 
-def run_recording(source, steps: list[int], job_pids: set[int], polls: int, broken_polls: int = 3):
-    """Poll a watcher `polls` times along a step timeline; returns the watcher and the events of each poll."""
-    timeline = Timeline(steps)
+def watch(trace: str, roles: dict, may_judge=lambda role: True, step=lambda: 41, polls=(), broken_polls=3):
+    """Replay `trace`: baseline at t=0, then one poll at each time in `polls`; returns (watcher, events per poll)."""
+    clock = Clock()
+    source = ReplaySource(TRACES / trace, clock=clock)
     watcher = GpuHealthWatcher(
-        source,
-        job_pids=lambda: job_pids,
-        progress_stalled=timeline.stalled,
-        current_step=timeline.step,
-        broken_polls=broken_polls,
+        source, roles=lambda: roles, may_judge=may_judge, current_step=step, broken_polls=broken_polls
     )
+    watcher.take_baseline()
     per_poll = []
-    for _ in range(polls):
-        timeline.advance()
+    for t in polls:
+        clock.now = source.started + t
         per_poll.append(watcher.poll())
     return watcher, per_poll
 
 
-def reading(index=0, util=0.0, used=0.0, pids=None, **kw) -> GpuReading:
-    pids = pids or {}
-    return GpuReading(
-        index=index,
-        uuid=f"GPU-{index}",
-        name="test GPU",
-        utilization_pct=util,
-        memory_used_mib=used,
-        memory_total_mib=24564.0,
-        process_pids=list(pids),
-        process_memory_mib=dict(pids),
-        **kw,
-    )
+def test_h100_start_up_with_a_live_cuda_context_is_never_called_broken():
+    # what killed every attempt on the H100: 0 %, 518 MiB (a CUDA context), no step yet, for the whole start-up
+    trainer = {"trainer": None}
+    during_startup, per_poll = watch("h100_startup.jsonl", trainer, may_judge=lambda r: False, polls=range(2, 120, 2))
+    assert during_startup.failure is None and not any(per_poll)
+    # even if the supervisor wrongly asked for a verdict, a context on the GPU is not "empty"
+    asked, _ = watch("h100_startup.jsonl", trainer, may_judge=lambda r: True, polls=range(2, 120, 2))
+    assert asked.failure is None
+    assert asked.last_readings[0].memory_used_mib == 518.0 and asked.baseline == {0: 0.0}
 
 
-def test_healthy_run_gives_no_events_and_no_failure():
-    watcher, per_poll = run_recording(
-        RecordedSource(NVML_DATA / "healthy.jsonl"), steps=[10, 11, 12, 13, 14, 15], job_pids={1001, 1002}, polls=6
-    )
-    assert per_poll == [[]] * 6
-    assert watcher.failure is None
-    assert watcher.last_summary["num_gpus"] == 2
-    assert watcher.last_summary["mean_utilization_pct"] == pytest.approx((98 + 97) / 2)
+def test_healthy_h100_run_gives_no_events_and_no_failure():
+    watcher, per_poll = watch("h100_healthy.jsonl", {"trainer": None}, may_judge=lambda r: False, polls=range(2, 30))
+    assert not any(per_poll) and watcher.failure is None
+    assert watcher.last_summary["num_gpus"] == 1 and watcher.last_summary["mean_utilization_pct"] == 97
 
 
-def test_silent_vllm_death_is_gpu_broken_with_the_step_it_stopped_at():
-    # polls 1-2 busy while steps advance; then vLLM's GPU shows 0 % and 0 MiB held by its pid, steps stop at 41
-    watcher, per_poll = run_recording(
-        RecordedSource(NVML_DATA / "vllm_silent_death.jsonl"),
-        steps=[39, 40, 41, 41, 41, 41, 41],
-        job_pids={2001, 1001},
-        polls=7,
-    )
-    # poll 3 (index 2) is the first idle one but progress still advanced into it; polls 4, 5, 6 are stalled
-    broken = [(i, e) for i, events in enumerate(per_poll) for e in events if e["event"] == "gpu_broken"]
-    assert [(i, e["gpu"], e["step"]) for i, e in broken] == [(5, 0, 41)]
-    assert broken[0][1]["job_pids"] == [2001]
+def test_trainer_gpu_gone_back_to_baseline_while_a_step_is_overdue_is_gpu_broken():
+    watcher, per_poll = watch("h100_gpu_went_empty.jsonl", {"trainer": ["0"]}, polls=[10, 40, 42, 44, 46])
+    events = [e for poll in per_poll for e in poll]
+    assert [e["event"] for e in events] == ["gpu_empty"]
+    assert events[0]["role"] == "trainer" and events[0]["gpus"] == [0] and events[0]["step"] == 41
+    assert per_poll[3] == [events[0]]  # the third empty poll in a row (t = 40, 42, 44)
     f = watcher.failure
-    assert f is not None and f.kind == FailureKind.GPU_BROKEN and f.retryable
-    assert f.step == 41
-    assert "GPU 0" in f.message and "0 MiB held by job pid(s) 2001" in f.message
+    assert f is not None and f.kind == FailureKind.GPU_BROKEN and f.retryable and f.step == 41
+    assert "alive but broken" in f.message and "step 42" in f.message and "3 MiB" in f.message
     assert len(f.evidence) == 3 and all(json.loads(e)["utilization_pct"] == 0 for e in f.evidence)
-    # the trainer's GPU, idle at 0 % but holding its memory while it waits for rollouts, is not the culprit
-    assert all(e["gpu"] != 1 for events in per_poll for e in events)
 
 
-def test_gpu_at_zero_percent_while_progress_advances_is_not_broken():
-    watcher, per_poll = run_recording(
-        RecordedSource(NVML_DATA / "idle_while_progressing.jsonl"), steps=[1, 2, 3, 4, 5], job_pids={1001}, polls=5
-    )
-    assert watcher.failure is None and per_poll == [[]] * 5
-
-    # the same readings with progress stopped are a failure: the step timeline alone made the difference
-    stalled, _ = run_recording(
-        RecordedSource(NVML_DATA / "idle_while_progressing.jsonl"), steps=[1, 2, 2, 2, 2], job_pids={1001}, polls=5
-    )
-    assert stalled.failure is not None and stalled.failure.kind == FailureKind.GPU_BROKEN
+def test_an_empty_gpu_is_not_judged_while_the_supervisor_says_it_may_not_be():
+    # start-up, compile, eval, save, export, a rollout wait, or steps still advancing: may_judge is False
+    watcher, per_poll = watch("h100_gpu_went_empty.jsonl", {"trainer": ["0"]}, may_judge=lambda r: False,
+                              polls=range(40, 100, 2))  # fmt: skip
+    assert watcher.failure is None and not any(per_poll)
 
 
-def test_a_busy_poll_resets_the_count_of_idle_polls():
-    held = {77: 20000.0}
-    idle = [reading(util=0, used=2.0, pids={77: 0.0})]
-    busy = [reading(util=90, used=20500.0, pids=held)]
-    polls = [busy, idle, idle, busy, idle, idle]
-    watcher, _ = run_recording(RecordedSource(polls), steps=[5] * 6, job_pids={77}, polls=6)
+def test_a_poll_that_is_not_empty_resets_the_count():
+    judge = {"on": True}
+    watcher, _ = watch("h100_gpu_went_empty.jsonl", {"trainer": ["0"]}, may_judge=lambda r: judge["on"], polls=[40, 42])
+    judge["on"] = False  # progress moved: the supervisor withdraws the question
+    watcher.poll()
+    judge["on"] = True
+    watcher.poll()
+    watcher.poll()
     assert watcher.failure is None
-    watcher.poll()  # the third idle poll in a row
+    watcher.poll()
     assert watcher.failure is not None
 
 
-def test_gpu_the_job_never_held_is_not_judged():
-    polls = [[reading(util=0, used=1.0, pids={555: 0.0})]] * 5
-    watcher, per_poll = run_recording(RecordedSource(polls), steps=[3] * 5, job_pids={1001}, polls=5)
-    assert watcher.failure is None and per_poll == [[]] * 5
+def test_dead_vllm_worker_is_reported_for_a_restart_and_the_waiting_trainer_is_not_blamed():
+    roles = {"inference-0": ["0"], "trainer": ["1"]}
+    watcher, per_poll = watch("vllm_worker_died.jsonl", roles, polls=[10, 30, 32, 34, 36])
+    events = [e for poll in per_poll for e in poll]
+    assert [(e["event"], e["role"], e["gpus"]) for e in events] == [("gpu_empty", "inference-0", [0])]
+    assert watcher.emptied == {"inference-0"} and watcher.failure is None
+    # once restarted, the worker's GPUs get a fresh start
+    watcher.forget("inference-0")
+    assert watcher.emptied == set()
 
 
-def test_gpu_whose_job_process_vanished_from_nvml_is_still_the_jobs():
-    # the engine process died on the GPU and NVML stopped listing it; the GPU is empty and progress stopped
-    before = [reading(util=85, used=30000.0, pids={321: 29500.0})]
-    after = [reading(util=0, used=1.0)]
-    polls = [before, after, after, after]
-    watcher, per_poll = run_recording(RecordedSource(polls), steps=[8, 8, 8, 8], job_pids={321}, polls=4)
-    assert watcher.failure is not None
-    assert "no job process on it any more" in watcher.failure.message
-    assert per_poll[-1][0]["event"] == "gpu_broken"
+def test_on_an_8_gpu_box_only_the_jobs_4_gpus_are_judged():
+    roles = {"trainer": visible_devices({"CUDA_VISIBLE_DEVICES": "4,5,6,7"})}
+    busy, per_poll = watch("eight_gpus_job_has_four.jsonl", roles, polls=[10, 12, 14, 16])
+    assert busy.failure is None and not any(per_poll)  # GPUs 0-3: another tenant's, idle; not the job's
+    lost, _ = watch("eight_gpus_job_has_four.jsonl", roles, polls=[10, 40, 42, 44])
+    assert lost.failure is not None and "GPU 4" in lost.failure.message and "GPU 7" in lost.failure.message
+    assert "GPU 0" not in lost.failure.message
 
 
-def test_gpu_held_by_a_child_of_a_job_process_counts_as_the_jobs():
-    # torchrun and vLLM do their CUDA work in child processes: the supervisor knows only the parent's pid
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        polls = [[reading(util=0, used=1.0, pids={child.pid: 0.0})]] * 3
-        parent = {os.getpid()}
-        watcher, _ = run_recording(RecordedSource(polls), steps=[4, 4, 4, 4], job_pids=parent, polls=4)
-        assert watcher.failure is not None and str(child.pid) in watcher.failure.message
-    finally:
-        child.kill()
-        child.wait()
+def test_gpus_named_by_uuid_prefix_are_the_roles_too():
+    readings = ReplaySource(TRACES / "eight_gpus_job_has_four.jsonl").inventory()
+    assert [r.index for r in readings_of(readings, [readings[5].uuid, "6"])] == [5, 6]
+    # CUDA takes a unique prefix of a UUID too
+    distinct = [
+        GpuReading(0, "GPU-aaaa-1111", "H100", 0.0, 0.0, 1.0),
+        GpuReading(1, "GPU-bbbb-2222", "H100", 0.0, 0.0, 1.0),
+    ]
+    assert [r.index for r in readings_of(distinct, ["GPU-bbbb"])] == [1]
+    assert readings_of(readings, []) == [] and len(readings_of(readings, None)) == 8
+
+
+@pytest.mark.parametrize(
+    ("value", "devices"),
+    [(None, None), ("", []), ("-1", []), ("0,1", ["0", "1"]), (" 4, 5 ", ["4", "5"]), ("2,-1,3", ["2"]),
+     ("GPU-5f1c,MIG-ab", ["GPU-5f1c", "MIG-ab"])],
+)  # fmt: skip
+def test_cuda_visible_devices_is_read_as_cuda_reads_it(value, devices):
+    env = {} if value is None else {"CUDA_VISIBLE_DEVICES": value}
+    assert visible_devices(env) == devices
 
 
 def test_xid_79_is_fatal_and_xid_13_is_only_a_warning():
-    watcher, per_poll = run_recording(
-        RecordedSource(NVML_DATA / "xid79.jsonl"), steps=[1, 2, 3, 3], job_pids={1001, 1002}, polls=4
-    )
-    xids = [e for events in per_poll for e in events if e["event"] == "gpu_xid"]
+    watcher, per_poll = watch("xid79.jsonl", {"trainer": None}, may_judge=lambda r: False, polls=[10, 12, 14, 16])
+    xids = [e for poll in per_poll for e in poll if e["event"] == "gpu_xid"]
     assert [(e["gpu"], e["xid"], e["fatal"]) for e in xids] == [(0, 13, False), (1, 79, True)]
     assert "fallen off the bus" in xids[1]["meaning"]
     assert watcher.failure is not None and watcher.failure.kind == FailureKind.GPU_BROKEN
-    assert "Xid 79" in watcher.failure.message and watcher.failure.step == 3
+    assert "Xid 79" in watcher.failure.message
     # the lost GPU's unreadable fields (None) neither crash the watcher nor replace the first cause
     assert watcher.poll() == []
     assert "Xid 79" in watcher.failure.message
 
 
-def test_throttling_warns_once_per_gpu_and_reason_not_every_poll():
-    watcher, per_poll = run_recording(
-        RecordedSource(NVML_DATA / "throttle.jsonl"), steps=[1, 2, 3, 4, 5], job_pids={1001, 1002}, polls=5
-    )
-    events = [e for events in per_poll for e in events]
-    assert len(events) == 1
-    (warning,) = events
-    assert warning["event"] == "gpu_throttle" and warning["gpu"] == 0
-    assert warning["reasons"] == ["hw_thermal_slowdown", "sw_thermal_slowdown"]
-    assert warning["temperature_c"] == 87
-    assert watcher.failure is None  # throttling slows a job; it does not break it
-
-
-def test_a_new_throttle_reason_is_warned_about_too():
-    polls = [
-        [reading(util=99, used=9000.0, pids={5: 8800.0}, throttle_reasons=["sw_power_cap"])],
-        [reading(util=99, used=9000.0, pids={5: 8800.0}, throttle_reasons=["sw_power_cap"])],
-        [reading(util=99, used=9000.0, pids={5: 8800.0}, throttle_reasons=["sw_power_cap", "hw_slowdown"])],
-    ]
-    _, per_poll = run_recording(RecordedSource(polls), steps=[1, 2, 3], job_pids={5}, polls=3)
-    assert [[e["new_reasons"] for e in events] for events in per_poll] == [[["sw_power_cap"]], [], [["hw_slowdown"]]]
+def test_a_replayed_xid_is_reported_once_even_when_polls_skip_its_line():
+    clock = Clock()
+    source = ReplaySource(TRACES / "xid79.jsonl", clock=clock)
+    clock.now = source.started + 15  # past both XID lines at once
+    assert sorted((r.index, x) for r in source.read() for x in r.xid) == [(0, 13), (1, 79)]
+    assert all(not r.xid for r in source.read())
 
 
 def test_uncorrected_ecc_increase_is_fatal_but_an_old_count_is_not():
-    watcher, per_poll = run_recording(
-        RecordedSource(NVML_DATA / "ecc.jsonl"), steps=[1, 2, 3, 4], job_pids={1001, 1002}, polls=4
-    )
-    assert per_poll[0] == [] and per_poll[1] == []
-    assert per_poll[2] == [{"event": "gpu_ecc", "gpu": 1, "previous": 1, "current": 3, "fatal": True}]
-    assert per_poll[3] == []
-    assert watcher.failure is not None and watcher.failure.kind == FailureKind.GPU_BROKEN
-    assert "2 new uncorrected ECC" in watcher.failure.message and watcher.failure.step == 3
+    watcher, per_poll = watch("ecc.jsonl", {"trainer": None}, may_judge=lambda r: False, polls=[10, 12, 14])
+    assert per_poll[0] == []
+    assert per_poll[1] == [{"event": "gpu_ecc", "gpu": 1, "previous": 1, "current": 3, "fatal": True}]
+    assert per_poll[2] == []
+    assert watcher.failure is not None and "2 new uncorrected ECC" in watcher.failure.message
 
 
-def test_recorded_source_repeats_its_last_poll_without_replaying_xids():
-    source = RecordedSource([[reading(util=50)], [reading(util=60, xid_errors=[79])]])
-    assert source.read()[0].utilization_pct == 50
-    assert source.read()[0].xid_errors == [79]
-    again = source.read()[0]
-    assert again.utilization_pct == 60 and again.xid_errors == []
-    assert RecordedSource([]).read() == []
+def test_throttling_warns_once_per_gpu_and_reason_not_every_poll():
+    watcher, per_poll = watch("throttle.jsonl", {"trainer": None}, may_judge=lambda r: False, polls=[10, 12, 14, 16])
+    events = [e for poll in per_poll for e in poll]
+    assert len(events) == 1
+    (warning,) = events
+    assert warning["event"] == "gpu_throttle" and warning["gpu"] == 0
+    assert warning["reasons"] == ["hw_thermal_slowdown", "sw_thermal_slowdown"] and warning["temperature_c"] == 87
+    assert watcher.failure is None  # throttling slows a job; it does not break it
 
 
-def test_reading_survives_a_json_round_trip_with_integer_pids():
-    r = reading(util=12.5, used=100.0, pids={4242: 99.5}, xid_errors=[13], throttle_reasons=["gpu_idle"])
-    back = GpuReading.from_dict(json.loads(json.dumps(r.to_dict())))
-    assert back == r and back.process_memory_mib == {4242: 99.5}
+def test_replay_holds_the_latest_line_and_reads_nothing_before_the_first():
+    clock = Clock()
+    source = ReplaySource(TRACES / "h100_healthy.jsonl", clock=clock)
+    assert source.read()[0].memory_used_mib == 0.0  # t = 0
+    clock.now = source.started + 21.5
+    assert source.read()[0].utilization_pct == 96
+    late = ReplaySource(TRACES / "h100_healthy.jsonl", clock=clock)
+    late.lines[0].t = 5.0
+    assert late.read() == []
+
+
+def test_recorder_writes_changes_and_a_line_a_minute_and_replays_them(tmp_path):
+    clock = Clock()
+    path = tmp_path / "gpu.jsonl"
+    recorder = GpuRecorder(path, attempt=2, clock=clock)
+    busy = GpuReading(0, "GPU-a", "H100", 97.0, 30000.0, 81559.0, [GpuProcess(7, None)])
+    for t in range(0, 50, 2):  # steady state: one line
+        clock.now = recorder.started + t
+        recorder.record([busy])
+    clock.now = recorder.started + 50
+    recorder.record([GpuReading(0, "GPU-a", "H100", 0.0, 3.0, 81559.0)])  # a change that matters
+    clock.now = recorder.started + 130
+    recorder.record([GpuReading(0, "GPU-a", "H100", 0.0, 3.0, 81559.0)])  # a minute later: once more
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(line["attempt"], line["t"]) for line in lines] == [(2, 0.0), (2, 50.0), (2, 130.0)]
+    replay = ReplaySource(path, attempt=2, clock=clock)
+    clock.now = replay.started + 10
+    assert replay.read() == [busy]
+
+
+def test_a_replay_of_several_attempts_gives_each_attempt_its_own_lines(tmp_path):
+    path = tmp_path / "gpu.jsonl"
+    for attempt, used in ((1, 100.0), (2, 200.0)):
+        GpuRecorder(path, attempt).record([GpuReading(0, "GPU-a", "H100", 0.0, used, 1000.0)])
+    assert ReplaySource(path, attempt=1).read()[0].memory_used_mib == 100.0
+    assert ReplaySource(path, attempt=2).read()[0].memory_used_mib == 200.0
+    assert ReplaySource(path, attempt=5).read()[0].memory_used_mib == 200.0  # never reached: its last attempt
+
+
+def test_a_bad_replay_line_names_the_file_and_line(tmp_path):
+    path = tmp_path / "gpu.jsonl"
+    path.write_text('{"t": 0, "gpus": []}\n{"t": "soon", "gpus": []}\n')
+    with pytest.raises(ValueError, match=r"gpu.jsonl:2: not a GPU reading line"):
+        ReplaySource(path)
+
+
+def test_inventory_comes_from_the_replay_when_one_is_named(monkeypatch):
+    monkeypatch.setenv(ENV_GPU_REPLAY, str(TRACES / "eight_gpus_job_has_four.jsonl"))
+    gpus = gpu_inventory()
+    assert len(gpus) == 8 and {g.name for g in gpus} == {"NVIDIA H100 80GB HBM3"}
+    monkeypatch.delenv(ENV_GPU_REPLAY)
+    assert gpu_inventory() == []  # this machine: no NVIDIA driver
+
+
+def test_reading_survives_a_json_round_trip():
+    r = GpuReading(3, "GPU-x", "H100", 12.5, 100.0, 81559.0, [GpuProcess(4242, None), GpuProcess(7, 99.5)],
+                   xid=[13], ecc_uncorrected=0, throttle_reasons=["gpu_idle"])  # fmt: skip
+    assert GpuReading.from_dict(json.loads(json.dumps(r.to_dict()))) == r
 
 
 def test_nvml_is_unavailable_here_and_the_watcher_degrades_cleanly():
@@ -225,7 +248,8 @@ def test_nvml_is_unavailable_here_and_the_watcher_degrades_cleanly():
     source = NvmlSource()
     assert source.error is not None and "NVMLError" in source.error
     assert source.read() == []
-    watcher = GpuHealthWatcher(source, job_pids=set, progress_stalled=lambda: True, current_step=lambda: 3)
+    watcher = GpuHealthWatcher(source, roles=dict, may_judge=lambda r: True, current_step=lambda: 3)
+    assert watcher.take_baseline() == [{"event": "gpu_baseline", "memory_used_mib": {}}]
     assert watcher.poll() == [] and watcher.failure is None and watcher.last_summary is None
     source.close()
 
@@ -235,22 +259,37 @@ def test_a_source_that_raises_is_reported_once_and_not_fatal():
         def read(self):
             raise RuntimeError("NVML: GPU is lost")
 
-    watcher = GpuHealthWatcher(Broken(), job_pids=set, progress_stalled=lambda: True, current_step=lambda: 1)
-    first = watcher.poll()
-    assert first == [{"event": "gpu_unreadable", "error": "RuntimeError: NVML: GPU is lost"}]
+    watcher = GpuHealthWatcher(Broken(), roles=dict, may_judge=lambda r: True, current_step=lambda: 1)
+    assert watcher.take_baseline() == []
+    assert watcher.poll() == [{"event": "gpu_unreadable", "error": "RuntimeError: NVML: GPU is lost"}]
     assert watcher.poll() == [] and watcher.failure is None
 
 
+def test_without_a_baseline_nothing_is_called_empty():
+    watcher = GpuHealthWatcher(
+        ReplaySource(TRACES / "h100_gpu_went_empty.jsonl"), roles=lambda: {"trainer": None},
+        may_judge=lambda r: True, current_step=lambda: 1, broken_polls=1,
+    )  # fmt: skip
+    watcher.poll()
+    assert watcher.failure is None and watcher.baseline == {}
+
+
 def test_summary_gives_mean_utilisation_and_memory_per_gpu():
-    s = summary([reading(0, util=40, used=1024.0), reading(1, util=80, used=3072.0), reading(2, util=None, used=None)])
-    assert s["num_gpus"] == 3
-    assert s["mean_utilization_pct"] == pytest.approx(60)
-    assert s["memory_used_mib"] == 4096.0 and s["memory_used_gib"] == 4.0
-    assert s["memory_total_mib"] == 3 * 24564.0
-    assert [g["memory_used_mib"] for g in s["gpus"]] == [1024.0, 3072.0, None]
+    gpus = [GpuReading(0, "a", "x", 40.0, 1024.0, 2048.0), GpuReading(1, "b", "x", 80.0, 3072.0, 4096.0),
+            GpuReading(2, "c", "x", None, None, None)]  # fmt: skip
+    s = summary(gpus)
+    assert s["num_gpus"] == 3 and s["mean_utilization_pct"] == pytest.approx(60)
+    assert s["memory_used_mib"] == 4096.0 and s["memory_used_gib"] == 4.0 and s["memory_total_mib"] == 6144.0
     assert summary([])["mean_utilization_pct"] is None
 
 
 def test_broken_polls_must_be_positive():
     with pytest.raises(ValueError, match="broken_polls"):
-        GpuHealthWatcher(RecordedSource([]), job_pids=set, progress_stalled=bool, current_step=int, broken_polls=0)
+        GpuHealthWatcher(
+            ReplaySource(TRACES / "ecc.jsonl"), roles=dict, may_judge=bool, current_step=int, broken_polls=0
+        )
+
+
+def test_the_baseline_margin_is_below_a_cuda_context():
+    # 518 MiB measured for a bare CUDA context on an H100: anything at or above it is a process on the GPU
+    assert BASELINE_MARGIN_MIB < 518

@@ -12,7 +12,7 @@ import torch
 from prime_train.config.schema import Config
 from prime_train.rl.grpo import grpo_loss
 from prime_train.rl.rollouts import PromptCursor, group_advantages
-from prime_train.rl.workers import InferenceHealthWatcher, gpu_split, inference_specs
+from prime_train.rl.workers import GpuPlan, InferenceHealthWatcher, gpu_plan, inference_specs
 
 
 def test_advantages_are_normalised_within_each_group():
@@ -65,17 +65,32 @@ def test_prompt_cursor_splits_one_order_between_ranks_and_resumes():
 
 def test_workers_take_the_first_gpus_and_the_trainer_the_rest():
     cfg = Config.model_validate({"run": {"job": "rl"}, "inference": {"num_workers": 2, "gpus_per_worker": 2}})
-    trainer, workers = gpu_split(cfg, 8)
-    assert workers == [[0, 1], [2, 3]] and trainer == [4, 5, 6, 7]
-    specs = inference_specs(cfg, "c.toml", 8)
+    plan = gpu_plan(cfg, [str(i) for i in range(8)])
+    assert plan.workers == [["0", "1"], ["2", "3"]] and plan.trainer == ["4", "5", "6", "7"] and not plan.colocated
+    specs = inference_specs(cfg, "c.toml", plan)
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0,1", "2,3"]
     assert specs[1].argv[-4:] == ["--config", "c.toml", "--index", "1"] and specs[1].role == "inference"
     assert all(s.env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn" for s in specs)
-    with pytest.raises(ValueError, match=r"inference\.num_workers"):
-        gpu_split(cfg, 4)
     colocated = Config.model_validate({"inference": {"num_workers": 1, "colocate": True}})
-    assert gpu_split(colocated, 2) == ([0, 1], [[0, 1]])
-    assert gpu_split(cfg, 0) == ([], [[], []])
+    assert gpu_plan(colocated, ["0", "1"]) == GpuPlan(["0", "1"], [["0"]], True)
+    assert gpu_plan(cfg, []) == GpuPlan([], [[], []], False)
+
+
+def test_one_gpu_rl_shares_it_instead_of_failing():
+    # on an H100 this was a traceback: "inference needs 1 GPU(s) ... but 1 are visible"
+    cfg = Config.model_validate({"run": {"job": "rl"}, "inference": {"num_workers": 1}})
+    plan = gpu_plan(cfg, ["0"])
+    assert plan.trainer == ["0"] and plan.workers == [["0"]] and plan.colocated
+    assert "shares the trainer's GPUs" in plan.note
+
+
+def test_the_users_gpu_names_are_kept():
+    # CUDA_VISIBLE_DEVICES=4,5 must stay physical 4 and 5, never become 0 and 1
+    cfg = Config.model_validate({"run": {"job": "rl"}, "inference": {"num_workers": 1}})
+    plan = gpu_plan(cfg, ["4", "5"])
+    assert plan.workers == [["4"]] and plan.trainer == ["5"]
+    uuids = gpu_plan(cfg, ["GPU-aaa", "GPU-bbb", "GPU-ccc"])
+    assert uuids.workers == [["GPU-aaa"]] and uuids.trainer == ["GPU-bbb", "GPU-ccc"]
 
 
 class Health(BaseHTTPRequestHandler):

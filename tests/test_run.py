@@ -186,3 +186,49 @@ def test_sigstopped_trainer_is_found_as_a_hang_and_the_run_resumes_to_the_end(tm
     assert failure["kind"] == "hang" and failure["step"] >= 15
     assert not psutil.pid_exists(trainer) or psutil.Process(trainer).status() == psutil.STATUS_ZOMBIE
     assert read_json(run_dir / "progress.json")["step"] == 60
+
+
+OOM_ON_RANK_1 = '''
+import os
+
+if os.environ.get("RANK") == "1":
+    # the job runs as __main__, so its classes cannot be patched by name: the checkpointer's per-step poll is
+    from prime_train.engine.checkpoint import Checkpointer
+
+    calls = {"n": 0}
+    real_poll = Checkpointer.poll
+
+    def poll(self):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            import torch
+
+            # the wording torch uses for a CUDA OOM (GPU 1 of an 80 GB card)
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of 79.10 GiB of which "
+                "1.02 GiB is free. Including non-PyTorch memory, this process has 78.07 GiB memory in use."
+            )
+        return real_poll(self)
+
+    Checkpointer.poll = poll
+'''
+
+
+def test_another_ranks_oom_is_found_in_its_torchrun_log_and_classified(tmp_path):
+    # rank 1's traceback goes only to torchrun's --log-dir; rank 0's console shows a ChildFailedError at best
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(OOM_ON_RANK_1)
+    args = tiny_overrides(tmp_path, "oom", **{
+        "train.max_steps": 50, "distributed.nproc_per_node": 2, "supervisor.max_restarts": 0,
+        "supervisor.poll_interval_s": 0.5,
+    })  # fmt: skip
+    result = subprocess.run(
+        cli("run", str(TINY), *args), env={**env(), "PYTHONPATH": str(inject)},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout[-4000:] + result.stderr[-2000:]
+    events = read_events(tmp_path / "oom" / "events.jsonl")
+    failure = next(e for e in events if e["event"] == "failure")
+    assert failure["kind"] == "out_of_memory", failure
+    assert any(e["event"] == "log_finding" and e.get("process") == "trainer-rank1" for e in events)

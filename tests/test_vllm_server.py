@@ -24,7 +24,7 @@ from prime_train.rl.vllm_server import (
     version_warning,
     vllm_args,
 )
-from prime_train.rl.workers import inference_specs, resolve_backend
+from prime_train.rl.workers import gpu_plan, inference_specs, resolve_backend
 
 
 def rl_config(**inference) -> Config:
@@ -48,7 +48,7 @@ def test_backend_choice():
 
 def test_vllm_workers_are_launched_with_the_server_module_on_their_gpus():
     cfg = rl_config(backend="vllm", num_workers=2, gpus_per_worker=2)
-    specs = inference_specs(cfg, "run/config.toml", 8, have_vllm=True)
+    specs = inference_specs(cfg, "run/config.toml", gpu_plan(cfg, [str(i) for i in range(8)]), have_vllm=True)
     assert [s.argv[2] for s in specs] == ["prime_train.rl.vllm_server"] * 2
     assert specs[1].argv[-4:] == ["--config", "run/config.toml", "--index", "1"]
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0,1", "2,3"]

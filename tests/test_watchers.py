@@ -73,6 +73,29 @@ def test_a_slow_checkpoint_save_is_not_a_hang(step_phase, save_phase):
     assert w.failure is not None and "save allowance" in w.failure.message
 
 
+def test_the_previous_attempts_last_heartbeat_does_not_end_the_next_start_up():
+    # a restarted trainer takes a while to write its first heartbeat; until then progress.json still holds
+    # the dead attempt's last step, which must not put the new attempt on the (short) step allowance
+    clock = Clock()
+    stale = {"step": 15, "phase": "step", "time": clock.now - 30}
+    w = watcher(stale, clock)
+    clock.now += 50  # past the 10 s step allowance, within the 60 s start-up allowance
+    assert w.poll() == [] and w.failure is None and w.first_step is None
+    stale.update(step=10, phase="startup", time=clock.now)  # the new trainer, resumed from step 10
+    w.poll()
+    assert w.first_step == 10 and w.failure is None
+
+
+def test_an_external_heartbeat_without_a_clock_counts_only_when_its_step_moves():
+    clock, hb = Clock(), {"step": 7}
+    w = watcher(hb, clock)
+    w.poll()
+    assert w.first_step is None  # maybe the last attempt's: not evidence yet
+    hb.update(step=8)
+    w.poll()
+    assert w.step == 8 and w.first_step == 8
+
+
 def test_startup_that_never_reaches_a_step_is_a_hang():
     clock = Clock()
     w = watcher({}, clock)

@@ -197,7 +197,8 @@ class TrainingJob:
         """Resume, train to train.max_steps, save and export; returns the exit code."""
         cfg = self.cfg
         self.stop.install()
-        self.heartbeat(Phase.STARTUP)
+        # no step yet: the one a resume starts from is known only once the checkpoint is loaded
+        self.metrics.heartbeat(None, phase=Phase.STARTUP)
         self.resume()
         self.before_training()
         if self.profile is not None:

@@ -1,8 +1,9 @@
-"""GPU health: NVML readings behind a small interface, and the watcher that judges them.
+"""GPU health: NVML readings behind a small interface, their record, and the watcher that judges them.
 
 The supervisor polls `GpuHealthWatcher` from its watcher thread. Readings come from a `GpuSource`:
-`NvmlSource` on a real machine, `RecordedSource` in tests and when replaying a field incident.
-Torch-free on purpose: the supervisor never imports torch.
+`NvmlSource` on a real machine, or `ReplaySource` reading a gpu.jsonl when PRIME_TRAIN_GPU_REPLAY names
+one, so a run's GPU history (recorded by `GpuRecorder` into its run directory) or a field incident can
+be replayed anywhere, CPU machines included. Torch-free on purpose: the supervisor never imports torch.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
+import os
+import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
-
-import psutil
 
 from prime_train.resilience.failures import Failure, FailureKind
 
@@ -65,9 +67,19 @@ THROTTLE_WARNINGS = frozenset(
     {"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"}
 )
 
-# A GPU counts as empty below this fraction of its memory: drivers that fold reserved memory into "used"
-# show a few hundred MiB on an idle GPU, while a live training or vLLM process holds gigabytes.
-EMPTY_MEMORY_FRACTION = 0.02
+# A GPU is "back at its baseline" when it holds at most this much more than before the attempt started. A live
+# CUDA context alone holds ~500 MiB (518 MiB of 81559 on an H100 during the tiny job's whole start-up), so any
+# process still on the GPU stays above it, and an empty GPU falls below it.
+BASELINE_MARGIN_MIB = 256.0
+# at most this long between two lines of gpu.jsonl while nothing changes
+RECORD_INTERVAL_S = 60.0
+ENV_GPU_REPLAY = "PRIME_TRAIN_GPU_REPLAY"
+
+
+@dataclass
+class GpuProcess:
+    pid: int  # as NVML reports it: in a container, a host PID the supervisor cannot match
+    used_mib: float | None  # None where the driver cannot attribute memory (WDDM, some containers)
 
 
 @dataclass
@@ -80,23 +92,43 @@ class GpuReading:
     utilization_pct: float | None
     memory_used_mib: float | None
     memory_total_mib: float | None
+    processes: list[GpuProcess] = field(default_factory=list)
+    xid: list[int] = field(default_factory=list)
+    ecc_uncorrected: int | None = None
     temperature_c: float | None = None
     power_w: float | None = None
     throttle_reasons: list[str] = field(default_factory=list)
-    xid_errors: list[int] = field(default_factory=list)
-    ecc_uncorrected: int | None = None
-    process_pids: list[int] = field(default_factory=list)
-    process_memory_mib: dict[int, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The gpu.jsonl form of a reading (throttle_reasons only when there are any)."""
+        out = asdict(self)
+        if not out["throttle_reasons"]:
+            del out["throttle_reasons"]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GpuReading:
-        """Inverse of to_dict; JSON turns the pid keys of process_memory_mib into strings, this turns them back."""
-        data = dict(data)
-        data["process_memory_mib"] = {int(k): float(v) for k, v in (data.get("process_memory_mib") or {}).items()}
-        return cls(**data)
+        """A reading from its gpu.jsonl form; missing optional fields read as unknown."""
+
+        def number(key: str) -> float | None:
+            value = data.get(key)
+            return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+        ecc = data.get("ecc_uncorrected")
+        return cls(
+            index=int(data["index"]),
+            uuid=str(data.get("uuid") or ""),
+            name=str(data.get("name") or ""),
+            utilization_pct=number("utilization_pct"),
+            memory_used_mib=number("memory_used_mib"),
+            memory_total_mib=number("memory_total_mib"),
+            processes=[GpuProcess(int(p["pid"]), p.get("used_mib")) for p in data.get("processes") or []],
+            xid=[int(x) for x in data.get("xid") or []],
+            ecc_uncorrected=int(ecc) if isinstance(ecc, int) and not isinstance(ecc, bool) else None,
+            temperature_c=number("temperature_c"),
+            power_w=number("power_w"),
+            throttle_reasons=[str(r) for r in data.get("throttle_reasons") or []],
+        )
 
 
 class GpuSource(Protocol):
@@ -197,23 +229,25 @@ class NvmlSource:
             nvml.nvmlDeviceGetTotalEccErrors, handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC
         )
         procs = self._get(nvml.nvmlDeviceGetComputeRunningProcesses, handle) or []
-        pids = [int(p.pid) for p in procs]
-        # usedGpuMemory is None where the driver cannot attribute memory (WDDM, some containers)
-        proc_mem = {int(p.pid): p.usedGpuMemory / MIB for p in procs if p.usedGpuMemory is not None}
+        uuid = self._get(nvml.nvmlDeviceGetUUID, handle)
+        name = self._get(nvml.nvmlDeviceGetName, handle)
         return GpuReading(
             index=index,
-            uuid=str(self._get(nvml.nvmlDeviceGetUUID, handle) or ""),
-            name=str(self._get(nvml.nvmlDeviceGetName, handle) or ""),
+            # nvidia-ml-py returns str; older pynvml builds returned bytes
+            uuid=uuid.decode() if isinstance(uuid, bytes) else str(uuid or ""),
+            name=name.decode() if isinstance(name, bytes) else str(name or ""),
             utilization_pct=float(util.gpu) if util is not None else None,
+            # NVML reports bytes
             memory_used_mib=memory.used / MIB if memory is not None else None,
             memory_total_mib=memory.total / MIB if memory is not None else None,
+            processes=[
+                GpuProcess(int(p.pid), p.usedGpuMemory / MIB if p.usedGpuMemory is not None else None) for p in procs
+            ],
+            xid=self._drain_xids(index),
+            ecc_uncorrected=int(ecc) if ecc is not None else None,
             temperature_c=float(temperature) if temperature is not None else None,
             power_w=power_mw / 1000.0 if power_mw is not None else None,
             throttle_reasons=self._throttle_reasons(handle),
-            xid_errors=self._drain_xids(index),
-            ecc_uncorrected=int(ecc) if ecc is not None else None,
-            process_pids=pids,
-            process_memory_mib=proc_mem,
         )
 
     def read(self) -> list[GpuReading]:
@@ -233,27 +267,169 @@ class NvmlSource:
         self._nvml = None
 
 
-class RecordedSource:
-    """Replays readings: a JSONL file (one JSON list of readings a line) or a list; the last one repeats at the end."""
+@dataclass
+class _Line:
+    t: float
+    readings: list[GpuReading]
+    attempt: int | None
 
-    def __init__(self, recording: str | Path | Iterable[Iterable[GpuReading | dict[str, Any]]]):
-        if isinstance(recording, str | Path):
-            lines = Path(recording).read_text(encoding="utf-8").splitlines()
-            polls: list[Any] = [json.loads(line) for line in lines if line.strip()]
-        else:
-            polls = list(recording)
-        self._polls = [[r if isinstance(r, GpuReading) else GpuReading.from_dict(r) for r in poll] for poll in polls]
-        self._next = 0
+
+def read_gpu_log(path: str | Path) -> list[_Line]:
+    """The lines of a gpu.jsonl: {"t", "gpus": [...]} and optionally "attempt"; other lines are skipped."""
+    out = []
+    for number, text in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+            if "gpus" not in obj:
+                continue  # a note, not a reading
+            line = _Line(float(obj["t"]), [GpuReading.from_dict(g) for g in obj["gpus"]], obj.get("attempt"))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{number}: not a GPU reading line ({type(exc).__name__}: {exc})") from None
+        out.append(line)
+    return out
+
+
+class ReplaySource:
+    """GPU readings replayed from a gpu.jsonl: the latest line with t <= seconds since the source was made holds.
+
+    A recording of several attempts replays the lines of `attempt` (lines without an attempt apply to all; an
+    attempt the recording never reached replays its last one). An XID is an event: each line's XIDs are
+    reported by the first read that reaches that line, never again.
+    """
+
+    def __init__(self, path: str | Path, *, attempt: int | None = None, clock: Callable[[], float] = time.monotonic):
+        lines = read_gpu_log(path)
+        attempts = sorted({line.attempt for line in lines if line.attempt is not None})
+        if attempt is not None and attempts:
+            chosen = max((a for a in attempts if a <= attempt), default=attempts[0])
+            lines = [line for line in lines if line.attempt in (None, chosen)]
+        self.lines = sorted(lines, key=lambda line: line.t)
+        self.clock = clock
+        self.started = clock()
+        self._served = -1  # index of the latest line a read has reached
+
+    def inventory(self) -> list[GpuReading]:
+        """The GPUs of the recording (its first line): what preflight and the launcher count."""
+        return [GpuReading(**{**asdict(r), "xid": []}) for r in self.lines[0].readings] if self.lines else []
 
     def read(self) -> list[GpuReading]:
-        if not self._polls:
+        now = self.clock() - self.started
+        current = -1
+        for i, line in enumerate(self.lines):
+            if line.t > now:
+                break
+            current = i
+        if current < 0:
             return []
-        if self._next < len(self._polls):
-            poll = self._polls[self._next]
-            self._next += 1
-            return [GpuReading(**asdict(r)) for r in poll]
-        # an XID is an event, not a state: repeating the last poll must not report it again
-        return [GpuReading(**{**asdict(r), "xid_errors": []}) for r in self._polls[-1]]
+        fresh = range(self._served + 1, current + 1)
+        self._served = max(self._served, current)
+        xids: dict[int, list[int]] = {}
+        for i in fresh:
+            for r in self.lines[i].readings:
+                xids.setdefault(r.index, []).extend(r.xid)
+        return [
+            GpuReading(**{**asdict(r), "processes": list(r.processes), "xid": xids.get(r.index, [])})
+            for r in self.lines[current].readings
+        ]
+
+
+class GpuRecorder:
+    """Appends the readings the supervisor acted on to gpu.jsonl: on every change that matters, else once a minute.
+
+    A line is {"attempt", "t" (seconds since the attempt started), "gpus": [...]}; `ReplaySource` reads it back.
+    """
+
+    def __init__(self, path: Path, attempt: int, *, clock: Callable[[], float] = time.monotonic):
+        self.path = path
+        self.attempt = attempt
+        self.clock = clock
+        self.started = clock()
+        self._last: list[tuple] | None = None
+        self._last_t = -math.inf
+
+    @staticmethod
+    def _shape(readings: list[GpuReading]) -> list[tuple]:
+        # what makes a reading worth a line: utilisation in steps of 10 %, memory in steps of 256 MiB, any
+        # XID, ECC count, throttle reason or process change
+        return [
+            (
+                r.index,
+                None if r.utilization_pct is None else int(r.utilization_pct // 10),
+                None if r.memory_used_mib is None else int(r.memory_used_mib // BASELINE_MARGIN_MIB),
+                tuple(r.xid),
+                r.ecc_uncorrected,
+                tuple(r.throttle_reasons),
+                tuple(sorted(p.pid for p in r.processes)),
+            )
+            for r in readings
+        ]
+
+    def record(self, readings: list[GpuReading], *, force: bool = False) -> None:
+        t = self.clock() - self.started
+        shape = self._shape(readings)
+        if not force and shape == self._last and t - self._last_t < RECORD_INTERVAL_S:
+            return
+        self._last, self._last_t = shape, t
+        line = {"attempt": self.attempt, "t": round(t, 3), "gpus": [r.to_dict() for r in readings]}
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError as exc:  # a full disk must not stop the watcher; the readings are in memory meanwhile
+            logger.warning("could not record GPU readings to %s: %s", self.path, exc)
+
+
+def gpu_source(attempt: int | None = None) -> GpuSource | None:
+    """Where the supervisor reads its GPUs: a replayed gpu.jsonl when PRIME_TRAIN_GPU_REPLAY names one, else
+    NVML when it loads, else None (a machine without NVIDIA GPUs)."""
+    replay = os.environ.get(ENV_GPU_REPLAY)
+    if replay:
+        return ReplaySource(replay, attempt=attempt)
+    return NvmlSource() if NvmlSource.available() else None
+
+
+def gpu_inventory() -> list[GpuReading]:
+    """The GPUs of this machine (or of the replayed recording): one reading each, for preflight and the launcher."""
+    replay = os.environ.get(ENV_GPU_REPLAY)
+    if replay:
+        return ReplaySource(replay).inventory()
+    source = NvmlSource()
+    try:
+        return source.read()
+    finally:
+        source.close()
+
+
+def visible_devices(env: dict[str, str] | None = None) -> list[str] | None:
+    """The entries of CUDA_VISIBLE_DEVICES (indices or GPU-/MIG- UUIDs), [] for none, None when it is unset."""
+    value = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    entries = [d.strip() for d in value.split(",") if d.strip()]
+    # CUDA stops at the first invalid entry; "-1" is the usual way to hide every GPU
+    out = []
+    for entry in entries:
+        if entry.startswith("-"):
+            break
+        out.append(entry)
+    return out
+
+
+def _matches(r: GpuReading, device: str) -> bool:
+    if device.isdigit():
+        return r.index == int(device)
+    return bool(r.uuid) and r.uuid.startswith(device)  # CUDA accepts a unique prefix of a UUID
+
+
+def readings_of(readings: list[GpuReading], devices: list[str] | None) -> list[GpuReading]:
+    """The readings of the GPUs a CUDA_VISIBLE_DEVICES list names (every GPU when None).
+
+    Indices are NVML's, which match CUDA's because the supervisor sets CUDA_DEVICE_ORDER=PCI_BUS_ID.
+    """
+    if devices is None:
+        return list(readings)
+    return [r for r in readings if any(_matches(r, d) for d in devices)]
 
 
 def summary(readings: list[GpuReading]) -> dict[str, Any]:
@@ -281,68 +457,94 @@ def summary(readings: list[GpuReading]) -> dict[str, Any]:
     }
 
 
-def _with_descendants(pids: set[int]) -> set[int]:
-    # torchrun and vLLM put the CUDA work in child processes: the GPU is held by a child of the pid we launched
-    out = set(pids)
-    for pid in pids:
-        try:
-            out |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return out
-
-
 class GpuHealthWatcher:
-    """Turns GPU readings into events, and into a GPU_BROKEN failure when a GPU the job holds is dead or failing."""
+    """Turns GPU readings into events; a GPU_BROKEN failure for the trainer, an emptied GPU for a rollout worker.
+
+    Fatal on any GPU: a fatal XID, a rising count of uncorrected ECC errors. "Alive but broken" is judged per
+    role (the trainer, inference-<i>) on the GPUs its CUDA_VISIBLE_DEVICES names, never from NVML's process
+    list (in a container it holds host PIDs): every GPU of the role at 0 % and back at the memory it held
+    before the attempt started (`take_baseline`), for `broken_polls` polls in a row, while `may_judge(role)`
+    says the role should be using it now (the supervisor: its process is alive, and for the trainer a step
+    is overdue in the step phase past the attempt's first step; for a worker, it answered /health before).
+    The trainer's GPU going empty is the attempt's failure; a worker's is reported in `emptied`, for the
+    supervisor to restart that worker.
+    """
 
     def __init__(
         self,
         source: GpuSource,
         *,
-        job_pids: Callable[[], set[int]],
-        progress_stalled: Callable[[], bool],
+        roles: Callable[[], dict[str, list[str] | None]],
+        may_judge: Callable[[str], bool],
         current_step: Callable[[], int | None],
         broken_polls: int = 3,
+        recorder: GpuRecorder | None = None,
     ):
         if broken_polls < 1:
             raise ValueError(f"broken_polls must be at least 1, got {broken_polls}")
         self.source = source
-        self.job_pids = job_pids
-        self.progress_stalled = progress_stalled
+        self.roles = roles
+        self.may_judge = may_judge
         self.current_step = current_step
         self.broken_polls = broken_polls
+        self.recorder = recorder
         self.failure: Failure | None = None
+        self.emptied: set[str] = set()  # workers whose GPUs went empty while they should be serving
+        self.baseline: dict[int, float] = {}  # memory used per GPU index before the attempt started
         self.last_readings: list[GpuReading] = []
         self.last_summary: dict[str, Any] | None = None
-        # GPUs a job process has held in this attempt: a process that dies on the GPU vanishes from NVML's
-        # process list, and that GPU must still count as the job's
-        self._job_gpus: set[int] = set()
-        self._idle_history: dict[int, deque[GpuReading]] = {}
+        self._empty_polls: dict[str, deque[list[GpuReading]]] = {}
         self._ecc_seen: dict[int, int] = {}
         self._throttle_warned: dict[int, set[str]] = {}
         self._read_error_reported = False
+        self._unreadable: dict[str, Any] | None = None
+
+    def take_baseline(self) -> list[dict[str, Any]]:
+        """Read every GPU before the attempt's processes start: what each holds when the job holds nothing."""
+        readings = self._read()
+        if readings is None:
+            return []
+        self.baseline = {r.index: r.memory_used_mib for r in readings if r.memory_used_mib is not None}
+        self._record(readings, force=True)
+        return [{"event": "gpu_baseline", "memory_used_mib": {str(i): round(m, 1) for i, m in self.baseline.items()}}]
+
+    def forget(self, role: str) -> None:
+        """The role's process was restarted: its GPUs get a fresh start-up."""
+        self.emptied.discard(role)
+        self._empty_polls.pop(role, None)
+
+    def _read(self) -> list[GpuReading] | None:
+        """The source's readings; None when it failed (reported once, by the next poll)."""
+        try:
+            return self.source.read()
+        except Exception as exc:  # NVML can fail mid-run (a GPU lost); a watcher must not crash the supervisor
+            if not self._read_error_reported:
+                self._read_error_reported = True
+                self._unreadable = {"event": "gpu_unreadable", "error": f"{type(exc).__name__}: {exc}"}
+            return None
+
+    def _record(self, readings: list[GpuReading], force: bool = False) -> None:
+        if self.recorder is not None and readings:
+            self.recorder.record(readings, force=force)
 
     def poll(self) -> list[dict[str, Any]]:
         """Read every GPU once; return the events seen, setting `failure` on a fatal condition."""
-        try:
-            readings = self.source.read()
-        except Exception as exc:  # NVML can fail mid-run (a GPU lost); a watcher must not crash the supervisor
-            if self._read_error_reported:
-                return []
-            self._read_error_reported = True
-            return [{"event": "gpu_unreadable", "error": f"{type(exc).__name__}: {exc}"}]
+        readings = self._read()
+        if readings is None:
+            error, self._unreadable = self._unreadable, None
+            return [error] if error else []
         self.last_readings = readings
         self.last_summary = summary(readings) if readings else None
         if not readings:
             return []
-        pids = _with_descendants(set(self.job_pids()))
-        stalled = self.progress_stalled()
         events: list[dict[str, Any]] = []
         for reading in readings:
             events += self._check_xids(reading)
             events += self._check_ecc(reading)
             events += self._check_throttle(reading)
-            events += self._check_broken(reading, pids, stalled)
+        for role, devices in self.roles().items():
+            events += self._check_empty(role, readings_of(readings, devices))
+        self._record(readings, force=bool(events))
         return events
 
     def _fail(self, message: str, evidence: list[GpuReading]) -> None:
@@ -356,7 +558,7 @@ class GpuHealthWatcher:
 
     def _check_xids(self, r: GpuReading) -> list[dict[str, Any]]:
         events = []
-        for xid in r.xid_errors:
+        for xid in r.xid:
             fatal = xid in FATAL_XIDS
             meaning = FATAL_XIDS.get(xid) or WARNING_XIDS.get(xid) or "see NVIDIA's Xid catalogue"
             events.append({"event": "gpu_xid", "gpu": r.index, "xid": xid, "meaning": meaning, "fatal": fatal})
@@ -399,54 +601,55 @@ class GpuHealthWatcher:
             }
         ]
 
-    def _check_broken(self, r: GpuReading, pids: set[int], stalled: bool) -> list[dict[str, Any]]:
-        held_by = pids.intersection(r.process_pids)
-        if held_by:
-            self._job_gpus.add(r.index)
-        history = self._idle_history.setdefault(r.index, deque(maxlen=self.broken_polls))
-        # a GPU at 0 % while steps still advance is between steps (data loading, a checkpoint, an eval)
-        if r.index not in self._job_gpus or not stalled or not _idle_and_empty(r, held_by):
+    def _at_baseline(self, r: GpuReading) -> bool:
+        """0 % utilisation and no more memory than before the attempt: nothing of the job is on this GPU."""
+        if r.utilization_pct is None or r.utilization_pct >= 1.0 or r.memory_used_mib is None:
+            return False
+        base = self.baseline.get(r.index)
+        return base is not None and r.memory_used_mib <= base + BASELINE_MARGIN_MIB
+
+    def _check_empty(self, role: str, gpus: list[GpuReading]) -> list[dict[str, Any]]:
+        history = self._empty_polls.setdefault(role, deque(maxlen=self.broken_polls))
+        if not gpus or role in self.emptied or not all(self._at_baseline(r) for r in gpus) or not self.may_judge(role):
             history.clear()
             return []
-        history.append(r)
-        if len(history) < self.broken_polls or self.failure is not None:
+        history.append(gpus)
+        if len(history) < self.broken_polls:
             return []
         step = self.current_step()
-        self._fail(
-            f"GPU {r.index} ({r.name or r.uuid}) is alive but broken: 0 % utilisation and "
-            f"{_job_memory_text(r, held_by)} for {len(history)} polls while the job made no progress "
-            f"(last step {step if step is not None else 'none'})",
-            list(history),
-        )
-        return [
-            {
-                "event": "gpu_broken",
-                "gpu": r.index,
-                "step": step,
-                "polls": len(history),
-                "utilization_pct": r.utilization_pct,
-                "memory_used_mib": r.memory_used_mib,
-                "job_pids": sorted(held_by),
-            }
-        ]
+        where = ", ".join(f"GPU {r.index} ({r.name or r.uuid})" for r in gpus)
+        held = ", ".join(f"{r.memory_used_mib:.0f}" for r in gpus)
+        base = ", ".join(f"{self.baseline[r.index]:.0f}" for r in gpus)
+        evidence = [r for poll in history for r in poll]
+        event = {"event": "gpu_empty", "role": role, "gpus": [r.index for r in gpus], "polls": len(history)}
+        if role == "trainer":
+            if self.failure is not None:
+                return []
+            self._fail(
+                f"{where} alive but broken: the trainer is running and overdue for step "
+                f"{(step or 0) + 1}, yet its GPU is at 0 % and holds {held} MiB, its {base} MiB from before the "
+                f"attempt: nothing of the job is on it any more ({len(history)} polls)",
+                evidence,
+            )
+            return [{**event, "step": step}]
+        self.emptied.add(role)
+        return [{**event, "detail": f"{where}: 0 % and {held} MiB (before the attempt: {base} MiB)"}]
 
 
-def _idle_and_empty(r: GpuReading, held_by: set[int]) -> bool:
-    """0 % utilisation, and the job's processes hold no memory on it (or the whole GPU is about empty)."""
-    if r.utilization_pct is None or r.utilization_pct >= 1.0:
-        return False
-    if held_by and all(r.process_memory_mib.get(pid) == 0 for pid in held_by):
-        return True
-    # otherwise judge by the GPU's own memory: the job's process may have left the GPU (died on it), or the
-    # driver may not attribute memory to processes
-    if r.memory_used_mib is None or not r.memory_total_mib:
-        return False
-    return r.memory_used_mib <= EMPTY_MEMORY_FRACTION * r.memory_total_mib
-
-
-def _job_memory_text(r: GpuReading, held_by: set[int]) -> str:
-    if held_by:
-        mem = sum(r.process_memory_mib.get(pid, 0.0) for pid in held_by)
-        return f"{mem:.0f} MiB held by job pid(s) {', '.join(map(str, sorted(held_by)))}"
-    used = f"{r.memory_used_mib:.0f}" if r.memory_used_mib is not None else "?"
-    return f"{used} MiB used on the GPU (no job process on it any more)"
+def replayed_probe(num_devices: int) -> dict[str, Any]:
+    """What preflight's CUDA probe would report on the machine PRIME_TRAIN_GPU_REPLAY recorded: its first
+    `num_devices` GPUs, each taking a context (torch cannot see replayed GPUs, so it is not asked)."""
+    replay = os.environ.get(ENV_GPU_REPLAY, "")
+    gpus = ReplaySource(replay).inventory() if replay else []
+    devices = [
+        {"index": i, "name": r.name, "total_memory_mib": r.memory_total_mib, "ok": True}
+        for i, r in enumerate(readings_of(gpus, visible_devices())[:num_devices])
+    ]
+    return {
+        "cuda_available": bool(devices),
+        "device_count": len(devices),
+        "devices": devices,
+        "nvml_count": len(gpus),
+        "torch_version": f"(replayed from {replay})",
+        "replayed": replay,
+    }

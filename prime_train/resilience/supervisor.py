@@ -21,22 +21,30 @@ from prime_train.config.schema import Config
 from prime_train.contract import (
     ExitCode,
     Heartbeat,
+    Phase,
     RunDir,
     newest_checkpoint,
     read_heartbeat,
     read_json,
     write_json_atomic,
 )
-from prime_train.launch import job_exit_code, plan_engine_launch
+from prime_train.launch import gpu_devices, job_exit_code, plan_engine_launch
 from prime_train.resilience.events import EventLog
 from prime_train.resilience.failures import Failure, FailureKind
 from prime_train.resilience.logscan import Finding, LogScanner, classify
 from prime_train.resilience.policy import RestartPolicy
 from prime_train.resilience.process import ChildProcess, ProcessSpec
 from prime_train.resilience.redact import redact_argv
-from prime_train.resilience.watchers import DiskWatcher, LogProgress, PreemptionWatcher, ProgressWatcher, detect_cloud
+from prime_train.resilience.watchers import (
+    DiskWatcher,
+    LogProgress,
+    PreemptionWatcher,
+    ProgressWatcher,
+    RankLogs,
+    detect_cloud,
+)
 from prime_train.rl.client import worker_url
-from prime_train.rl.workers import InferenceHealthWatcher, gpu_split, inference_specs
+from prime_train.rl.workers import InferenceHealthWatcher, gpu_plan, inference_specs
 
 
 @dataclass
@@ -102,6 +110,8 @@ class Supervisor:
         self._last_status: dict[str, Any] = {}
         self._cloud_notice: dict[str, Any] | None = None
         self._backup = None  # BackupWatcher when ckpt.remote is set: one for the whole run, across attempts
+        self._health_watcher: InferenceHealthWatcher | None = None
+        self._rank_logs: RankLogs | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -265,18 +275,26 @@ class Supervisor:
             return [self._command_spec(env)]
         config_path = str(self._attempt_config_path(attempt))
         workers: list[ProcessSpec] = []
+        devices = gpu_devices()
+        trainer_gpus = (
+            devices[: self.cfg.distributed.nproc_per_node] if self.cfg.distributed.nproc_per_node else devices
+        )
         if self.cfg.run.job == "rl":
-            from prime_train.launch import visible_gpu_count
-
-            gpus = visible_gpu_count()
+            gpus = gpu_plan(self.cfg, devices)
+            if gpus.note:
+                self.events.emit("gpu_plan", note=gpus.note, trainer=gpus.trainer, workers=gpus.workers)
+                self.observer.message(f"note: {gpus.note}")
             workers = inference_specs(self.cfg, config_path, gpus)
-            trainer_gpus, _ = gpu_split(self.cfg, gpus)
-            if gpus:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, trainer_gpus))
+            trainer_gpus = gpus.trainer
+        if trainer_gpus:
+            # the trainer's GPUs by name: the GPU watcher judges exactly these, and a user's CUDA_VISIBLE_DEVICES=4,5
+            # stays 4,5
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(trainer_gpus)
         plan = plan_engine_launch(
             self.cfg,
             config_path,
             log_dir=str(self.run_dir.attempt_logs(attempt.number) / "ranks"),
+            num_gpus=len(trainer_gpus),
         )
         for k, v in plan.env.items():
             env.setdefault(k, os.environ.get(k, v))
@@ -296,15 +314,18 @@ class Supervisor:
                 argv += [a.replace("{step}", str(step)).replace("{path}", str(path)) for a in job.resume_args]
         return ProcessSpec("job", argv, {**env, **job.env}, cwd=job.cwd, role="job")
 
+    def _on_finding(self, finding: Finding) -> None:
+        with self._findings_lock:
+            self.findings.append(finding)
+        if self.events is not None:
+            self.events.emit("log_finding", **finding.to_dict())
+        self.observer.finding(finding)
+
     def _on_line(self, process: str, line: str, line_no: int) -> None:
         scanner = self._scanners.get(process)
         if scanner is not None:
             for finding in scanner.feed(line, line_no):
-                with self._findings_lock:
-                    self.findings.append(finding)
-                if self.events is not None:
-                    self.events.emit("log_finding", **finding.to_dict())
-                self.observer.finding(finding)
+                self._on_finding(finding)
         if self._log_progress is not None and process == "job":
             self._log_progress.feed(line)
         if self.options.verbose_inference and self._roles.get(process) == "inference":
@@ -350,14 +371,23 @@ class Supervisor:
         progress = ProgressWatcher(
             self._progress_reader(),
             stall_timeout_s=sup.stall_timeout_s,
-            startup_timeout_s=sup.startup_timeout_s,
+            startup_timeout_s=self._startup_allowance(),
             save_timeout_s=sup.save_timeout_s,
         )
         with self._findings_lock:
             self.findings = []
-        self._start_children(attempt)
+        # the GPUs' memory before any process of this attempt runs: "empty" later means back at this
+        gpu = self._gpu_watcher(progress, attempt)
+        if gpu is not None:
+            for event in gpu.take_baseline():
+                self.events.emit(**event)
+        try:
+            self._start_children(attempt)
+        except ValueError as exc:  # a placement the config cannot have (vLLM without GPUs): never retried
+            self.events.emit("attempt_ended", attempt=attempt.number, leftover_pids=[])
+            return Failure(FailureKind.CONFIG_ERROR, str(exc))
         self._set_state("running", attempt=attempt.number)
-        background = _Background(self._background_watchers(progress), sup.poll_interval_s, self.events)
+        background = _Background(self._background_watchers(progress, gpu, attempt), sup.poll_interval_s, self.events)
         background.start()
         failure: Failure | None = None
         stop_sent = False
@@ -422,16 +452,27 @@ class Supervisor:
         return failure
 
     def _mend_inference(self, dead, background: _Background) -> Failure | None:
-        """Restart a dead or wedged rollout worker on its own; the trainer's pool routes around it meanwhile."""
-        health = next((w for w in background.watchers if isinstance(w, InferenceHealthWatcher)), None)
+        """Restart a dead or wedged rollout worker on its own; the trainer's pool routes around it meanwhile.
+
+        Wedged: alive but no longer answering /health, or its GPUs back at their memory from before the attempt
+        (a vLLM engine that died silently under a live API server)."""
+        from prime_train.resilience.gpu import GpuHealthWatcher
+
+        health = self._health_watcher
+        gpu = next((w for w in background.watchers if isinstance(w, GpuHealthWatcher)), None)
         broken = [(c, code) for c, code in dead if c.spec.role == "inference"]
-        if health is not None:
-            broken += [(c, None) for c in self.children if c.name in health.wedged and c.poll() is None]
+        wedged = (health.wedged if health is not None else set()) | (gpu.emptied if gpu is not None else set())
+        broken += [(c, None) for c in self.children if c.name in wedged and c.poll() is None]
         for child, code in broken:
             count = self._worker_restarts.get(child.name, 0) + 1
             self._worker_restarts[child.name] = count
             tail = [line for line in child.tail if line.strip()][-10:]
-            why = f"exited with {code}" if code is not None else "stopped answering /health"
+            if code is not None:
+                why = f"exited with {code}"
+            elif gpu is not None and child.name in gpu.emptied:
+                why = "left its GPU (back at its memory from before the attempt, 0 %) while its process lives on"
+            else:
+                why = "stopped answering /health"
             assert self.events is not None
             self.events.emit("inference_died", process=child.name, exit_code=code, reason=why, restarts=count,
                              last_lines=tail)  # fmt: skip
@@ -452,12 +493,14 @@ class Supervisor:
             self.children[self.children.index(child)] = replacement
             if health is not None:
                 health.forget(child.name)
+            if gpu is not None:
+                gpu.forget(child.name)
             self.events.emit("process_started", process=child.name, pid=replacement.pid,
                              argv=redact_argv(child.spec.argv), restart=count)  # fmt: skip
             self.observer.message(f"restarted {child.name} (restart {count})")
         return None
 
-    def _background_watchers(self, progress: ProgressWatcher) -> list:
+    def _background_watchers(self, progress: ProgressWatcher, gpu, attempt: Attempt) -> list:
         sup, ck = self.cfg.supervisor, self.cfg.ckpt
         # an external job's checkpoints get the same retention when they follow the step-N naming
         ckpt_dir = Path(self.cfg.job.checkpoint_dir) if self.cfg.job.command and self.cfg.job.checkpoint_dir else None
@@ -473,12 +516,17 @@ class Supervisor:
         ]
         if self.cfg.run.job == "rl" and not self.cfg.job.command:
             urls = {f"inference-{i}": worker_url(self.cfg, i) for i in range(self.cfg.inference.num_workers)}
-            watchers.append(InferenceHealthWatcher(urls, timeout_s=self.cfg.inference.health_timeout_s))
+            self._health_watcher = InferenceHealthWatcher(urls, timeout_s=self.cfg.inference.health_timeout_s)
+            watchers.append(self._health_watcher)
         if self._backup is not None:
             watchers.append(self._backup)
-        gpu = self._gpu_watcher(progress)
         if gpu is not None:
             watchers.append(gpu)
+        self._rank_logs = None
+        if not self.cfg.job.command:
+            # torchrun keeps the other ranks' output in its --log-dir only: their failures are scanned there
+            self._rank_logs = RankLogs(self.run_dir.attempt_logs(attempt.number) / "ranks", self._on_finding)
+            watchers.append(self._rank_logs)
         preemption = self.options.preemption
         if preemption is None and detect_cloud() is not None:
             preemption = PreemptionWatcher()
@@ -486,29 +534,48 @@ class Supervisor:
             watchers.append(preemption)
         return watchers
 
-    def _gpu_watcher(self, progress: ProgressWatcher):
-        from prime_train.resilience.gpu import GpuHealthWatcher, NvmlSource
+    def _startup_allowance(self) -> float:
+        """supervisor.startup_timeout_s, or longer for RL: the trainer itself waits up to
+        inference.startup_timeout_s for its workers (a large vLLM model loads for many minutes)."""
+        allowance = self.cfg.supervisor.startup_timeout_s
+        if self.cfg.run.job == "rl" and not self.cfg.job.command:
+            allowance = max(allowance, self.cfg.inference.startup_timeout_s + 2 * self.cfg.supervisor.poll_interval_s)
+        return allowance
 
-        source = self.options.gpu_source
+    def _gpu_watcher(self, progress: ProgressWatcher, attempt: Attempt):
+        """The GPU health watcher of this attempt, recording to gpu.jsonl; None on a machine without GPUs."""
+        from prime_train.resilience.gpu import GpuHealthWatcher, GpuRecorder, gpu_source, visible_devices
+
+        source = self.options.gpu_source or gpu_source(attempt.number)
         if source is None:
-            if not NvmlSource.available():
-                return None
-            source = NvmlSource()
-        last = {"step": None, "time": time.time()}
+            return None
 
-        def stalled() -> bool:
-            # "stopped" means no step for a few polls, well before the hang timeout fires
-            if progress.step != last["step"]:
-                last.update(step=progress.step, time=time.time())
-            return time.time() - last["time"] > 3 * self.cfg.supervisor.poll_interval_s
+        def roles() -> dict[str, list[str] | None]:
+            # a child's GPUs are what its CUDA_VISIBLE_DEVICES names (set by _specs), else what this process sees
+            return {c.name: visible_devices({**os.environ, **c.spec.env}) for c in self.children}
 
-        def pids() -> set[int]:
-            out: set[int] = set()
-            for c in self.children:
-                out |= {p.pid for p in c.alive_descendants()}
-            return out
+        def may_judge(role: str) -> bool:
+            child = next((c for c in self.children if c.name == role), None)
+            if child is None or child.poll() is not None:
+                return False  # the process watcher judges a dead process
+            if child.spec.role == "inference":
+                health = self._health_watcher
+                return health is not None and role in health.seen_healthy
+            # the trainer: in the step phase, past the attempt's first step, and a step overdue
+            if progress.phase != Phase.STEP or progress.step is None or progress.first_step is None:
+                return False
+            return progress.step > progress.first_step and progress.idle_s() > self._step_overdue_s()
 
-        return GpuHealthWatcher(source, job_pids=pids, progress_stalled=stalled, current_step=lambda: progress.step)
+        recorder = GpuRecorder(self.run_dir.gpu_log_path, attempt.number)
+        return GpuHealthWatcher(
+            source, roles=roles, may_judge=may_judge, current_step=lambda: progress.step, recorder=recorder
+        )
+
+    def _step_overdue_s(self) -> float:
+        """How long without progress is longer than a real step takes: three mean steps, at least three polls."""
+        polls = 3 * self.cfg.supervisor.poll_interval_s
+        mean = self.mean_step_time()
+        return max(polls, 3 * mean) if mean is not None else max(polls, 30.0)
 
     def _judge_exit(
         self, child: ChildProcess, returncode: int, progress: ProgressWatcher, attempt: Attempt, preempted: bool
@@ -518,9 +585,9 @@ class Supervisor:
         scanner = self._scanners.get(child.name)
         if scanner is not None:
             for finding in scanner.finish():
-                with self._findings_lock:
-                    self.findings.append(finding)
-                self.observer.finding(finding)
+                self._on_finding(finding)
+        if self._rank_logs is not None and child.spec.role == "trainer":
+            self._rank_logs.drain(final=True)  # the rank that failed first may have written its last words there
         code = job_exit_code(returncode, read_heartbeat(self.run_dir.progress_path), child.started_at)
         attempt.exit_code = code
         assert self.events is not None

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -19,6 +20,7 @@ from typing import Any
 
 from prime_train.contract import SLOW_PHASES, STARTUP_PHASES, Heartbeat, Phase, list_checkpoints
 from prime_train.resilience.failures import Failure, FailureKind
+from prime_train.resilience.logscan import Finding, LogScanner
 from prime_train.retention import safe_remove_checkpoint, select_for_deletion
 
 
@@ -71,8 +73,13 @@ class ProgressWatcher:
         hb = Heartbeat.from_dict(self.read())
         events: list[dict[str, Any]] = []
         if hb is not None and (self.last_seen is None or self._key(hb) != self._key(self.last_seen)):
-            last_step = self.last_seen.step if self.last_seen is not None else None
-            if (hb.time or 0) >= self.started - 1 or hb.step != last_step:
+            if hb.time is not None:
+                # a heartbeat older than this attempt is the previous attempt's last word, not progress
+                fresh = hb.time >= self.started - 1
+            else:
+                # an external job's heartbeat without a clock: only a step that changed is evidence
+                fresh = self.last_seen is not None and hb.step != self.last_seen.step
+            if fresh:
                 self.last_change = now
                 self.phase = hb.phase
                 if hb.step is not None:
@@ -91,6 +98,10 @@ class ProgressWatcher:
             )
             events.append({"event": "hang_detected", "idle_s": round(idle, 1), "step": self.step, "phase": self.phase})
         return events
+
+    def idle_s(self) -> float:
+        """Seconds since the heartbeat last changed (or since the attempt started)."""
+        return self.clock() - self.last_change
 
     def _allowance(self) -> tuple[float, str]:
         if self.phase in SLOW_PHASES:
@@ -123,6 +134,75 @@ class LogProgress:
         if self.step is None:
             return None
         return Heartbeat(self.step, Phase.STEP, time=self.time, max_steps=self.max_steps).to_dict()
+
+
+class RankLogs:
+    """The logs of the ranks whose output only torchrun's --log-dir holds, scanned as they grow.
+
+    torchrun writes <log_dir>/<run id>/attempt_<k>/<local rank>/{stdout,stderr}.log; local rank 0's output
+    also reaches the trainer's own log (--tee with --local-ranks-filter=0), so the others are read here:
+    another rank's CUDA OOM or NCCL error is what killed the job, and rank 0 only shows the consequence.
+    `poll` runs on the watcher thread, `drain` on the main one before a verdict; a lock keeps them apart.
+    """
+
+    def __init__(self, root: Path, on_finding: Callable[[Finding], None], *, max_bytes_per_poll: int = 1 << 20):
+        self.root = root
+        self.on_finding = on_finding
+        self.max_bytes_per_poll = max_bytes_per_poll
+        self._files: dict[Path, _TailedLog] = {}
+        self._lock = threading.Lock()
+
+    def poll(self) -> list[dict[str, Any]]:
+        self.drain()
+        return []
+
+    def drain(self, *, final: bool = False) -> None:
+        """Scan what the rank logs gained since the last call; `final`: the job exited, flush what is open."""
+        with self._lock:
+            for path in sorted(self.root.glob("*/attempt_*/*/std*.log")):
+                if path.parent.name == "0":
+                    continue
+                log = self._files.get(path)
+                if log is None:
+                    log = self._files[path] = _TailedLog(path, LogScanner(f"trainer-rank{path.parent.name}", str(path)))
+                for finding in log.read(self.max_bytes_per_poll):
+                    self.on_finding(finding)
+            if final:
+                for log in self._files.values():
+                    for finding in log.finish():
+                        self.on_finding(finding)
+
+
+class _TailedLog:
+    def __init__(self, path: Path, scanner: LogScanner):
+        self.path = path
+        self.scanner = scanner
+        self.offset = 0
+        self.line_no = 0
+        self.partial = b""
+
+    def read(self, limit: int) -> list[Finding]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read(limit)
+        except OSError:
+            return []
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        found: list[Finding] = []
+        for raw in lines:
+            self.line_no += 1
+            found += self.scanner.feed(raw.decode("utf-8", errors="replace"), self.line_no)
+        return found
+
+    def finish(self) -> list[Finding]:
+        found = []
+        if self.partial:
+            self.line_no += 1
+            found += self.scanner.feed(self.partial.decode("utf-8", errors="replace"), self.line_no)
+            self.partial = b""
+        return found + self.scanner.finish()
 
 
 class DiskWatcher:

@@ -21,7 +21,6 @@ from prime_train.config.schema import Config
 
 if TYPE_CHECKING:
     from prime_train.config.loader import Problem, Sources
-    from prime_train.validator.preflight import CheckResult
 
 Severity = Literal["error", "warning"]
 Finding = tuple[Severity, str, str]  # (severity, message, dotted config key)
@@ -195,27 +194,6 @@ def _vllm_version() -> tuple[int, ...] | None:
     return installed_vllm()
 
 
-def _gpu_memory_bytes() -> float | None:
-    """Total memory of GPU 0 from NVML, or None when NVML is unavailable."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return float(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # not installed, no driver (NVMLError_LibraryNotFound), no device
-        return None
-
-
-def _num_parameters(cfg: Config) -> int | None:
-    from prime_train.validator.preflight import count_parameters, model_shape
-
-    hf, _ = model_shape(cfg)
-    return None if hf is None else count_parameters(hf)
-
-
 def check_gotchas(
     cfg: Config,
     *,
@@ -223,8 +201,16 @@ def check_gotchas(
     gpu_memory_bytes: float | None = None,
     vllm_version: tuple[int, ...] | None = None,
     uses_tools: bool | None = None,
+    num_params: int | None = None,
+    colocated: bool | None = None,
 ) -> list[Finding]:
-    """Warnings for RL setups that run but waste hours; arguments replace the live probes (tests, replays)."""
+    """Warnings for RL setups that run but waste hours.
+
+    The caller (preflight) measures what this machine has: `gpu_memory_bytes` of one GPU, the model's
+    `num_params`, and whether inference shares the trainer's GPUs (`colocated`, by default
+    inference.colocate); without a parameter count the colocation check is skipped. The other arguments
+    replace live probes (tests, replays).
+    """
     if cfg.run.job != "rl" or cfg.job.command:
         return []
     findings: list[Finding] = []
@@ -252,9 +238,8 @@ def check_gotchas(
                 )
             )
 
-    if inf.colocate:
-        num_params = _num_parameters(cfg)
-        measured = gpu_memory_bytes if gpu_memory_bytes is not None else _gpu_memory_bytes()
+    if inf.colocate if colocated is None else colocated:
+        measured = gpu_memory_bytes
         gpu_mem = measured or ASSUMED_GPU_MEMORY_BYTES
         if num_params is not None:
             need = num_params * TRAINER_BYTES_PER_PARAM + TRAINER_OVERHEAD_BYTES
@@ -271,7 +256,8 @@ def check_gotchas(
                 findings.append(
                     (
                         "warning",
-                        f"inference.colocate with inference.gpu_memory_utilization = {inf.gpu_memory_utilization} "
+                        f"inference shares the trainer's GPU with inference.gpu_memory_utilization = "
+                        f"{inf.gpu_memory_utilization} "
                         f"leaves {room / 1e9:.1f} GB of a {where} to the trainer, which needs about "
                         f"{need / 1e9:.1f} GB ({num_params / 1e6:,.1f}M params × {TRAINER_BYTES_PER_PARAM} bytes for "
                         f"fp32 weights, gradients and Adam, + {TRAINER_OVERHEAD_BYTES / 2**30:.0f} GiB runtime); "
@@ -308,24 +294,3 @@ def lint_problems(cfg: Config, sources: Sources) -> list[Problem]:
     if cfg.run.job != "rl":
         return []
     return [sources.problem(_key_path(key), sev, msg) for sev, msg, key in check_token_budget(cfg, pending_ok=True)]
-
-
-def _as_check(name: str, findings: list[Finding], ok: str) -> CheckResult:
-    from prime_train.validator.preflight import FAIL, PASS, WARN, CheckResult
-
-    if not findings:
-        return CheckResult(name, PASS, ok)
-    status = FAIL if any(sev == "error" for sev, _, _ in findings) else WARN
-    message = "; ".join(msg for _, msg, _ in findings)
-    keys = sorted({key for _, _, key in findings})
-    return CheckResult(name, status, message, f"change {', '.join(keys)}", {"findings": [list(f) for f in findings]})
-
-
-def preflight_checks(cfg: Config) -> list[CheckResult]:
-    """The "token budget" and "rl gotchas" preflight checks; none unless run.job == 'rl'."""
-    if cfg.run.job != "rl" or cfg.job.command:
-        return []
-    return [
-        _as_check("token budget", check_token_budget(cfg), "prompt + rl.max_tokens fit inference.max_model_len"),
-        _as_check("rl gotchas", check_gotchas(cfg), "no known RL gotcha"),
-    ]

@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from prime_train.config.schema import Config
@@ -43,40 +44,55 @@ def resolve_backend(cfg: Config, num_gpus: int, *, have_vllm: bool | None = None
     return "vllm" if num_gpus > 0 and have_vllm and cfg.model.path is not None else "embedded"
 
 
-def gpu_split(cfg: Config, num_gpus: int) -> tuple[list[int], list[list[int]]]:
-    """GPUs of the trainer and of each worker: workers take the first ones, the trainer the rest.
+@dataclass(frozen=True)
+class GpuPlan:
+    """Which GPUs each process of an RL run sees, as CUDA_VISIBLE_DEVICES entries ([] when there are none)."""
 
-    With inference.colocate every process sees every GPU (the user keeps gpu_memory_utilization low).
+    trainer: list[str]
+    workers: list[list[str]]
+    colocated: bool  # inference shares the trainer's GPUs
+    note: str = ""  # why the plan differs from what the config asked for
+
+
+def gpu_plan(cfg: Config, devices: list[str]) -> GpuPlan:
+    """Place the trainer and the rollout workers on `devices` (the GPUs the run may use, as the user named them).
+
+    Workers take the first inference.num_workers × gpus_per_worker GPUs and the trainer the rest. With
+    inference.colocate, or when there are too few GPUs to give inference its own and the trainer at least
+    one (one GPU, say), inference shares the trainer's GPUs: the embedded worker needs no GPU of its own, and
+    vLLM then runs colocated within inference.gpu_memory_utilization (lint and preflight check that the two
+    fit). Device names are kept as given, so CUDA_VISIBLE_DEVICES=4,5 stays 4,5, never 0,1.
     """
     inf = cfg.inference
-    if num_gpus == 0:
-        return [], [[] for _ in range(inf.num_workers)]
-    if inf.colocate:
-        every = list(range(num_gpus))
-        return every, [every for _ in range(inf.num_workers)]
+    if not devices:
+        return GpuPlan([], [[] for _ in range(inf.num_workers)], False)
     need = inf.num_workers * inf.gpus_per_worker
-    if need >= num_gpus:
-        raise ValueError(
-            f"inference needs {need} GPU(s) (inference.num_workers × gpus_per_worker) and the trainer at least one, "
-            f"but {num_gpus} are visible; lower inference.num_workers or set inference.colocate = true"
-        )
-    workers = [list(range(i * inf.gpus_per_worker, (i + 1) * inf.gpus_per_worker)) for i in range(inf.num_workers)]
-    return list(range(need, num_gpus)), workers
+    if inf.colocate or need >= len(devices):
+        note = ""
+        if not inf.colocate:
+            note = (
+                f"{len(devices)} GPU(s) cannot give inference its own {need} (inference.num_workers x gpus_per_worker) "
+                "and the trainer one more: inference shares the trainer's GPUs"
+            )
+        shared = devices[: max(inf.gpus_per_worker, 1)]
+        return GpuPlan(list(devices), [list(shared) for _ in range(inf.num_workers)], True, note)
+    workers = [devices[i * inf.gpus_per_worker : (i + 1) * inf.gpus_per_worker] for i in range(inf.num_workers)]
+    return GpuPlan(list(devices[need:]), workers, False)
 
 
 def inference_specs(
-    cfg: Config, config_path: str, num_gpus: int, *, have_vllm: bool | None = None
+    cfg: Config, config_path: str, plan: GpuPlan, *, have_vllm: bool | None = None
 ) -> list[ProcessSpec]:
-    backend = resolve_backend(cfg, num_gpus, have_vllm=have_vllm)
+    """The rollout workers as supervised processes, each seeing the GPUs `plan` gives it."""
+    backend = resolve_backend(cfg, len(plan.trainer), have_vllm=have_vllm)
     module = "prime_train.rl.vllm_server" if backend == "vllm" else "prime_train.rl.worker"
-    _, devices = gpu_split(cfg, num_gpus)
     specs = []
-    for i in range(cfg.inference.num_workers):
+    for i, devices in enumerate(plan.workers):
         # spawn, not fork: a forked vLLM worker inherits an initialised CUDA context and hangs (prime-rl sets it
         # too); the embedded worker ignores it
         env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-        if num_gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices[i]))
+        if plan.trainer:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
         argv = [sys.executable, "-m", module, "--config", config_path, "--index", str(i)]
         specs.append(ProcessSpec(f"inference-{i}", argv, env, role="inference"))
     return specs

@@ -27,11 +27,12 @@ import psutil
 from prime_train.config.schema import Config
 from prime_train.contract import ExitCode
 from prime_train.launch import node_rank, procs_per_node, rendezvous_endpoint, visible_gpu_count
-from prime_train.rl.budget import preflight_checks as rl_preflight_checks
+from prime_train.resilience.gpu import ENV_GPU_REPLAY, replayed_probe
 from prime_train.validator.checks import FAIL, PASS, WARN, CheckResult
 from prime_train.validator.memory import estimate, inputs_from_config
 from prime_train.validator.model_shape import model_shape
 from prime_train.validator.param_count import count_parameters
+from prime_train.validator.rl_checks import rl_preflight_checks
 
 try:
     import resource
@@ -243,7 +244,8 @@ def check_cuda(cfg: Config, gpu_probe: GpuProbe | None = None) -> CheckResult:
     return CheckResult(
         "cuda",
         PASS,
-        f"{requested} GPU(s) usable ({names}, {memory:.0f} GiB each); NVML sees {nvml_count}",
+        f"{requested} GPU(s) usable ({names}, {memory:.0f} GiB each); NVML sees {nvml_count}"
+        + (f" (replayed from {probe['replayed']})" if probe.get("replayed") else ""),
         None,
         details,
     )
@@ -592,6 +594,8 @@ def run_preflight(
     disk_usage: DiskUsage | None = None,
 ) -> list[CheckResult]:
     """Every preflight check, in order; `gpu_probe` and `disk_usage` replace the real probes (tests, replays)."""
+    if gpu_probe is None and os.environ.get(ENV_GPU_REPLAY):
+        gpu_probe = replayed_probe  # the machine a gpu.jsonl recorded: its GPUs, as preflight would have seen them
     cuda = check_cuda(cfg, gpu_probe)
     gpu_run = bool(cuda.details.get("gpu_run"))
     return [

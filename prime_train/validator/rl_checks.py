@@ -1,0 +1,73 @@
+"""Preflight's RL checks: the token budget, the RL gotchas, and where the trainer and the workers go.
+
+rl/budget.py works out the findings from what it is given; this module gives it what only this
+machine knows (its GPUs, real or replayed, and the model's size) and turns the findings into
+preflight checks. Nothing here runs unless run.job == "rl" with the embedded engine.
+"""
+
+from __future__ import annotations
+
+from prime_train.config.schema import Config
+from prime_train.launch import gpu_devices
+from prime_train.resilience.gpu import gpu_inventory, readings_of
+from prime_train.rl.budget import Finding, check_gotchas, check_token_budget
+from prime_train.rl.workers import GpuPlan, gpu_plan, resolve_backend
+from prime_train.validator.checks import FAIL, PASS, WARN, CheckResult
+from prime_train.validator.model_shape import model_shape
+from prime_train.validator.param_count import count_parameters
+
+
+def rl_preflight_checks(cfg: Config) -> list[CheckResult]:
+    """The "gpu placement", "token budget" and "rl gotchas" checks; none unless run.job == 'rl'."""
+    if cfg.run.job != "rl" or cfg.job.command:
+        return []
+    devices = gpu_devices()
+    placement, plan = check_gpu_placement(cfg, devices)
+    gpus = readings_of(gpu_inventory(), plan.trainer[:1]) if plan is not None and plan.trainer else []
+    memory = gpus[0].memory_total_mib * 2**20 if gpus and gpus[0].memory_total_mib else None
+    hf, _ = model_shape(cfg)
+    gotchas = check_gotchas(
+        cfg,
+        gpu_memory_bytes=memory,
+        num_params=count_parameters(hf) if hf is not None else None,
+        colocated=plan.colocated if plan is not None else None,
+    )
+    return [
+        placement,
+        _as_check("token budget", check_token_budget(cfg), "prompt + rl.max_tokens fit inference.max_model_len"),
+        _as_check("rl gotchas", gotchas, "no known RL gotcha"),
+    ]
+
+
+def check_gpu_placement(cfg: Config, devices: list[str]) -> tuple[CheckResult, GpuPlan | None]:
+    """Which GPUs the trainer and each rollout worker get on this machine, or why there is no placement."""
+    n = cfg.inference.num_workers
+    try:
+        backend = resolve_backend(cfg, len(devices))
+    except ValueError as exc:
+        return CheckResult("gpu placement", FAIL, str(exc), "inference.backend"), None
+    plan = gpu_plan(cfg, devices)
+    workers = f"{n} {backend} worker{'s' if n != 1 else ''}"
+    if not devices:
+        return CheckResult("gpu placement", PASS, f"no GPU: the trainer and {workers} run on the CPU"), plan
+    names = {str(r.index): r.name for r in gpu_inventory()}
+    trainer = ", ".join(f"{d} ({names[d]})" if d in names else d for d in plan.trainer)
+    if plan.colocated:
+        message = f"trainer on GPU {trainer}; {workers} share it"
+        if backend == "vllm":
+            message += f" (vLLM within inference.gpu_memory_utilization = {cfg.inference.gpu_memory_utilization})"
+        if plan.note:
+            message += f" ({plan.note})"
+    else:
+        given = "; ".join(f"inference-{i} on GPU {','.join(d)}" for i, d in enumerate(plan.workers))
+        message = f"{given}; trainer on GPU {trainer}"
+    return CheckResult("gpu placement", PASS, message, details={"trainer": plan.trainer, "workers": plan.workers}), plan
+
+
+def _as_check(name: str, findings: list[Finding], ok: str) -> CheckResult:
+    if not findings:
+        return CheckResult(name, PASS, ok)
+    status = FAIL if any(sev == "error" for sev, _, _ in findings) else WARN
+    message = "; ".join(msg for _, msg, _ in findings)
+    keys = sorted({key for _, _, key in findings})
+    return CheckResult(name, status, message, f"change {', '.join(keys)}", {"findings": [list(f) for f in findings]})
