@@ -1,0 +1,228 @@
+"""The import rules of docs/architecture.md, read from the source with `ast` so they stay true.
+
+- no import cycles between modules (imports inside functions and under TYPE_CHECKING count too);
+- the engine imports nothing of the supervisor side (resilience, validator, integrations, cli);
+- the supervisor side never imports torch, and never the engine or RL's training half;
+  only the CLI may reach the engine, lazily, inside a command that needs it;
+- RL's torch-free half (what lint, preflight and the supervisor import) never imports its training half;
+- the job contract imports nothing of the package but itself.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "prime_train"
+
+# what the supervisor process runs; config/ is shared by both sides (the engine reads the resolved config)
+SUPERVISOR_SIDE = ("prime_train.resilience", "prime_train.validator", "prime_train.integrations", "prime_train.cli")
+TORCH_FREE = (*SUPERVISOR_SIDE, "prime_train.config")
+TORCH_FREE_TOP = (
+    "prime_train.contract",
+    "prime_train.retention",
+    "prime_train.launch",
+    "prime_train.tasks",
+    "prime_train.vocab",
+)
+RL_TORCH_FREE = (
+    "prime_train.rl.environments",
+    "prime_train.rl.budget",
+    "prime_train.rl.workers",
+    "prime_train.rl.client",
+    "prime_train.rl.rollouts",
+    "prime_train.rl.vllm_server",
+)
+RL_TRAINING = ("prime_train.rl.grpo", "prime_train.rl.train", "prime_train.rl.generation", "prime_train.rl.worker")
+HEAVY = ("torch", "transformers", "safetensors", "numpy", "tokenizers", "wandb", "boto3", "vllm", "sky")
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # the importing module
+    target: str  # a module of prime_train, or a third-party top-level name
+    lazy: bool  # inside a function (or under `if TYPE_CHECKING`), not executed at import time
+    line: int
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _resolve(name: str) -> str | None:
+    """The prime_train module `name` refers to: itself, or the package holding it (an attribute import)."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imports_of(module: str) -> list[Import]:
+    tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    found: list[Import] = []
+
+    def visit(node: ast.AST, lazy: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            child_lazy = lazy or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                child_lazy = True
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    found.append(Import(module, _resolve(alias.name) or alias.name.split(".")[0], lazy, child.lineno))
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parent = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join([*parent, base]).strip(".")
+                if not base.startswith("prime_train"):
+                    found.append(Import(module, base.split(".")[0], lazy, child.lineno))
+                    continue
+                for alias in child.names:
+                    target = _resolve(f"{base}.{alias.name}") or _resolve(base)
+                    found.append(Import(module, target, lazy, child.lineno))
+            visit(child, child_lazy)
+
+    visit(tree, False)
+    return [i for i in found if i.target != module]
+
+
+IMPORTS = {m: imports_of(m) for m in MODULES}
+
+
+def under(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def where(i: Import) -> str:
+    return f"{MODULES[i.source].relative_to(PACKAGE.parent)}:{i.line} imports {i.target}"
+
+
+def test_the_import_reader_sees_lazy_type_checking_and_relative_imports(tmp_path):
+    # the reader is what keeps these rules true: check it on the shapes of import it must see
+    assert any(i.target == "prime_train.contract" and not i.lazy for i in IMPORTS["prime_train.resilience.supervisor"])
+    lazy = [i for i in IMPORTS["prime_train.rl.budget"] if i.lazy]
+    assert lazy, "rl.budget imports inside functions and under TYPE_CHECKING; the reader must see them"
+    assert "prime_train.engine.export" in {i.target for i in IMPORTS["prime_train.engine.loop"]}
+
+
+def test_no_import_cycles_between_modules():
+    graph = {m: sorted({i.target for i in IMPORTS[m] if i.target in MODULES}) for m in MODULES}
+    # Tarjan's strongly connected components: any component of two or more modules is a cycle
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_engine_imports_nothing_of_the_supervisor_side():
+    bad = [
+        where(i)
+        for m, found in IMPORTS.items()
+        if under(m, ("prime_train.engine", *RL_TRAINING))
+        for i in found
+        if under(i.target, SUPERVISOR_SIDE)
+    ]
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
+@pytest.mark.parametrize("side", ["supervisor", "rl-torch-free", "top-level"])
+def test_the_supervisor_side_never_imports_torch_or_the_engine(side):
+    """Supervisor-side modules other than the CLI never import the engine, even lazily; heavy libraries only lazily."""
+    prefixes = {"supervisor": TORCH_FREE, "rl-torch-free": RL_TORCH_FREE, "top-level": TORCH_FREE_TOP}[side]
+    bad = []
+    for m, found in IMPORTS.items():
+        if not under(m, prefixes) or under(m, ("prime_train.cli",)):
+            continue  # the CLI has its own rule below
+        for i in found:
+            if under(i.target, ("prime_train.engine", *RL_TRAINING)):
+                bad.append(where(i) + " (the engine: only the job's processes load it)")
+            elif i.target in HEAVY and not i.lazy:
+                bad.append(where(i) + " at module top level")
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
+def test_the_cli_reaches_the_engine_only_lazily():
+    bad = [
+        where(i)
+        for m, found in IMPORTS.items()
+        if under(m, ("prime_train.cli",))
+        for i in found
+        if not i.lazy and (i.target in HEAVY or under(i.target, ("prime_train.engine", *RL_TRAINING)))
+    ]
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
+def test_the_contract_imports_nothing_of_the_package():
+    assert not [where(i) for i in IMPORTS["prime_train.contract"] if i.target.startswith("prime_train")]
+
+
+def test_importing_every_supervisor_side_module_loads_no_torch():
+    # the static rules above, checked once for real: transitive imports included
+    names = [m for m in MODULES if under(m, (*TORCH_FREE, *RL_TORCH_FREE, *TORCH_FREE_TOP))]
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+        f"loaded = sorted(m for m in {HEAVY!r} if m in sys.modules)\n"
+        "print(','.join(loaded))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "", f"heavy modules loaded by the supervisor side: {result.stdout.strip()}"
+
+
+def test_no_source_file_is_over_800_lines():
+    long = {
+        str(p.relative_to(PACKAGE.parent)): n
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 800
+    }
+    assert not long, long
