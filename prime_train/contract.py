@@ -76,8 +76,6 @@ _LEGACY_PHASES = {
 STARTUP_PHASES = frozenset({Phase.STARTUP, Phase.COMPILE})
 # Phases that legitimately outlast a training step: the supervisor allows supervisor.save_timeout_s.
 SLOW_PHASES = frozenset({Phase.EVAL, Phase.SAVE, Phase.EXPORT})
-# Phases after which the job exits.
-FINAL_PHASES = frozenset({Phase.DONE, Phase.STOPPED, Phase.FAILED})
 
 
 # ---------------------------------------------------------------- the heartbeat

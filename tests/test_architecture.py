@@ -155,8 +155,7 @@ def test_no_import_cycles_between_modules():
             if len(component) > 1:
                 cycles.append(sorted(component))
 
-    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
-    for v in sorted(graph):
+    for v in sorted(graph):  # the import graph is ~100 modules deep at most: far within the recursion limit
         if v not in index:
             strongconnect(v)
     assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)

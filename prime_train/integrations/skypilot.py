@@ -53,10 +53,6 @@ REMOTE_CONFIG_DIR = "~/.prime-train/configs"
 # _CLOUD_UNSUPPORTED_FEATURES). Kubernetes offers spot only where the cluster labels spot nodes.
 NO_SPOT = {"lambda": "Lambda Cloud has no spot instances", "kubernetes": "spot on Kubernetes needs spot-labelled nodes"}
 NO_MULTI_NODE = {"runpod", "vast", "primeintellect"}
-# Bucket mounting (MOUNT / MOUNT_CACHED storage). The generated task never mounts a bucket
-# (checkpoints go through boto3), so this only matters to a hand-edited task; kept for reference.
-NO_BUCKET_MOUNT = {"runpod", "vast"}
-
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 

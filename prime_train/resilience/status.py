@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections import deque
 from pathlib import Path
 
 import psutil
 from rich.console import Console
-from rich.table import Table
 
 from prime_train.contract import RunDir, list_checkpoints, read_heartbeat, read_json
 from prime_train.resilience.events import read_events
@@ -46,29 +44,6 @@ def run_status(run_dir: Path) -> dict:
         "last_failure": sup.get("last_failure"),
         "recent_events": events[-8:],
     }
-
-
-def status_command(run_dir: Path, as_json: bool) -> int:
-    if not run_dir.is_dir():
-        Console(stderr=True).print(f"[red]error[/red]: {run_dir} is not a run directory")
-        return 2
-    s = run_status(run_dir)
-    if as_json:
-        print(json.dumps(s, indent=2, default=str))
-        return 0
-    console = Console(highlight=False)
-    table = Table(show_header=False, title=f"{s['run_dir']}")
-    for key in ("state", "attempt", "restarts", "step", "max_steps", "phase", "loss", "heartbeat_age_s", "checkpoints"):
-        table.add_row(key, str(s[key]) if s[key] is not None else "-")
-    if s["last_failure"]:
-        f = s["last_failure"]
-        table.add_row("last failure", f"{f.get('kind')}: {f.get('message')}")
-    console.print(table)
-    for e in s["recent_events"]:
-        stamp = time.strftime("%H:%M:%S", time.localtime(e.get("time", 0)))
-        rest = {k: v for k, v in e.items() if k not in ("time", "event")}
-        console.print(f"[dim]{stamp}[/dim] {e.get('event')} {json.dumps(rest, default=str)[:160]}", markup=True)
-    return 0
 
 
 def logs_command(run_dir: Path, process: str, attempt: int | None, lines: int, follow: bool) -> int:

@@ -19,6 +19,8 @@ from typing import Any
 from prime_train.config.loader import dump_toml
 from prime_train.config.schema import Config
 from prime_train.contract import (
+    ENV_ATTEMPT,
+    ENV_RUN_DIR,
     ExitCode,
     Heartbeat,
     Phase,
@@ -267,8 +269,8 @@ class Supervisor:
     def _specs(self, attempt: Attempt) -> list[ProcessSpec]:
         env = {
             "PYTHONUNBUFFERED": "1",
-            "PRIME_TRAIN_RUN_DIR": str(self.run_dir.root),
-            "PRIME_TRAIN_ATTEMPT": str(attempt.number),
+            ENV_RUN_DIR: str(self.run_dir.root),
+            ENV_ATTEMPT: str(attempt.number),
             **self.options.extra_env,
         }
         if self.cfg.job.command:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from prime_train.config.schema import Config
+from prime_train.contract import ExitCode
 
 logger = logging.getLogger("prime_train.rl.vllm_server")
 
@@ -202,10 +203,10 @@ def main(argv: list[str] | None = None) -> None:
         vllm_args(cfg, args.index)
     except (ConfigError, ValueError) as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
-        sys.exit(78)
+        sys.exit(ExitCode.CONFIG)
     if installed_vllm() is None:
         print(f"configuration error: {version_warning(None)}", file=sys.stderr)
-        sys.exit(78)
+        sys.exit(ExitCode.CONFIG)
     serve(cfg, args.index)
 
 

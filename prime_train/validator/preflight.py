@@ -42,12 +42,13 @@ except ImportError:  # Windows has no rlimits
 # Open files the job needs. Without inference workers, 4096: torch's DataLoader workers pass tensors to the
 # trainer as file descriptors (Linux's default "file_descriptor" sharing strategy, one fd per tensor in flight),
 # DCP saves open files per rank and thread, and logs, sockets and tokenizer files add more; 1024, a common
-# default, is the classic "Too many open files". With inference workers, 65536: an RL trainer keeps hundreds
-# to thousands of rollout requests in flight, each an HTTP connection with a socket at both ends, and the
-# inference server adds ZMQ sockets between its processes; vLLM itself tries to raise its soft limit to 65535
-# at start and only warns when the hard limit stops it.
+# default, is the classic "Too many open files". With vLLM workers 65536 is recommended: an RL trainer keeps
+# hundreds to thousands of rollout requests in flight, each an HTTP connection with a socket at both ends, and
+# vLLM adds ZMQ sockets between its processes; vLLM itself raises its soft limit to 65535 at start and only
+# warns when the hard limit stops it, so below 65536 (but above the trainer's need) is a warning, not a failure:
+# many hosts cap the hard limit lower (20000 on the machines this project is built on).
 NOFILE_TRAINER = 4096
-NOFILE_WITH_INFERENCE = 65536
+NOFILE_WITH_VLLM = 65536
 
 CUDA_PROBE_TIMEOUT_S = 60.0
 
@@ -70,38 +71,65 @@ DiskUsage = Callable[[str], Any]
 # ---------------------------------------------------------------- open files
 
 
-def check_open_files(inference_workers: int = 0) -> CheckResult:
-    """Raise the soft open-files limit to the hard one (children inherit it); fail if it stays below the need."""
-    needed = NOFILE_WITH_INFERENCE if inference_workers > 0 else NOFILE_TRAINER
+def inference_workers(cfg: Config) -> int:
+    """The rollout workers a run starts beside its trainer: inference.num_workers for the embedded RL job."""
+    return cfg.inference.num_workers if cfg.run.job == "rl" and not cfg.job.command else 0
+
+
+def open_files_needed(cfg: Config) -> tuple[int, int]:
+    """(needed, recommended) open files: the trainer's need, and vLLM's own target when vLLM workers run."""
+    if inference_workers(cfg) == 0:
+        return NOFILE_TRAINER, NOFILE_TRAINER
+    from prime_train.rl.workers import resolve_backend
+
+    try:
+        backend = resolve_backend(cfg, visible_gpu_count())
+    except ValueError:
+        backend = cfg.inference.backend  # the GPU placement check reports why it cannot be used
+    return NOFILE_TRAINER, NOFILE_WITH_VLLM if backend == "vllm" else NOFILE_TRAINER
+
+
+def check_open_files(needed: int = NOFILE_TRAINER, recommended: int | None = None) -> CheckResult:
+    """Raise the soft open-files limit to the hard one (children inherit it); fail below `needed`, warn below
+    `recommended`."""
+    recommended = max(needed, recommended or needed)
     if resource is None:
         return CheckResult("open_files", PASS, "no open-files limit on this platform")
     before, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     unlimited = hard == resource.RLIM_INFINITY
-    # Linux refuses an infinite soft limit for files (it is capped by fs.nr_open): ask for what is needed then
-    target = max(before, needed) if unlimited else hard
+    # Linux refuses an infinite soft limit for files (it is capped by fs.nr_open): ask for what is wanted then
+    target = max(before, recommended) if unlimited else hard
     if before < target:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    why = "with inference workers" if inference_workers > 0 else "for the trainer"
-    details = {"soft_before": before, "soft": soft, "hard": None if unlimited else hard, "needed": needed}
+    details = {
+        "soft_before": before, "soft": soft, "hard": None if unlimited else hard, "needed": needed,
+        "recommended": recommended,
+    }  # fmt: skip
     raised = f" (raised from {before})" if soft > before else ""
-    if soft == resource.RLIM_INFINITY or soft >= needed:
-        return CheckResult("open_files", PASS, f"limit {soft}{raised}, {needed} needed {why}", details=details)
-    fix = f"run `ulimit -n {needed}` in the shell that starts prime-train"
-    if not unlimited and hard < needed:
+    enough = soft == resource.RLIM_INFINITY or soft >= recommended
+    if enough:
+        return CheckResult("open_files", PASS, f"limit {soft}{raised}, {recommended} wanted", details=details)
+    want = needed if soft < needed else recommended
+    fix = f"run `ulimit -n {want}` in the shell that starts prime-train"
+    if not unlimited and hard < want:
         fix += (
-            f"; the hard limit ({hard}) is below it: add `* hard nofile {needed}` and `* soft nofile {needed}` "
+            f"; the hard limit ({hard}) is below it: add `* hard nofile {want}` and `* soft nofile {want}` "
             "to /etc/security/limits.conf and log in again (in Docker: --ulimit nofile="
-            f"{needed}:{needed})"
+            f"{want}:{want})"
         )
-    return CheckResult(
-        "open_files",
-        FAIL,
-        f"open-files limit is {soft} (hard {hard if not unlimited else 'unlimited'}); {needed} needed {why}",
-        fix,
-        details,
-    )
+    limit = f"open-files limit is {soft} (hard {hard if not unlimited else 'unlimited'})"
+    if soft >= needed:
+        return CheckResult(
+            "open_files",
+            WARN,
+            f"{limit}: enough for the trainer ({needed}), below the {recommended} vLLM raises itself to; under "
+            "heavy rollout load it may fail with 'Too many open files'",
+            fix,
+            details,
+        )
+    return CheckResult("open_files", FAIL, f"{limit}; {needed} needed", fix, details)
 
 
 # ---------------------------------------------------------------- CUDA
@@ -589,7 +617,6 @@ def _gpu_memory_bytes(cuda: CheckResult) -> float | None:
 def run_preflight(
     cfg: Config,
     *,
-    inference_workers: int = 0,
     gpu_probe: GpuProbe | None = None,
     disk_usage: DiskUsage | None = None,
 ) -> list[CheckResult]:
@@ -599,7 +626,7 @@ def run_preflight(
     cuda = check_cuda(cfg, gpu_probe)
     gpu_run = bool(cuda.details.get("gpu_run"))
     return [
-        check_open_files(inference_workers),
+        check_open_files(*open_files_needed(cfg)),
         check_model_source(cfg),
         cuda,
         check_output_dir(cfg),
@@ -614,11 +641,9 @@ def run_preflight(
 _MARKS = {PASS: ("✓", "green"), WARN: ("!", "yellow"), FAIL: ("✗", "red")}
 
 
-def preflight_command(
-    cfg: Config, as_json: bool = False, *, quiet_pass: bool = False, inference_workers: int = 0, stderr: bool = False
-) -> int:
+def preflight_command(cfg: Config, as_json: bool = False, *, quiet_pass: bool = False, stderr: bool = False) -> int:
     """`prime-train preflight`: print one line per check (or a JSON list); 0 when nothing failed, else 78."""
-    results = run_preflight(cfg, inference_workers=inference_workers)
+    results = run_preflight(cfg)
     failed = any(r.status == FAIL for r in results)
     if as_json:
         print(json.dumps([r.to_dict() for r in results], indent=2, default=str))
