@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The engine, checkpoint and resume tests on the oldest and the newest torch prime-train supports, each in
+# a venv of its own beside the project (.venv-torch-<version>/). CI runs it after the main suite.
+#   bash scripts/test-torch-versions.sh             # 2.11.0 (the floor in pyproject.toml) and 2.14.1
+#   bash scripts/test-torch-versions.sh 2.12.0      # any versions you name
+# torch 2.11 comes from the package index as a CUDA build (several GB) that runs on the CPU too.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+versions=("$@")
+[ ${#versions[@]} -gt 0 ] || versions=(2.11.0 2.14.1)
+for v in "${versions[@]}"; do
+  venv=".venv-torch-$v"
+  echo "== torch $v ($venv)"
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  "$venv/bin/pip" install -q "torch==$v"
+  "$venv/bin/pip" install -q -e '.[dev]'
+  "$venv/bin/python" -c "import torch; print('torch', torch.__version__)"
+  "$venv/bin/python" -m pytest -q -m "not slow" -p no:cacheprovider \
+    tests/test_checkpoint.py tests/test_engine.py tests/test_export.py
+done
