@@ -116,3 +116,27 @@ def test_cpu_is_the_wizards_default_and_no_gpu_for_spot(tmp_path):
     assert 'precision = "fp32"' in build_config(Answers(hardware="cpu"))
     [message] = _lint_accelerators(_spot_config(tmp_path, "cpu"))
     assert "name one, e.g. 'H100:8'" in message
+
+
+def test_one_gpu_table_for_lint_init_memory_and_cost(tmp_path):
+    """A GPU the table does not know: lint warns about the [spot] that rents it (naming names that work), init and
+    cost refuse it as memory does; a known GPU is found by its accelerator string everywhere."""
+    from prime_train.validator.gpus import load_gpus
+    from prime_train.validator.lint import lint_files
+    from prime_train.validator.memory_inputs import MemoryInputError
+
+    path = tmp_path / "v100.toml"
+    path.write_text('[ckpt]\nremote = "s3://b/p"\n[spot]\naccelerators = "V100:8"\n')
+    problems, _ = lint_files([str(path)], [])
+    [warning] = [p for p in problems if "GPU table" in p.message]
+    assert warning.severity == "warning" and "V100 is not in prime-train's GPU table" in warning.message
+    assert "A100-80GB" in warning.message and "A100 80GB" not in warning.message, "names a [spot] table can use"
+    with pytest.raises(ValueError, match="unknown GPU 'V100'"):
+        parse_hardware("V100:8")
+    with pytest.raises(CostInputError, match="unknown GPU 'V100'"):
+        estimate_cost(load_config([str(path)]), step_time_s=1.0)
+    with pytest.raises(MemoryInputError, match="unknown GPU 'V100'"):
+        load_gpus().find("V100:8")
+    assert load_gpus().find("A100-80GB:4").name == "A100 80GB"
+    path.write_text('[ckpt]\nremote = "s3://b/p"\n[spot]\naccelerators = "T4:4"\n')
+    assert not [p for p in lint_files([str(path)], [])[0] if "GPU table" in p.message]

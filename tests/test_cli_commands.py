@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "tests" / "data" / "model_configs"
 
@@ -103,8 +105,19 @@ def test_monitor_without_skypilot_exits_2_and_says_how_to_install(tmp_path):
     assert result.returncode == 2 and "spot install" in result.stderr
 
 
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+# --measure prices the GPU it measured on; on a CPU it refuses up front (tests/test_cost.py)
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="--measure times this machine's GPU: needs one (-m gpu on a GPU machine)")
 def test_cost_measures_the_step_time_with_a_short_profile(tmp_path):
-    result = cli("cost", str(REPO / "configs" / "tiny-sft.toml"), "--gpu", "H100", "--measure", "--json",
+    result = cli("cost", str(REPO / "configs" / "tiny-sft.toml"), "--measure", "--json",
                  "--run.output_dir", str(tmp_path), "--logging.tensorboard", "false")  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     (row,) = json.loads(result.stdout)["rows"]

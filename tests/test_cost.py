@@ -10,11 +10,14 @@ from rich.console import Console
 from prime_train.config.schema import Config
 from prime_train.validator.cost import (
     CostInputError,
+    duration,
     estimate_cost,
     flops_per_token,
+    gpu_to_measure,
     load_prices,
     render_cost,
     total_sequences,
+    usd,
 )
 from prime_train.validator.model_shape import model_shape
 
@@ -225,3 +228,105 @@ def test_every_priced_gpu_listed_with_memory_verdicts_and_rendered():
     assert "approximate list prices" in text and "does not fit" in text and "runpod" in text
     data = json.loads(json.dumps(report.to_dict()))
     assert data["rows"][0]["providers"] and data["prices_as_of"]
+
+
+# ---------------------------------------------------------------- units, GPUs named and measured
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(3.92e-05, "39.2 µs"), (0.0009999, "1.00 ms"), (0.1184, "118 ms"), (4.2, "4.20 s"), (59.99, "1.00 min"),
+     (750, "12.5 min"), (3 * 3600, "3.00 h"), (5000 * 3600, "5,000 h")],
+)  # fmt: skip
+def test_durations_read_in_their_own_unit(seconds, text):
+    assert duration(seconds) == text
+
+
+@pytest.mark.parametrize(
+    ("dollars", "text"),
+    [(0, "$0"), (0.0004, "< $0.01"), (0.0123, "1.2¢"), (0.42, "42¢"), (0.996, "$1.00"), (12.345, "$12.35"),
+     (1234.5, "$1,234")],
+)  # fmt: skip
+def test_dollars_read_as_prices(dollars, text):
+    assert usd(dollars) == text
+
+
+def test_a_tiny_run_shows_microseconds_and_less_than_a_cent_not_zero():
+    cfg = Config.model_validate({"train": {"max_steps": 300}})  # the tiny default model
+    report = estimate_cost(cfg, gpu="H100")
+    console = Console(record=True, width=200)
+    render_cost(report, console)
+    text = console.export_text()
+    assert "step 39.2 µs" in text and "ms wall" in text and "of GPU time" in text
+    assert "< $0.01" in text
+    assert "e-0" not in text and "$0.00" not in text and "0.0 h" not in text and "0 GPU-h" not in text
+
+
+def test_a_config_without_spot_says_what_it_prices_and_that_it_runs_on_this_cpu():
+    cfg = Config.model_validate({})  # no [spot] table: its defaults ('H100:8') are no request
+    report = estimate_cost(cfg, here_gpus=[])
+    assert report.num_gpus == 1 and len(report.rows) > 1
+    assert any("names no GPU type" in n and "every priced GPU type is listed, at 1 GPU" in n for n in report.notes)
+    assert any("runs on this machine's CPU" in n for n in report.notes)
+    on_gpu_box = estimate_cost(cfg, here_gpus=["NVIDIA H100 80GB HBM3"])
+    assert not any("CPU" in n for n in on_gpu_box.notes)
+    eight = estimate_cost(cfg, gpu="H100:8")
+    assert eight.num_gpus == 8 and [r.gpu for r in eight.rows] == ["H100 SXM"]
+
+
+def test_a_measured_step_prices_only_the_gpu_it_was_measured_on():
+    assert gpu_to_measure(None, ["NVIDIA H100 80GB HBM3"]).name == "H100 SXM"
+    assert gpu_to_measure("H100", ["NVIDIA H100 80GB HBM3"]).name == "H100 SXM"
+    with pytest.raises(CostInputError, match=r"this machine's GPU is a H100 SXM.*says nothing about a A100 80GB"):
+        gpu_to_measure("A100-80GB", ["NVIDIA H100 80GB HBM3"])
+    with pytest.raises(CostInputError, match=r"has no GPU.*a CPU step time says nothing about a GPU's"):
+        gpu_to_measure("H100", [])
+    with pytest.raises(CostInputError, match="not in the GPU table"):
+        gpu_to_measure(None, ["NVIDIA Z80"])
+
+
+def _replayed_gpus(tmp_path, name: str) -> str:
+    """A gpu.jsonl as the supervisor records it, naming one GPU: what PRIME_TRAIN_GPU_REPLAY replays."""
+    from prime_train.resilience.gpu import GpuReading
+
+    reading = GpuReading(0, "GPU-0", name, 0.0, 500.0, 81559.0)
+    path = tmp_path / "gpu.jsonl"
+    path.write_text(json.dumps({"t": 0, "gpus": [reading.to_dict()]}) + "\n")
+    return str(path)
+
+
+def _cost_cli(tmp_path, *args, replay: str | None = None):
+    import os
+    import subprocess
+    import sys
+
+    from enginetools import TINY, WIDE
+
+    env = {**os.environ, **WIDE}
+    env.pop("PRIME_TRAIN_GPU_REPLAY", None)
+    if replay:
+        env["PRIME_TRAIN_GPU_REPLAY"] = replay
+    return subprocess.run(
+        [sys.executable, "-m", "prime_train", "cost", str(TINY), "--run.output_dir", str(tmp_path / "runs"), *args],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+
+
+def test_measure_asks_for_a_gpu_before_measuring_anything(tmp_path):
+    """On a machine without a GPU, and for a GPU other than this machine's, --measure refuses up front."""
+    no_gpu = _cost_cli(tmp_path, "--measure", "--gpu", "H100")
+    assert no_gpu.returncode == 78, no_gpu.stdout + no_gpu.stderr
+    assert "has no GPU" in no_gpu.stderr and "a CPU step time says nothing about a GPU's" in no_gpu.stderr
+    other = _cost_cli(tmp_path, "--measure", "--gpu", "A100", replay=_replayed_gpus(tmp_path, "NVIDIA H100 80GB HBM3"))
+    assert other.returncode == 78 and "says nothing about a A100 40GB" in other.stderr
+    assert not (tmp_path / "runs").exists(), "nothing was measured"
+    assert "Traceback" not in no_gpu.stderr + other.stderr
+
+
+def test_measure_on_a_gpu_machine_whose_steps_ran_on_the_cpu_is_not_priced(tmp_path):
+    """NVML lists an H100 (replayed) but torch trains on the CPU (this machine's CPU build): measured, then refused."""
+    pytest.importorskip("torch")
+    result = _cost_cli(tmp_path, "--measure", replay=_replayed_gpus(tmp_path, "NVIDIA H100 80GB HBM3"))
+    assert result.returncode == 78, result.stdout + result.stderr
+    assert "the measured steps ran on cpu" in result.stderr and "not priced" in result.stderr
+    assert "H100" not in result.stdout, "no table priced a CPU step time at H100 rates"

@@ -1,7 +1,9 @@
 """Streaming a hub dataset's parquet shards by HTTP range requests, against a hub served on 127.0.0.1.
 
-The server speaks the two hub endpoints the reader uses (the paginated tree listing, and file reads that
-redirect to a CDN host which answers range requests); HF_ENDPOINT points the reader at it.
+The server speaks the two hub endpoints the reader uses, as huggingface_hub reads them: the paginated tree
+listing (`Link: <...>; rel="next"`, entries with type, path, size and oid) and file reads that redirect, as for
+an LFS file, to a CDN host on another port (another origin) which answers range requests; HF_ENDPOINT points
+the reader at it.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def hub(tmp_path, monkeypatch):
             pass
 
         def _file(self) -> Path | None:
-            path = root / urllib.parse.unquote(self.path.split("/cdn/", 1)[1])
+            path = root / urllib.parse.unquote(self.path.split("/cdn/", 1)[1].split("?")[0])
             return path if path.is_file() else None
 
         def do_HEAD(self):
@@ -92,7 +94,8 @@ def hub(tmp_path, monkeypatch):
             self.do_GET()
 
         def do_GET(self):
-            state["auth_at_hub"].append(self.headers.get("Authorization"))
+            if "/datasets/" in self.path:  # huggingface_hub's own calls (its agent-harness registry) are not ours
+                state["auth_at_hub"].append(self.headers.get("Authorization"))
             url = urllib.parse.urlsplit(self.path)
             tree = f"/api/datasets/{REPO}/tree/main"
             if url.path == tree:
@@ -106,7 +109,17 @@ def hub(tmp_path, monkeypatch):
                 return self._send(200, json.dumps(entries).encode(), headers)
             prefix = f"/datasets/{REPO}/resolve/main/"
             if url.path.startswith(prefix):
-                return self._send(302, headers=[("Location", f"{cdn_url}/cdn/{url.path[len(prefix) :]}")])
+                # an LFS file, as the hub serves one: a redirect to its CDN that carries the file's size, etag and
+                # commit (the X-Linked-* and X-Repo-Commit headers huggingface_hub's get_hf_file_metadata reads)
+                name = urllib.parse.unquote(url.path[len(prefix) :])
+                f = root / name
+                if not f.is_file():
+                    return self._send(404, headers=[("X-Error-Code", "EntryNotFound")])
+                return self._send(302, headers=[
+                    ("Location", f"{cdn_url}/cdn/{url.path[len(prefix) :]}?X-Amz-Signature=signed"),
+                    ("X-Linked-Size", str(f.stat().st_size)), ("X-Linked-Etag", f'"{f.stat().st_mtime_ns}"'),
+                    ("X-Repo-Commit", "0123456789abcdef0123456789abcdef01234567"), ("ETag", '"pointer"'),
+                ])  # fmt: skip
             if url.path.startswith("/api/datasets/"):
                 return self._send(404, b'{"error": "Repository not found"}')
             self._send(404)
@@ -117,6 +130,14 @@ def hub(tmp_path, monkeypatch):
     yield state
     server.shutdown()
     cdn.shutdown()
+
+
+def _finish(*loaders) -> None:
+    """Let each loader's prefetch of its next window end while the hub still answers: the loader has no close(),
+    and a read still in flight when the test's servers go would retry against nothing until the process exits."""
+    for loader in loaders:
+        if getattr(loader, "_pool", None) is not None:
+            loader._pool.shutdown(wait=True)
 
 
 def test_listing_follows_pages_and_picks_the_split(hub, tmp_path):
@@ -131,7 +152,7 @@ def test_listing_follows_pages_and_picks_the_split(hub, tmp_path):
         hub_files.list_parquet(REPO, "validation")
     with pytest.raises(ValueError, match="no such dataset"):
         hub_files.list_parquet("test-org/missing")
-    assert all(a == f"Bearer {TOKEN}" for a in hub["auth_at_hub"])
+    assert hub["auth_at_hub"] and all(a == f"Bearer {TOKEN}" for a in hub["auth_at_hub"])
 
 
 def test_hub_stream_yields_the_batches_the_same_local_shards_do(hub, tok, tmp_path):  # noqa: F811
@@ -142,6 +163,7 @@ def test_hub_stream_yields_the_batches_the_same_local_shards_do(hub, tok, tmp_pa
     for _ in range(25):
         a, b = next(from_hub), next(from_disk)
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+    _finish(from_hub)
     # the token went to the hub only, never along the redirect to the CDN; reads were ranges, never whole files
     assert hub["auth_at_cdn"] and not any(hub["auth_at_cdn"])
     assert hub["range_bytes"] > 0 and hub["full_reads"] == 0
@@ -159,6 +181,7 @@ def test_a_resumed_hub_stream_continues_exactly(hub, tok):  # noqa: F811
     resumed.load_state_dict(states[23])
     for expected in batches[23:35]:
         assert torch.equal(next(resumed).input_ids, expected.input_ids)
+    _finish(run, resumed)
 
 
 def test_streamed_hub_eval_reads_held_out_records_without_the_datasets_package(hub, tok, monkeypatch):  # noqa: F811
@@ -170,3 +193,21 @@ def test_streamed_hub_eval_reads_held_out_records_without_the_datasets_package(h
     batches = build_eval_batches(data, tok, job="pretrain", micro_batch_size=4, rank=0, world_size=1, seed=0,
                                  max_batches=3)  # fmt: skip
     assert len(batches) == 3 and all(b.input_ids.shape == (4, 128) for b in batches)
+
+
+def test_hf_hub_offline_is_honoured_without_touching_the_network(hub, tmp_path):
+    """HF_HUB_OFFLINE=1 means no request at all (huggingface_hub's own rule, which the reader now goes through):
+    listing a hub dataset says so, and the hub sees nothing. huggingface_hub reads it at import: a fresh process."""
+    import os
+    import subprocess
+    import sys
+
+    write_shards(hub["root"] / "data", 1, 10)
+    script = (
+        "from prime_train.engine import hub_files\n"
+        f"try:\n    hub_files.list_parquet({REPO!r})\nexcept hub_files.HubError as e:\n    print('ERR', e)\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert run.stdout.startswith("ERR hub = 'test-org/web-text': HF_HUB_OFFLINE is set"), run.stdout + run.stderr
+    assert hub["auth_at_hub"] == [], "no request reached the hub"

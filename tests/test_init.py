@@ -112,7 +112,7 @@ def test_a_local_model_is_read_for_its_size(tmp_path):
 def test_gpu_memory_comes_from_the_shipped_table_and_decides_sharding(tmp_path):
     import json
 
-    assert parse_hardware("H100:8").memory_gib > 70 and parse_hardware("Z80:2").memory_gib is None
+    assert parse_hardware("H100:8").memory_gib > 70
     # a 0.98B model (under the 1B at which init always shards): its 16 bytes a parameter (~14.6 GiB) fit half an
     # 80 GB GPU, so DDP; not half a 24 GB one, so FSDP
     from prime_train.validator.preflight import count_parameters
@@ -126,3 +126,39 @@ def test_gpu_memory_comes_from_the_shipped_table_and_decides_sharding(tmp_path):
     (model / "config.json").write_text(json.dumps(shape))
     assert 'strategy = "ddp"' in build_config(Answers(job="sft", model=str(model), hardware="H100:8"))
     assert 'strategy = "fsdp"' in build_config(Answers(job="sft", model=str(model), hardware="L4:8"))
+
+
+def test_init_knows_exactly_the_gpus_memory_and_cost_know(tmp_path):
+    """One GPU table (validator/gpus.py) for every command: a T4 is sized and priced alike, and a GPU none of them
+    knows is refused by init as by memory and cost, naming the known ones."""
+    from prime_train.validator.cost import CostInputError, estimate_cost
+    from prime_train.validator.gpus import load_gpus
+    from prime_train.validator.memory_inputs import MemoryInputError
+
+    table = load_gpus()
+    for gpu in table.gpus:
+        name = next(n for n in (gpu.name, *gpu.aliases) if " " not in n)  # as SkyPilot spells GPUs: no spaces
+        hw = parse_hardware(f"{name}:2")
+        assert hw.memory_gib == gpu.memory_bytes / 2**30
+    t4 = parse_hardware("T4:4")
+    assert (t4.memory_gib, t4.bf16) == (15, False)
+    text = build_config(Answers(job="sft", hardware="T4:4"))
+    assert 'precision = "fp32"   # the T4 has no bf16' in text, "a T4 cannot autocast to bf16"
+    assert lint_files([str(_write(tmp_path / "t4.toml", text))], [])[0] == []
+    with pytest.raises(CostInputError, match="T4 has no published bf16 peak"):
+        estimate_cost(load_config([str(tmp_path / "t4.toml")]), gpu="T4")
+
+    with pytest.raises(ValueError) as init_error:
+        parse_hardware("Z80:2")
+    with pytest.raises(MemoryInputError) as table_error:
+        table.find("Z80")
+    assert "unknown GPU 'Z80'" in str(init_error.value) and "H100 SXM" in str(init_error.value)
+    assert str(table_error.value) in str(init_error.value)
+    result = init(tmp_path, "-o", "z.toml", "--hardware", "Z80:2")
+    assert result.returncode != 0 and "unknown GPU 'Z80'" in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "z.toml").exists()
+
+
+def _write(path, text: str):
+    path.write_text(text)
+    return path

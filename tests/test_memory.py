@@ -341,3 +341,14 @@ def test_render_and_json():
     assert data["trainer"]["total_bytes"] == report.trainer.total
     assert {g["gpu"] for g in data["gpus"]} == set(load_gpus().names())
     assert data["inference"]["kv_bytes_per_token"] == 57344
+
+
+def test_a_gpu_without_bf16_is_flagged_when_the_run_is_bf16():
+    """A T4 (in the one GPU table since `init` and `cost` take it) has no bf16: a bf16 verdict for it says so."""
+    shape = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 128, "vocab_size": 256}  # fmt: skip
+    bf16 = estimate(inputs_from_flags(shape, precision="bf16", gpus=["T4", "H100"]))
+    assert [v.gpu for v in bf16.gpus] == ["T4", "H100 SXM"]
+    assert any(n.startswith("T4: no bf16") for n in bf16.notes)
+    fp32 = estimate(inputs_from_flags(shape, precision="fp32", gpus=["T4"]))
+    assert not any("no bf16" in n for n in fp32.notes)

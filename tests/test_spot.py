@@ -64,16 +64,29 @@ setup = ["nvidia-smi"]
 """
 
 
-def _fake_prime_train(bin_dir: Path, exit_code: int) -> Path:
-    """A `prime-train` on PATH that records the argv it was given (the real one would start training)."""
-    record = bin_dir / "argv.json"
+def _fake_prime_train(bin_dir: Path, exit_code: int, *, sleep_until_term: bool = False) -> Path:
+    """A `prime-train` on PATH whose `run` records its argv (one JSON line a call) and exits `exit_code` (the real
+    one would start training); `spot recovery-gate` is the real command. With `sleep_until_term`, `run` waits for
+    SIGTERM and records it, as the supervisor checkpoints and exits 75 on one."""
+    record = bin_dir / "argv.jsonl"
     script = bin_dir / "prime-train"
     script.write_text(
-        f"#!{sys.executable}\nimport json, sys\n"
-        f"json.dump(sys.argv[1:], open({str(record)!r}, 'w'))\nsys.exit({exit_code})\n"
+        f"#!{sys.executable}\nimport json, os, signal, sys, time\n"
+        "if sys.argv[1:3] == ['spot', 'recovery-gate']:\n"
+        "    os.execv(sys.executable, [sys.executable, '-m', 'prime_train', *sys.argv[1:]])\n"
+        f"def note(what):\n    with open({str(record)!r}, 'a') as f:\n        f.write(json.dumps(what) + '\\n')\n"
+        "note(sys.argv[1:])\n"
+        f"if {sleep_until_term}:\n"
+        f"    signal.signal(signal.SIGTERM, lambda *a: (note('SIGTERM'), sys.exit({exit_code})))\n"
+        "    time.sleep(60)\n"
+        f"sys.exit({exit_code})\n"
     )
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return record
+
+
+def _calls(record: Path) -> list:
+    return [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
 
 
 def test_two_node_task_runs_prime_train_with_skypilot_rendezvous(tmp_path):
@@ -86,17 +99,21 @@ def test_two_node_task_runs_prime_train_with_skypilot_rendezvous(tmp_path):
     assert res["job_recovery"]["recover_on_exit_codes"] == [75]
     assert res["job_recovery"]["strategy"] == "EAGER_NEXT_REGION"
     assert task["envs"]["NCCL_DEBUG"] == "WARN"
-    assert "nvidia-smi" in task["setup"] and "prime-train[engine,s3]" in task["setup"]
-    # the config reaches the nodes through file_mounts (no workdir given)
+    assert "nvidia-smi" in task["setup"] and '"$HOME/.prime-train/src[engine,s3]"' in task["setup"]
+    # the config reaches the nodes through file_mounts (no workdir given), and so does prime-train's source
     (remote, local), *_ = task["file_mounts"].items()
     assert local == str(Path(cfg_path).resolve()) and remote.startswith(sp.REMOTE_CONFIG_DIR)
+    assert task["file_mounts"][sp.REMOTE_SOURCE_DIR] == str(sp.source_tree())
 
-    # run the node script as SkyPilot would on the second node; the job's exit code must come back
+    # run the node script as SkyPilot would on the second node, with the config where the file mount puts it;
+    # the job's exit code must come back
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     record = _fake_prime_train(bin_dir, exit_code=75)
     home = tmp_path / "home"
-    home.mkdir()
+    shipped = home / remote[2:]
+    shipped.parent.mkdir(parents=True)
+    shipped.write_text(Path(cfg_path).read_text())
     env = {
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "HOME": str(home),
@@ -104,17 +121,14 @@ def test_two_node_task_runs_prime_train_with_skypilot_rendezvous(tmp_path):
         "SKYPILOT_NUM_NODES": "2",
         "SKYPILOT_NODE_RANK": "1",
     }
-    proc = subprocess.run(["bash", "-c", task["run"]], env=env, capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(["bash", "-c", task["run"]], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 75, proc.stderr
-    argv = json.loads(record.read_text())
+    [argv] = _calls(record)
     assert argv[0] == "run"
     assert argv[1] == str(home / remote[2:])
     assert argv[2:4] == ["--train.max_steps", "50"]
 
     # the arguments mean what they should to prime-train's own config loader
-    shipped = home / remote[2:]
-    shipped.parent.mkdir(parents=True)
-    shipped.write_text(Path(cfg_path).read_text())
     node_cfg = load_config([argv[1]], argv[2:])
     assert node_cfg.distributed.nnodes == 2
     assert node_cfg.distributed.node_rank == 1
@@ -128,7 +142,7 @@ def test_configs_inside_workdir_keep_their_relative_path(tmp_path):
     cfg_path.write_text(f'[spot]\nworkdir = "{tmp_path}"\nclouds = ["aws"]\n')
     cfg = load_config([str(cfg_path)])
     task = sp.task_from_config(cfg, config_files=[str(cfg_path)], overrides=[])
-    assert "file_mounts" not in task
+    assert list(task.get("file_mounts", {})) == [sp.REMOTE_SOURCE_DIR], "only prime-train's source is mounted"
     assert task["workdir"] == str(tmp_path.resolve())
     assert task["resources"]["infra"] == "aws"
     assert "prime-train run configs/a.toml" in task["run"]
@@ -169,6 +183,7 @@ infra = "aws/us-east-1"
 disk_size_gb = 100
 secrets = ["WANDB_API_KEY"]
 env = { B = "2", A = "x y" }
+install = "prime-train[engine,s3] @ git+https://example.org/pt@v0.1.0"
 """
 
 
@@ -201,16 +216,23 @@ def test_rendered_yaml_is_stable_and_matches_the_golden_text(tmp_path):
         "  WANDB_API_KEY: null\n"
         "setup: |\n"
         "  set -euo pipefail\n"
-        "  # GPU nodes: the default torch wheel that prime-train's [engine] extra pulls is the CUDA one, as wanted\n"
-        "  pip install --disable-pip-version-check 'prime-train[engine,s3]'\n"
+        "  pip install --disable-pip-version-check 'prime-train[engine,s3] @ git+https://example.org/pt@v0.1.0'\n"
         "run: |\n"
-        "  set -euo pipefail\n"
+        "  set -uo pipefail\n"
         "  # rendezvous on the first node SkyPilot lists; node count and rank come from SkyPilot too\n"
         '  MASTER_ADDR="$(echo "$SKYPILOT_NODE_IPS" | head -n1)"\n'
-        "  exec prime-train run ~/.prime-train/configs/0-spot.toml --train.lr 3e-4 \\\n"
+        "  # SkyPilot recovers recover_on_exit_codes without limit: the gate counts recoveries in the bucket\n"
+        "  prime-train spot recovery-gate ~/.prime-train/configs/0-spot.toml --train.lr 3e-4 || exit $?\n"
+        "  prime-train run ~/.prime-train/configs/0-spot.toml --train.lr 3e-4 \\\n"
         '    --distributed.nnodes "$SKYPILOT_NUM_NODES" \\\n'
         '    --distributed.node_rank "$SKYPILOT_NODE_RANK" \\\n'
-        '    --distributed.rdzv_endpoint "$MASTER_ADDR:29500"\n'
+        '    --distributed.rdzv_endpoint "$MASTER_ADDR:29500" &\n'
+        "  child=$!\n"
+        "  trapped=0\n"
+        "  trap 'trapped=1; kill -TERM \"$child\" 2>/dev/null' TERM INT\n"
+        '  wait "$child"; code=$?\n'
+        '  while [ "$trapped" = 1 ]; do trapped=0; wait "$child"; code=$?; done\n'
+        '  exec prime-train spot recovery-gate ~/.prime-train/configs/0-spot.toml --train.lr 3e-4 --exited "$code"\n'
     )
     assert first == golden
     assert yaml.safe_load(first) == task
@@ -356,3 +378,107 @@ def test_sdk_calls_against_a_real_local_api_server(tmp_path, monkeypatch, sky_py
         assert dry["job_ids"] == [] and "HF_TOKEN" in dry["missing_secrets"] and SECRET not in dry["yaml"]
     finally:
         subprocess.run([sky_cli, "api", "stop"], capture_output=True, timeout=120)
+
+
+# ---------------------------------------------------------------- what to rent, what to install, signals, limits
+
+
+def test_run_spot_without_a_spot_table_refuses_with_a_table_to_copy(tmp_path):
+    """No [spot] is no request for 8 × H100 spot nodes: refused with a [spot] table that, pasted in, works."""
+    from enginetools import TINY, run_cli
+
+    config = tmp_path / "run.toml"
+    config.write_text(TINY.read_text())
+    refused = run_cli("run", "--spot", "--dry-run", str(config), cwd=tmp_path)
+    assert refused.returncode == 78, refused.stdout + refused.stderr
+    assert "needs a [spot] table" in refused.stderr and "8 × H100" in refused.stderr
+    assert sp.SPOT_SNIPPET.strip() in refused.stderr, "the table is printed whole, brackets and all"
+    assert "name:" not in refused.stdout, "no task was built"
+    config.write_text(TINY.read_text() + "\n" + sp.SPOT_SNIPPET)
+    accepted = run_cli("run", "--spot", "--dry-run", str(config), cwd=tmp_path)
+    assert accepted.returncode == 0, accepted.stdout + accepted.stderr
+    assert 'accelerators: "H100:8"' in accepted.stdout
+    config.write_text(TINY.read_text())
+    overridden = run_cli("run", "--spot", "--dry-run", str(config), "--spot.accelerators", "A100-80GB:4", cwd=tmp_path)
+    assert overridden.returncode == 0 and 'accelerators: "A100-80GB:4"' in overridden.stdout, overridden.stderr
+
+
+def test_setup_installs_this_source_tree_where_the_file_mount_puts_it(tmp_path):
+    """prime-train is not on the package index: the setup pip-installs this checkout, synced to the node. Run the
+    setup as a node would, with the mount in place and a pip that checks the path with pip itself (dry run)."""
+    cfg_path, cfg = _config(tmp_path, TWO_NODES)
+    task = sp.task_from_config(cfg, config_files=[cfg_path], overrides=[])
+    assert "prime-train[engine,s3]'" not in task["setup"], "nothing is installed from the package index"
+    home = tmp_path / "home"
+    mounted = home / sp.REMOTE_SOURCE_DIR.removeprefix("~/")
+    mounted.parent.mkdir(parents=True)
+    mounted.symlink_to(task["file_mounts"][sp.REMOTE_SOURCE_DIR])  # what SkyPilot's file mount leaves there
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = bin_dir / "pip.jsonl"
+    (bin_dir / "pip").write_text(
+        f"#!{sys.executable}\nimport json, subprocess, sys\n"
+        f"open({str(record)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+        "sys.exit(subprocess.call([sys.executable, '-m', 'pip', *sys.argv[1:], '--dry-run', '--no-deps', "
+        "'--no-index', '--no-build-isolation']))\n"
+    )
+    (bin_dir / "pip").chmod(0o755)
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HOME": str(home)}
+    proc = subprocess.run(["bash", "-c", task["setup"]], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Would install prime-train-" in proc.stdout
+    [argv] = _calls(record)
+    assert argv[-1] == f"{mounted}[engine,s3]"
+
+
+def test_without_a_source_tree_spot_install_must_say_what_to_install(tmp_path, monkeypatch):
+    cfg_path, cfg = _config(tmp_path, TWO_NODES)
+    monkeypatch.setattr(sp, "source_tree", lambda: None)  # prime-train installed from a wheel
+    with pytest.raises(sp.SpotConfigError, match=r"set spot\.install"):
+        sp.task_from_config(cfg, config_files=[cfg_path], overrides=[])
+    cfg_path, cfg = _config(tmp_path, TWO_NODES + 'install = "prime-train[engine,s3] @ git+https://h/pt@v1"\n')
+    task = sp.task_from_config(cfg, config_files=[cfg_path], overrides=[])
+    assert "pip install --disable-pip-version-check 'prime-train[engine,s3] @ git+https://h/pt@v1'" in task["setup"]
+    assert sp.REMOTE_SOURCE_DIR not in task["file_mounts"]
+
+
+def test_sigterm_to_the_node_script_reaches_prime_train_run_and_its_exit_code_comes_back(tmp_path):
+    """`prime-train run` is no longer exec'd (its exit code goes through the gate): the script forwards SIGTERM,
+    waits for the checkpoint-and-stop, and exits with the run's 75."""
+    import signal
+    import time
+
+    cfg_path, cfg = _config(tmp_path, TWO_NODES)
+    task = sp.task_from_config(cfg, config_files=[cfg_path], overrides=[])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = _fake_prime_train(bin_dir, exit_code=75, sleep_until_term=True)
+    home = tmp_path / "home"
+    remote = next(k for k in task["file_mounts"] if k.startswith(sp.REMOTE_CONFIG_DIR))
+    (home / remote[2:]).parent.mkdir(parents=True)
+    (home / remote[2:]).write_text(Path(cfg_path).read_text())
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HOME": str(home), "SKYPILOT_NODE_IPS": "10.0.0.1",
+           "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_RANK": "0"}  # fmt: skip
+    proc = subprocess.Popen(["bash", "-c", task["run"]], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not _calls(record) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _calls(record), "prime-train run never started"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 75, out + err
+    assert _calls(record)[-1] == "SIGTERM"
+
+
+def test_lint_spot_guards_the_recovery_limit(tmp_path):
+    _, cfg = _config(tmp_path, TWO_NODES + "recover_on_exit_codes = [75, 1]\n")
+    [(key, severity, message)] = [p for p in sp.lint_spot(cfg) if "holds 1" in p[2]]
+    assert key == ("spot", "recover_on_exit_codes") and severity == "error" and "without limit" in message
+    _, no_bucket = _config(tmp_path, TWO_NODES.replace('remote = "s3://bucket/demo"', ""))
+    assert any(k == ("spot", "max_recoveries") and "not enforced without ckpt.remote" in m
+               for k, _, m in sp.lint_spot(no_bucket))  # fmt: skip
+    _, sound = _config(tmp_path, TWO_NODES)
+    assert not any(k == ("spot", "max_recoveries") for k, _, _ in sp.lint_spot(sound))

@@ -428,6 +428,108 @@ def test_online_fetches_config_and_template_from_a_hub(tmp_path):
     assert lines[1].startswith("ERR other-org/missing was not found on the Hugging Face hub")
 
 
+def _verify_cli(tmp_path, *args: str, endpoint: str) -> tuple[subprocess.CompletedProcess, float]:
+    """`prime-train verify-model ARGS` in a fresh interpreter (huggingface_hub reads HF_ENDPOINT at import),
+    with an empty HF cache; returns the result and the seconds it took."""
+    import time
+
+    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    for key in ("HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_TOKEN", "HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"):
+        env.pop(key, None)
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "prime_train", "verify-model", *args], env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    return run, time.monotonic() - start
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_hub_is_called_offline_at_once_not_a_missing_config(tmp_path):
+    """Connection refused (the machine is offline, or HF_ENDPOINT points nowhere): no retries for ~25 s, and the
+    error says offline / hub unreachable and what to do, in the JSON too; not "has no config.json on the hub"."""
+    run, seconds = _verify_cli(tmp_path, "Qwen/Qwen2.5-0.5B-Instruct", "--json",
+                               endpoint=f"http://127.0.0.1:{_closed_port()}")  # fmt: skip
+    assert run.returncode == 2, run.stdout + run.stderr
+    error = json.loads(run.stdout)["error"]
+    assert error.startswith("offline / hub unreachable: 127.0.0.1:") and "has no config.json" not in error
+    assert "pass a local model directory" in error.lower() and "hf download Qwen/Qwen2.5-0.5B-Instruct" in error
+    assert "Retrying" not in run.stderr, "huggingface_hub's retries never started"
+    assert seconds < 15, f"took {seconds:.1f} s"  # main took ~25 s retrying
+
+
+def test_a_hub_that_accepts_but_never_answers_is_unreachable_after_one_probe(tmp_path):
+    """A black hole (a TCP listener that never answers): one HEAD within the probe's timeout, then the error."""
+    import socket
+
+    from prime_train.validator.model_files import PROBE_TIMEOUT_S
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                accepted.append(listener.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        run, seconds = _verify_cli(tmp_path, "Qwen/Qwen2.5-0.5B-Instruct",
+                                   endpoint=f"http://127.0.0.1:{listener.getsockname()[1]}")  # fmt: skip
+    finally:
+        listener.close()
+        for conn in accepted:
+            conn.close()
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "offline / hub unreachable" in run.stderr and f"no answer within {PROBE_TIMEOUT_S:g} s" in run.stderr
+    assert len(accepted) == 1, "one probe, no download attempts"
+    assert seconds < PROBE_TIMEOUT_S + 8
+
+
+def test_a_config_without_sizes_still_reports_its_architecture_and_vllm_support(tmp_path, monkeypatch):
+    """An architecture the counter does not know, whose config.json lacks intermediate_size: the report names it
+    and what vLLM says of it, leaves the size out with a warning saying why; it is not an error."""
+    directory = tmp_path / "new-arch"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["BrandNewForCausalLM"], "model_type": "brand_new", "hidden_size": 256,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 1000, "torch_dtype": "bfloat16",
+    }))  # fmt: skip
+    report = verify_model(str(directory), job="sft")
+    assert report.architecture == "BrandNewForCausalLM" and report.model_type == "brand_new"
+    assert report.num_parameters is None and report.serve_memory_bytes is None and report.train_memory_bytes is None
+    assert any("parameter count unknown" in w and "intermediate_size" in w for w in report.warnings)
+    if NO_VLLM:
+        assert report.vllm_supported is None  # the shipped table does not list it: unknown, not refused
+    monkeypatch.setattr(models, "installed_vllm_archs", lambda: ("0.11.0", {"LlamaForCausalLM"}))
+    rl = verify_model(str(directory), job="rl")
+    assert rl.vllm_supported is False and not rl.ok
+    assert any("vLLM does not serve BrandNewForCausalLM" in p for p in rl.problems)
+    data = json.loads(json.dumps(rl.to_dict()))
+    assert data["architecture"] == "BrandNewForCausalLM" and data["vllm_supported"] is False
+    assert "error" not in data and data["num_parameters"] is None
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    render_report(rl, console)
+    text = console.export_text()
+    assert "BrandNewForCausalLM" in text and "unknown" in text and "not usable" in text
+
+    run = subprocess.run([sys.executable, "-m", "prime_train", "verify-model", str(directory), "--json", "--job",
+                          "sft"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    cli = json.loads(run.stdout)
+    assert cli["architecture"] == "BrandNewForCausalLM" and "error" not in cli, run.stdout + run.stderr
+
+
 # ---------------------------------------------------------------- the JSON and the table
 
 

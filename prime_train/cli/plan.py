@@ -123,7 +123,9 @@ def memory(
 def cost(
     ctx: typer.Context,
     files: RunConfigFiles = None,
-    gpu: Annotated[Optional[str], typer.Option(help="One GPU type; default: every priced GPU.")] = None,
+    gpu: Annotated[
+        Optional[str], typer.Option(help="One GPU type, or type:count ('H100:8'); default: every priced GPU.")
+    ] = None,
     num_gpus: Annotated[Optional[int], typer.Option(help="GPUs in all; default: from the config.")] = None,
     step_time: Annotated[Optional[float], typer.Option(help="Measured seconds per step on those GPUs.")] = None,
     measure: Annotated[
@@ -137,29 +139,42 @@ def cost(
     """What will it cost: steps × step time × GPU price, as a range, spot and on-demand side by side.
 
     The step time is estimated from FLOPs per token at a stated MFU, or given (--step-time), or
-    measured on this machine by a short profile run (--measure; then use --gpu for this machine's
-    GPU). Prices come from a shipped, dated table that --prices can override.
+    measured on this machine's GPU by a short profile run (--measure: priced as that GPU; a machine
+    without one is refused before anything runs). Prices come from a shipped, dated table that
+    --prices can override.
 
     Examples:
 
       prime-train cost configs/tiny-sft.toml --gpu H100
 
-      prime-train cost my-run.toml --num-gpus 8 --mfu 0.35 --prices my-prices.toml --json
+      prime-train cost my-run.toml --gpu H100:8 --mfu 0.35 --prices my-prices.toml --json
     """
-    from prime_train.validator.cost import estimate_cost, render_cost
+    from prime_train.validator.cost import (
+        duration,
+        estimate_cost,
+        gpu_to_measure,
+        local_gpu_names,
+        measured_on_cpu_error,
+        render_cost,
+    )
 
     cfg = load_run_config(files, ctx.args)
+    here = local_gpu_names()
     if measure:
         if step_time is not None:
             raise typer.BadParameter("--measure and --step-time exclude each other", param_hint="--measure")
+        measured_gpu = gpu_to_measure(gpu, here)  # before measuring: which GPU the step time will price
         require_engine(cfg)
         from prime_train.resilience.profile import profile
 
         _, summary = profile(cfg, warmup=1, steps=3, console=output.console(stderr=True), preflight=False)
+        if not str(summary.get("device", "")).startswith("cuda"):
+            raise measured_on_cpu_error(str(summary.get("device")))
         step_time = summary["step_s"]
-        output.say(f"measured {step_time:.4f} s per step ({summary['device']})", stderr=True)
+        gpu = measured_gpu.name
+        output.say(f"measured {duration(step_time)} per step on {gpu} ({summary['device']})", stderr=True)
     report = estimate_cost(
         cfg, gpu=gpu, num_gpus=num_gpus, step_time_s=step_time, mfu=mfu,
-        prices_file=str(prices) if prices else None, steps=steps,
+        prices_file=str(prices) if prices else None, steps=steps, here_gpus=here,
     )  # fmt: skip
     output.emit(report, as_json, lambda console: render_cost(report, console))

@@ -1,7 +1,9 @@
 """`run --spot`, `prime-train spot install|status|logs|cancel` and `prime-train monitor`: runs as SkyPilot managed jobs.
 
 SkyPilot's failures (`SkyPilotError`: exit 1; not installed, `SkyPilotNotFound`: exit 2) and the monitor's
-(`MonitorConfigError`: exit 2) reach the user through the CLI's error handler (prime_train/cli/errors.py).
+(`MonitorConfigError`: exit 2) reach the user through the CLI's error handler (prime_train/cli/errors.py); a config
+that cannot become a managed job (`SpotConfigError`: no [spot] table, nothing to install) exits 78.
+`prime-train spot recovery-gate` is the generated task's, run on the nodes around `prime-train run`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from prime_train.cli import output
-from prime_train.cli.common import JsonFlag, RunConfigFiles, load, split_overrides
+from prime_train.cli.common import OVERRIDES, JsonFlag, RunConfigFiles, load, split_overrides
 from prime_train.cli.errors import USAGE, CliError
 from prime_train.contract import ExitCode
 
@@ -30,10 +32,18 @@ def run_spot(paths: list[str], overrides: list[str], dry_run: bool) -> int:
     if not paths:
         raise typer.BadParameter("name the run's config files: they are copied to the nodes", param_hint="FILES")
     problems, cfg = lint_files(paths, overrides, spot=True)  # SkyPilot's limits whether or not [spot] was written
+    if cfg is not None:
+        try:  # before lint's findings: they would be about defaults nobody chose
+            skypilot.require_spot_section(cfg)
+        except skypilot.SpotConfigError as exc:
+            raise CliError(exc, ExitCode.CONFIG) from None
     output.problems(problems)
     if cfg is None or has_errors(problems):
         return ExitCode.CONFIG
-    task = skypilot.task_from_config(cfg, config_files=paths, overrides=overrides)
+    try:
+        task = skypilot.task_from_config(cfg, config_files=paths, overrides=overrides)
+    except skypilot.SpotConfigError as exc:
+        raise CliError(exc, ExitCode.CONFIG) from None
     python = skypilot.find_sky_python(required=False)
     if python is None:
         if not dry_run:
@@ -152,6 +162,56 @@ def spot_cancel_cmd(files: SpotFiles = None, name: SpotName = None) -> None:
     job = _job_name(files, name)
     cancelled = spot_cancel(job, _sky_python())
     output.say(f"{job}: {'cancelled' if cancelled else 'nothing in progress'}")
+
+
+@spot_app.command("recovery-gate", context_settings=OVERRIDES)
+def spot_recovery_gate(
+    ctx: typer.Context,
+    files: RunConfigFiles = None,
+    exited: Annotated[
+        Optional[int], typer.Option(help="`prime-train run` exited with this code: count it, then exit with it.")
+    ] = None,
+) -> None:
+    """On the nodes of a managed job: stop a job SkyPilot would recover forever (spot.max_recoveries).
+
+    The task `run --spot` generates runs it before `prime-train run` (exit 1 when this job already gave up) and
+    after it with --exited CODE: a code in spot.recover_on_exit_codes is counted in the bucket (ckpt.remote) by
+    node 0, and more than spot.max_recoveries in a row without a new checkpoint end the job with exit 1 instead
+    of CODE. Needs SKYPILOT_TASK_ID (set by SkyPilot); elsewhere it only passes CODE through.
+
+    Examples:
+
+      prime-train spot recovery-gate configs/examples/spot.toml
+
+      prime-train spot recovery-gate configs/examples/spot.toml --exited 75
+    """
+    import os
+
+    from prime_train.integrations.storage import CheckpointStore, StorageError, recovery_gate
+
+    paths, overrides = split_overrides(files, ctx.args)
+    cfg = load(paths, overrides)
+    passed = ExitCode.OK if exited is None else exited
+    task_id = os.environ.get("SKYPILOT_TASK_ID", "")
+    if not cfg.ckpt.remote or not task_id:
+        if exited is None:
+            why = "no ckpt.remote to count them in" if task_id else "not on a SkyPilot node (no SKYPILOT_TASK_ID)"
+            output.note(f"recoveries are not counted: {why}; SkyPilot recovers exit codes "
+                        f"{sorted(cfg.spot.recover_on_exit_codes)} without limit")  # fmt: skip
+        raise typer.Exit(passed)
+    try:
+        store = CheckpointStore(cfg.ckpt.remote, endpoint_url=cfg.ckpt.remote_endpoint_url)
+        why = recovery_gate(
+            store, task_id=task_id, max_recoveries=cfg.spot.max_recoveries, exit_code=exited,
+            recover_codes=cfg.spot.recover_on_exit_codes, count=os.environ.get("SKYPILOT_NODE_RANK", "0") == "0",
+        )  # fmt: skip
+    except StorageError as exc:  # a bucket that does not answer must not stop training: the count is lost
+        output.warning(f"recoveries not counted: {exc}")
+        raise typer.Exit(passed) from None
+    if why is not None:
+        output.error(why)
+        raise typer.Exit(ExitCode.FAILED)
+    raise typer.Exit(passed)
 
 
 def monitor(

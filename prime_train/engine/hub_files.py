@@ -6,25 +6,27 @@ those is one HTTP range request. So a hub shard is named here as `hub://<repo>@<
 and opened as a seekable file whose reads are range requests; everything else (parquet rows in
 records.py; shard order, rank split, windows, resume in streaming.py) is the local-parquet code, unchanged.
 
-Standard library HTTP with bounded timeouts and a few retries. The endpoint is HF_ENDPOINT (default
-https://huggingface.co), the token HF_TOKEN or huggingface_hub's saved login; the token is sent to
-the hub only, never along a redirect to another host (the hub redirects file reads to its CDN).
+huggingface_hub does the hub's part: the listing (`HfApi.list_repo_tree`: pagination, errors), the file's
+URL (`hf_hub_url`) and size (`get_hf_file_metadata`, which follows no redirect off the hub), the token
+(HF_TOKEN or the saved login), retries with backoff (`http_backoff`) and the HTTP client. What it does
+not give is a range read of a repository file: `hf_hub_download` fetches whole files, and `HfFileSystem`
+reads ranges but resolves every path through further API calls (repo info, paths-info) and ranges a
+CDN URL signed once per open, which expires while a long stream reads a shard. So each read here is one
+GET of the file's hub URL with a Range header through huggingface_hub's own client, which follows the
+hub's redirect to its CDN and, like every HTTP client it has used (requests, httpx), drops the
+Authorization header on a redirect to another origin: the token goes to the hub only.
+The endpoint is HF_ENDPOINT as set now (huggingface_hub reads it once, at import).
 """
 
 from __future__ import annotations
 
 import io
-import json
 import os
-import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from typing import Any
 
 SCHEME = "hub://"
 TIMEOUT_S = 60.0
-RETRIES = 4
 BLOCK_BYTES = 8 << 20  # reads are buffered in blocks this large: one range request per block
 
 
@@ -36,54 +38,15 @@ def endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
 
 
-def _token() -> str | None:
-    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
-    if token:
-        return token
-    try:
-        from huggingface_hub import get_token
-
-        return get_token()
-    except Exception:  # not installed, or no login
-        return None
+def _status(exc: BaseException) -> int | None:
+    response = getattr(exc, "response", None)
+    return getattr(response, "status_code", None)
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        return None  # redirects are followed by hand, so the token stays with the hub's own host
-
-
-_OPENER = urllib.request.build_opener(_NoRedirect)
-
-
-def _request(url: str, *, method: str = "GET", headers: dict[str, str] | None = None) -> tuple[int, dict, bytes]:
-    """(status, headers, body) of a request, following redirects; the Authorization header only to the hub."""
-    hub_host = urllib.parse.urlsplit(endpoint()).netloc
-    token = _token()
-    for attempt in range(RETRIES):
-        current = url
-        try:
-            for _ in range(8):
-                sent = dict(headers or {})
-                if token and urllib.parse.urlsplit(current).netloc == hub_host:
-                    sent["Authorization"] = f"Bearer {token}"
-                req = urllib.request.Request(current, method=method, headers=sent)
-                try:
-                    with _OPENER.open(req, timeout=TIMEOUT_S) as resp:
-                        return resp.status, dict(resp.headers), resp.read() if method != "HEAD" else b""
-                except urllib.error.HTTPError as exc:
-                    if exc.code in (301, 302, 303, 307, 308) and exc.headers.get("Location"):
-                        current = urllib.parse.urljoin(current, exc.headers["Location"])
-                        continue
-                    if exc.code in (429, 500, 502, 503, 504) and attempt < RETRIES - 1:
-                        raise ConnectionError(f"HTTP {exc.code}") from None
-                    return exc.code, dict(exc.headers or {}), exc.read() or b""
-            raise HubError(f"too many redirects reading {url}")
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
-            if attempt == RETRIES - 1:
-                raise HubError(f"cannot reach {url.split('?')[0]}: {getattr(exc, 'reason', exc)}") from None
-            time.sleep(min(8.0, 0.5 * 2**attempt))
-    raise AssertionError("unreachable")
+def _why(exc: BaseException) -> str:
+    """A hub error in one line, without a URL's query string (a signed URL) or the token."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text.split("?")[0]
 
 
 def _split_matches(path: str, split: str) -> bool:
@@ -94,23 +57,36 @@ def _split_matches(path: str, split: str) -> bool:
 
 def list_parquet(repo: str, split: str = "train", revision: str = "main", *, key: str = "hub") -> list[str]:
     """`hub://` names of the split's parquet shards in a hub dataset, sorted; a clear error when there are none."""
-    url = f"{endpoint()}/api/datasets/{repo}/tree/{urllib.parse.quote(revision, safe='')}?recursive=true&expand=false"
-    files: list[str] = []
-    while url:
-        status, headers, body = _request(url)
-        if status == 401 or status == 403:
-            raise HubError(f"{key} = {repo!r}: the hub refused access ({status}); log in (huggingface-cli login) "
-                           "or set HF_TOKEN, and accept the dataset's terms on its page if it is gated")  # fmt: skip
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+    from huggingface_hub.hf_api import RepoFile
+
+    refused = (f"{key} = {repo!r}: the hub refused access ({{}}); log in (hf auth login) or set HF_TOKEN, and accept "
+               "the dataset's terms on its page if it is gated")  # fmt: skip
+    try:
+        tree = HfApi(endpoint=endpoint()).list_repo_tree(repo, repo_type="dataset", revision=revision, recursive=True)
+        files = [e.path for e in tree if isinstance(e, RepoFile) and e.path.endswith(".parquet")]
+    except GatedRepoError:
+        raise HubError(refused.format("gated")) from None
+    except (RepositoryNotFoundError, RevisionNotFoundError):
+        raise HubError(f"{key} = {repo!r}: no such dataset (or revision {revision!r}) on {endpoint()}") from None
+    except OfflineModeIsEnabled:
+        raise HubError(f"{key} = {repo!r}: HF_HUB_OFFLINE is set, and streaming reads the hub") from None
+    except HfHubHTTPError as exc:
+        status = _status(exc)
+        if status in (401, 403):
+            raise HubError(refused.format(status)) from None
         if status == 404:
-            raise HubError(f"{key} = {repo!r}: no such dataset (or revision {revision!r}) on {endpoint()}")
-        if status != 200:
-            raise HubError(f"{key} = {repo!r}: listing its files failed with HTTP {status}")
-        try:
-            entries: list[dict[str, Any]] = json.loads(body)
-        except json.JSONDecodeError:
-            raise HubError(f"{key} = {repo!r}: the hub's file listing was not JSON") from None
-        files += [e["path"] for e in entries if e.get("type") == "file" and e["path"].endswith(".parquet")]
-        url = _next_link(headers.get("Link") or headers.get("link") or "")
+            raise HubError(f"{key} = {repo!r}: no such dataset (or revision {revision!r}) on {endpoint()}") from None
+        raise HubError(f"{key} = {repo!r}: listing its files failed with HTTP {status}: {_why(exc)}") from None
+    except Exception as exc:  # DNS, refused, timeouts after huggingface_hub's retries; a listing that is not JSON
+        raise HubError(f"{key} = {repo!r}: cannot list it on {endpoint()}: {type(exc).__name__}: {_why(exc)}") from None
     if not files:
         raise HubError(
             f"{key} = {repo!r} has no .parquet files; stream parquet datasets (FineWeb-style), or load this one "
@@ -126,37 +102,33 @@ def list_parquet(repo: str, split: str = "train", revision: str = "main", *, key
     return [f"{SCHEME}{repo}@{rev}/{f}" for f in sorted(chosen)]
 
 
-def _next_link(header: str) -> str | None:
-    for part in header.split(","):
-        if 'rel="next"' in part:
-            return part.split(";")[0].strip().strip("<>")
-    return None
-
-
 def is_hub(path: str) -> bool:
     return path.startswith(SCHEME)
 
 
 def resolve_url(name: str) -> str:
-    """The download URL of a `hub://<repo>@<quoted revision>/<path>` name."""
+    """The hub URL of a `hub://<repo>@<quoted revision>/<path>` name (huggingface_hub's hf_hub_url)."""
+    from huggingface_hub import hf_hub_url
+
     repo, _, rest = name[len(SCHEME) :].partition("@")
     revision, _, path = rest.partition("/")
     if not repo or not revision or not path:
         raise HubError(f"{name}: not a hub shard name (hub://<repo>@<revision>/<path>)")
-    return f"{endpoint()}/datasets/{repo}/resolve/{revision}/{urllib.parse.quote(path)}"
+    return hf_hub_url(repo, path, repo_type="dataset", revision=urllib.parse.unquote(revision), endpoint=endpoint())
 
 
 class RangeFile(io.RawIOBase):
     """A read-only, seekable remote file: each read is one HTTP range request (wrap it in a BufferedReader)."""
 
     def __init__(self, url: str, name: str):
+        from huggingface_hub import get_hf_file_metadata
+
         self.url, self.name = url, name
         self._pos = 0
-        status, headers, _ = _request(url, method="HEAD")
-        if status != 200:
-            raise HubError(f"{name}: HTTP {status} when opening it")
-        lowered = {k.lower(): v for k, v in headers.items()}
-        size = lowered.get("x-linked-size") or lowered.get("content-length")
+        try:
+            size = get_hf_file_metadata(url, timeout=TIMEOUT_S).size
+        except Exception as exc:
+            raise HubError(f"{name}: cannot open it ({_status(exc) or type(exc).__name__}: {_why(exc)})") from None
         if size is None:
             raise HubError(f"{name}: the hub did not say its size")
         self.size = int(size)
@@ -175,15 +147,25 @@ class RangeFile(io.RawIOBase):
         self._pos = max(0, base + offset)
         return self._pos
 
-    def readinto(self, buffer) -> int:
+    def readinto(self, buffer: Any) -> int:
+        from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_backoff
+
         want = min(len(buffer), self.size - self._pos)
         if want <= 0:
             return 0
-        status, _, body = _request(self.url, headers={"Range": f"bytes={self._pos}-{self._pos + want - 1}"})
-        if status == 200:  # a server that ignores Range sends the whole file
+        span = f"bytes={self._pos}-{self._pos + want - 1}"
+        try:
+            # the hub URL each time: its redirect gives a freshly signed CDN URL, and the client drops the token there
+            response = http_backoff("GET", self.url, headers={**build_hf_headers(), "Range": span}, timeout=TIMEOUT_S)
+            hf_raise_for_status(response)
+        except Exception as exc:
+            raise HubError(f"{self.name}: reading {span} failed ({_status(exc) or type(exc).__name__}: "
+                           f"{_why(exc)})") from None  # fmt: skip
+        body = response.content
+        if response.status_code == 200:  # a server that ignores Range sends the whole file
             body = body[self._pos : self._pos + want]
-        elif status != 206:
-            raise HubError(f"{self.name}: HTTP {status} reading bytes {self._pos}-{self._pos + want - 1}")
+        elif response.status_code != 206:
+            raise HubError(f"{self.name}: HTTP {response.status_code} reading {span}")
         n = len(body)
         buffer[:n] = body
         self._pos += n

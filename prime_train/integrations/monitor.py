@@ -300,6 +300,7 @@ def monitor(
     now: float | None = None,
     max_relaunches: int = 3,
     stalled_relaunch_after_s: float | None = None,
+    recoveries_reader: Callable[[], dict[str, Any] | None] | None = None,
 ) -> MonitorResult:
     """Read, decide, and with `resume` relaunch a dead (or long-stalled) run through `relaunch`.
 
@@ -307,12 +308,14 @@ def monitor(
     (status, start_at, last_recovered_at, recent_failures), or None when SkyPilot has no such
     job. A reader that raises is recorded and judged as "could not read". A relaunch happens at
     most once per call, never for a cancelled or finished job or a configuration error, and not
-    when `recent_failures` already reached `max_relaunches` (a job that keeps dying needs a human).
+    when `recent_failures` already reached `max_relaunches` (a job that keeps dying needs a human), nor for a job
+    that stopped itself at spot.max_recoveries (`recoveries_reader`: the bucket's count, storage.recovery_gate).
     """
     errors: dict[str, str] = {}
     heartbeat = _read(heartbeat_reader, "heartbeat_error", errors)
     raw_job = _read(job_status_reader, "job_status_error", errors)
     wandb_state = _read(wandb_reader, "wandb_error", errors)
+    recoveries = _read(recoveries_reader, "recoveries_error", errors)
     status, started_at, recent_failures = _job_info(raw_job)
     th = thresholds(cfg)
     decision = decide(
@@ -331,6 +334,8 @@ def monitor(
         extra["recent_failures"] = recent_failures
     if extra:
         decision = Decision(decision.state, decision.reason, {**decision.evidence, **extra}, decision.relaunchable)
+    if decision.state == "dead" and decision.relaunchable:
+        decision = _unless_it_gave_up(decision, recoveries, started_at)
 
     limit = th["stalled_relaunch_after_s"] if stalled_relaunch_after_s is None else stalled_relaunch_after_s
     wanted = decision.relaunchable and (
@@ -356,6 +361,17 @@ def monitor(
     return MonitorResult(decision, "relaunched", result)
 
 
+def _unless_it_gave_up(decision: Decision, record: Any, started_at: float | None) -> Decision:
+    """A dead job that stopped itself at spot.max_recoveries is not relaunched: it would exit the same way again."""
+    if not isinstance(record, dict) or not record.get("gave_up"):
+        return decision
+    gave_up_at = _number(record.get("gave_up_at"))
+    if started_at is not None and gave_up_at is not None and gave_up_at < started_at:
+        return decision  # an earlier job's verdict
+    reason = f"{decision.reason}; it stopped itself: {record['gave_up']}"
+    return Decision("dead", reason, {**decision.evidence, "recoveries": record.get("recoveries")}, relaunchable=False)
+
+
 # ---------------------------------------------------------------- real readers and the relaunch
 
 
@@ -371,6 +387,19 @@ def storage_heartbeat_reader(cfg: Config) -> Callable[[], dict[str, Any] | None]
         from prime_train.integrations.storage import CheckpointStore
 
         return CheckpointStore(cfg.ckpt.remote, endpoint_url=cfg.ckpt.remote_endpoint_url).get_heartbeat()
+
+    return read
+
+
+def storage_recoveries_reader(cfg: Config) -> Callable[[], dict[str, Any] | None] | None:
+    """The recovery count `spot recovery-gate` keeps in the bucket; None without ckpt.remote."""
+    if not cfg.ckpt.remote:
+        return None
+
+    def read() -> dict[str, Any] | None:
+        from prime_train.integrations.storage import CheckpointStore
+
+        return CheckpointStore(cfg.ckpt.remote, endpoint_url=cfg.ckpt.remote_endpoint_url).get_recoveries()
 
     return read
 
@@ -455,4 +484,5 @@ def run_monitor(
         wandb_reader=wandb_state_reader(cfg),
         relaunch=skypilot_relaunch(cfg, config_files=config_files, overrides=overrides, sky_python=python),
         now=now,
+        recoveries_reader=storage_recoveries_reader(cfg),
     )

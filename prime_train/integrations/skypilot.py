@@ -9,12 +9,17 @@ $XDG_DATA_HOME/prime-train/skypilot (default ~/.local/share/prime-train/skypilot
 "this one" as a child process keeps SkyPilot's logging, threads and local API server out of the
 CLI, and gives every call a timeout.
 
-What the generated task does on each node: pip-installs `spot.install`, runs `spot.setup`, then
-`prime-train run <config files> <overrides>` with the node count, node rank and rendezvous
-address taken from SkyPilot's SKYPILOT_NUM_NODES / SKYPILOT_NODE_RANK / SKYPILOT_NODE_IPS.
-The supervisor exits 75 after a preemption notice and a checkpoint; `recover_on_exit_codes`
-makes SkyPilot bring such a job back on a new node, where `ckpt.remote` (uploaded with boto3 by
-prime-train itself, no bucket mount) provides the checkpoint to resume from.
+What the generated task does on each node: installs prime-train (this machine's source tree,
+synced to the node by a file mount, since prime-train is not on the package index; or
+`spot.install` when set), runs `spot.setup`, then `prime-train run <config files> <overrides>`
+with the node count, node rank and rendezvous address taken from SkyPilot's SKYPILOT_NUM_NODES /
+SKYPILOT_NODE_RANK / SKYPILOT_NODE_IPS. The supervisor exits 75 after a preemption notice and a
+checkpoint; `recover_on_exit_codes` makes SkyPilot bring such a job back on a new node, where
+`ckpt.remote` (uploaded with boto3 by prime-train itself, no bucket mount) provides the checkpoint
+to resume from. SkyPilot recovers those exit codes without limit, so `prime-train spot
+recovery-gate` runs before and after `prime-train run` on each node and counts them in the bucket
+(storage.RecoveryCounter): past `spot.max_recoveries` in a row without a new checkpoint, the job
+exits 1 instead, saying why.
 
 Secrets: the task lists the names in `spot.secrets` with null values (SkyPilot's "value given at
 launch" form). Their values are read from the environment by the SkyPilot process at launch and
@@ -42,12 +47,24 @@ from typing import Any
 from prime_train.config.accelerators import parse_accelerators
 from prime_train.config.schema import Config
 from prime_train.contract import ExitCode
+from prime_train.integrations.task_yaml import render_yaml
 from prime_train.resilience.redact import REDACTED, is_secret_name, redact
 
 DEFAULT_SKYPILOT = "skypilot==0.14.1"
 SKY_PYTHON_ENV = "PRIME_TRAIN_SKY_PYTHON"
 # where config files outside the workdir are copied to on each node
 REMOTE_CONFIG_DIR = "~/.prime-train/configs"
+# where this machine's prime-train source tree is copied to on each node, to be pip-installed there
+REMOTE_SOURCE_DIR = "~/.prime-train/src"
+SKY_REMOTE_WORKDIR = "~/sky_workdir"  # where SkyPilot 0.14 syncs `workdir` (sky/skylet/constants.py)
+SOURCE_EXTRAS = "engine,s3"
+# what `run --spot` shows a config without a [spot] table: the least a managed job needs, to copy
+SPOT_SNIPPET = """[spot]
+accelerators = "H100:8"   # GPUs per node, as SkyPilot names them (`sky show-gpus`)
+num_nodes = 1             # and distributed.nnodes to match
+use_spot = true           # preemptible; the job resumes from ckpt.remote after a preemption
+# clouds = ["aws", "gcp"] # empty: any cloud SkyPilot has credentials for
+"""
 
 # What SkyPilot 0.14.1 itself declares unsupported per cloud (its clouds/<cloud>.py
 # _CLOUD_UNSUPPORTED_FEATURES). Kubernetes offers spot only where the cluster labels spot nodes.
@@ -63,6 +80,10 @@ class SkyPilotError(RuntimeError):
 
 class SkyPilotNotFound(SkyPilotError):
     """No Python interpreter with SkyPilot could be found."""
+
+
+class SpotConfigError(ValueError):
+    """The config cannot become a managed job as it is; the message says what to add or set."""
 
 
 # ---------------------------------------------------------------- the SkyPilot interpreter
@@ -344,13 +365,62 @@ def _remote_config_paths(cfg: Config, config_files: list[str]) -> tuple[list[str
     return remote, mounts
 
 
-def _setup_script(cfg: Config) -> str:
-    lines = [
-        "set -euo pipefail",
-        "# GPU nodes: the default torch wheel that prime-train's [engine] extra pulls is the CUDA one, as wanted",
-        f"pip install --disable-pip-version-check {shlex.quote(cfg.spot.install)}",
-        *cfg.spot.setup,
-    ]
+def source_tree() -> Path | None:
+    """The prime-train source tree this process runs from (a checkout: its pyproject.toml names prime-train), or
+    None when prime-train was installed from a wheel, which leaves no tree to sync."""
+    root = Path(__file__).resolve().parents[2]
+    pyproject = root / "pyproject.toml"
+    try:
+        text = pyproject.read_text(encoding="utf-8")
+    except OSError:
+        return None
+    return root if re.search(r'(?m)^name\s*=\s*"prime-train"\s*$', text) else None
+
+
+def require_spot_section(cfg: Config) -> None:
+    """Refuse a config that says nothing about what to rent: [spot]'s defaults are 8 × H100 spot nodes."""
+    if "spot" in cfg.model_fields_set:
+        return
+    raise SpotConfigError(
+        "run --spot needs a [spot] table saying what to rent, and this config has none (the defaults alone would "
+        "rent 8 × H100 spot nodes with 256 GB disks). Add one to the config, e.g.\n\n"
+        + SPOT_SNIPPET
+        + "\nor give it as overrides (--spot.accelerators H100:8); `prime-train lint` then checks it against "
+        "SkyPilot's limits"
+    )
+
+
+def _install_lines(cfg: Config) -> tuple[list[str], dict[str, str]]:
+    """The setup commands that install prime-train on a node, and the file mounts they need."""
+    if cfg.spot.install:
+        return [f"pip install --disable-pip-version-check {shlex.quote(cfg.spot.install)}"], {}
+    tree = source_tree()
+    if tree is None:
+        raise SpotConfigError(
+            "spot.install is unset and this prime-train was installed from a wheel, not a source checkout, so there "
+            "is no source tree to sync to the nodes (prime-train is not on the package index): set spot.install to "
+            "what the nodes should pip-install, e.g. a git URL ('prime-train[engine,s3] @ git+https://github.com/"
+            "prime-train/prime-train@v0.1.0') or a wheel you publish"
+        )
+    # SkyPilot syncs the tree as it syncs a workdir (.skyignore, else .gitignore: no .venv, no runs/); a tree
+    # inside spot.workdir is already there, under SkyPilot's remote workdir
+    workdir = Path(cfg.spot.workdir).expanduser().resolve() if cfg.spot.workdir else None
+    mounts: dict[str, str] = {}
+    if workdir is not None and tree.is_relative_to(workdir):
+        remote = "/".join(p for p in (SKY_REMOTE_WORKDIR.removeprefix("~/"), tree.relative_to(workdir).as_posix())
+                          if p not in ("", "."))  # fmt: skip
+        how = "synced with spot.workdir"
+    else:
+        remote, mounts = REMOTE_SOURCE_DIR.removeprefix("~/"), {REMOTE_SOURCE_DIR: str(tree)}
+        how = "synced to the node (file_mounts)"
+    return [
+        f"# this machine's prime-train source, {how}; the [engine] extra's torch is the CUDA build on a GPU node",
+        f'pip install --disable-pip-version-check "$HOME/{remote}[{SOURCE_EXTRAS}]"',
+    ], mounts
+
+
+def _setup_script(install: list[str], cfg: Config) -> str:
+    lines = ["set -euo pipefail", *install, *cfg.spot.setup]
     return "\n".join(lines) + "\n"
 
 
@@ -362,16 +432,26 @@ def _remote_arg(arg: str) -> str:
 
 
 def _run_script(cfg: Config, remote_configs: list[str], overrides: list[str]) -> str:
-    argv = " ".join(["prime-train", "run", *(_remote_arg(a) for a in [*remote_configs, *overrides])])
+    args = " ".join(_remote_arg(a) for a in [*remote_configs, *overrides])
     port = cfg.distributed.master_port
+    # not `exec prime-train run`: its exit code goes through the recovery gate, so the script forwards SIGTERM
+    # itself (wait returns early when a trapped signal arrives: wait again for the real exit code)
     return (
-        "set -euo pipefail\n"
+        "set -uo pipefail\n"
         "# rendezvous on the first node SkyPilot lists; node count and rank come from SkyPilot too\n"
         'MASTER_ADDR="$(echo "$SKYPILOT_NODE_IPS" | head -n1)"\n'
-        f"exec {argv} \\\n"
+        "# SkyPilot recovers recover_on_exit_codes without limit: the gate counts recoveries in the bucket\n"
+        f"prime-train spot recovery-gate {args} || exit $?\n"
+        f"prime-train run {args} \\\n"
         '  --distributed.nnodes "$SKYPILOT_NUM_NODES" \\\n'
         '  --distributed.node_rank "$SKYPILOT_NODE_RANK" \\\n'
-        f'  --distributed.rdzv_endpoint "$MASTER_ADDR:{port}"\n'
+        f'  --distributed.rdzv_endpoint "$MASTER_ADDR:{port}" &\n'
+        "child=$!\n"
+        "trapped=0\n"
+        "trap 'trapped=1; kill -TERM \"$child\" 2>/dev/null' TERM INT\n"
+        'wait "$child"; code=$?\n'
+        'while [ "$trapped" = 1 ]; do trapped=0; wait "$child"; code=$?; done\n'
+        f'exec prime-train spot recovery-gate {args} --exited "$code"\n'
     )
 
 
@@ -381,7 +461,9 @@ def task_from_config(cfg: Config, *, config_files: list[str], overrides: list[st
     `config_files` and `overrides` are what the user gave `prime-train run --spot` (without
     `--spot`); each node runs `prime-train run` on the same files and overrides.
     """
+    require_spot_section(cfg)
     spot = cfg.spot
+    install, source_mounts = _install_lines(cfg)
     resources: dict[str, Any] = {"accelerators": spot.accelerators, "use_spot": spot.use_spot}
     if spot.infra:
         resources["infra"] = spot.infra
@@ -396,6 +478,7 @@ def task_from_config(cfg: Config, *, config_files: list[str], overrides: list[st
         "recover_on_exit_codes": sorted(set(spot.recover_on_exit_codes)),
     }
     remote_configs, mounts = _remote_config_paths(cfg, config_files)
+    mounts.update(source_mounts)
     task: dict[str, Any] = {"name": job_name(cfg), "resources": resources, "num_nodes": spot.num_nodes}
     if spot.workdir:
         task["workdir"] = str(Path(spot.workdir).expanduser().resolve())
@@ -405,83 +488,9 @@ def task_from_config(cfg: Config, *, config_files: list[str], overrides: list[st
     task["envs"] = dict(sorted(envs.items()))
     if spot.secrets:
         task["secrets"] = dict.fromkeys(sorted(set(spot.secrets)))
-    task["setup"] = _setup_script(cfg)
+    task["setup"] = _setup_script(install, cfg)
     task["run"] = _run_script(cfg, remote_configs, overrides)
     return task
-
-
-# ---------------------------------------------------------------- YAML, stable and dependency-free
-
-_TOP_ORDER = ("name", "resources", "num_nodes", "workdir", "file_mounts", "envs", "secrets", "setup", "run")
-_PLAIN_KEY = re.compile(r"^[A-Za-z_~][A-Za-z0-9_.\-/~]*$")
-_YAML_WORDS = {"y", "n", "yes", "no", "on", "off", "true", "false", "null", "~"}
-
-
-def _key(k: str) -> str:
-    return k if _PLAIN_KEY.match(k) and k.lower() not in _YAML_WORDS else json.dumps(k, ensure_ascii=False)
-
-
-def _scalar(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    return json.dumps(str(v), ensure_ascii=False)  # a JSON string is a valid double-quoted YAML scalar
-
-
-def _block_literal_ok(s: str) -> bool:
-    return (
-        s.endswith("\n")
-        and not s.endswith("\n\n")
-        and not s[:1].isspace()
-        and all(ch == "\n" or ch == "\t" or ch >= " " for ch in s)
-        and not any(line.endswith((" ", "\t")) for line in s.splitlines())
-    )
-
-
-def _emit(value: Any, indent: int, out: list[str], lead: str) -> None:
-    """Append `value` introduced by `lead` (a key or a list dash, itself indented by `indent`)."""
-    child = indent + 2
-    if isinstance(value, dict):
-        if not value:
-            out.append(f"{lead} {{}}")
-            return
-        out.append(lead)
-        for k, v in value.items():
-            _emit(v, child, out, f"{' ' * child}{_key(str(k))}:")
-        return
-    if isinstance(value, list | tuple):
-        if not value:
-            out.append(f"{lead} []")
-            return
-        if all(not isinstance(v, dict | list | tuple) for v in value):
-            out.append(f"{lead} [{', '.join(_scalar(v) for v in value)}]")
-            return
-        out.append(lead)
-        for item in value:
-            if isinstance(item, dict) and item:
-                for j, (k, v) in enumerate(item.items()):
-                    _emit(v, child + 2, out, f"{' ' * child}{'- ' if j == 0 else '  '}{_key(str(k))}:")
-            else:
-                _emit(item, child + 2, out, f"{' ' * child}-")
-        return
-    if isinstance(value, str) and "\n" in value and _block_literal_ok(value):
-        out.append(f"{lead} |")
-        out.extend(f"{' ' * child}{line}" if line else "" for line in value[:-1].split("\n"))
-        return
-    out.append(f"{lead} {_scalar(value)}")
-
-
-def render_yaml(task: dict[str, Any]) -> str:
-    """The task as YAML, the same bytes for the same task: `run --spot --dry-run` output can be diffed."""
-    ordered = {k: task[k] for k in _TOP_ORDER if k in task}
-    ordered.update({k: task[k] for k in sorted(task) if k not in ordered})
-    out: list[str] = []
-    for k, v in ordered.items():
-        _emit(v, 0, out, f"{_key(k)}:")
-    return "\n".join(out) + "\n"
 
 
 # ---------------------------------------------------------------- SkyPilot calls
@@ -728,6 +737,25 @@ def lint_spot(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
                 "warning",
                 f"spot.recover_on_exit_codes lacks {preempted}: a job that checkpointed and stopped on a preemption "
                 f"notice exits {preempted} and would count as an error instead of being recovered",
+            )
+        )
+    recovered = sorted(set(spot.recover_on_exit_codes))
+    if ExitCode.FAILED in recovered:
+        problems.append(
+            (
+                ("spot", "recover_on_exit_codes"),
+                "error",
+                f"spot.recover_on_exit_codes holds {int(ExitCode.FAILED)}, the code a job ends with when its restarts "
+                "are exhausted or spot.max_recoveries is reached: SkyPilot would recover it without limit",
+            )
+        )
+    if recovered and cfg.ckpt.remote is None:
+        problems.append(
+            (
+                ("spot", "max_recoveries"),
+                "warning",
+                f"spot.max_recoveries is not enforced without ckpt.remote (recoveries are counted in the bucket): "
+                f"SkyPilot recovers exit codes {recovered} without limit",
             )
         )
     for name in spot.secrets:

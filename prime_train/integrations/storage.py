@@ -7,6 +7,7 @@ Layout under the prefix:
 <prefix>/checkpoints/step-<N>.tar.zst        the whole step-N directory (or .tar.gz)
 <prefix>/checkpoints/step-<N>.manifest.json  sha256 and size of every file, and of the archive
 <prefix>/progress.json                       the run's heartbeat, copied every heartbeat_interval_s
+<prefix>/spot-recoveries.json                SkyPilot recoveries counted by `spot recovery-gate` (recovery_gate)
 ```
 The manifest is written last and deleted first. So, as with step-N on disk, a checkpoint is whole in
 the bucket exactly when its manifest is there: an archive without one is an upload that did not
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
-from prime_train.contract import fsync_dir, read_json
+from prime_train.contract import ExitCode, fsync_dir, read_json
 from prime_train.integrations.checkpoint_archive import (
     ARCHIVE_SUFFIXES,
     STAGING_PREFIX,
@@ -168,6 +169,11 @@ class CheckpointStore:
             read_timeout=read_timeout_s,
             retries={"max_attempts": max_attempts, "mode": "standard"},
             s3=s3_options or None,
+            # boto3 >= 1.36 adds CRC checksums to every upload (aws-chunked trailers) and asks for them on downloads;
+            # R2, MinIO and GCS reject those requests. Only operations that require a checksum send one; the
+            # archives carry their own sha256 in the manifest, which the download verifies anyway.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
         )
         # the standard chain only: environment, shared files, instance role; never the run config
         self._session = boto3.session.Session()
@@ -194,6 +200,10 @@ class CheckpointStore:
     @property
     def heartbeat_key(self) -> str:
         return self._key("progress.json")
+
+    @property
+    def recoveries_key(self) -> str:
+        return self._key("spot-recoveries.json")
 
     def _where(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
@@ -542,18 +552,92 @@ class CheckpointStore:
 
     def get_heartbeat(self) -> dict[str, Any] | None:
         """The last heartbeat in the bucket, or None when there is none (or it is unreadable)."""
+        return self._get_json(self.heartbeat_key, "the heartbeat")
+
+    def get_recoveries(self) -> dict[str, Any] | None:
+        """The recovery count `recovery_gate` keeps, or None when there is none yet."""
+        return self._get_json(self.recoveries_key, "the recovery count")
+
+    def put_recoveries(self, record: dict[str, Any]) -> None:
         try:
-            body = self.client.get_object(Bucket=self.bucket, Key=self.heartbeat_key)["Body"].read()
+            self.client.put_object(
+                Bucket=self.bucket, Key=self.recoveries_key, Body=json.dumps(record).encode(),
+                ContentType="application/json",
+            )  # fmt: skip
+        except Exception as exc:
+            raise self._fail(exc, "cannot write the recovery count", self.recoveries_key) from None
+
+    def _get_json(self, key: str, what: str) -> dict[str, Any] | None:
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
         except Exception as exc:
             code = str(((getattr(exc, "response", None) or {}).get("Error") or {}).get("Code", ""))
             if code in ("NoSuchKey", "404"):
                 return None
-            raise self._fail(exc, "cannot read the heartbeat", self.heartbeat_key) from None
+            raise self._fail(exc, f"cannot read {what}", key) from None
         try:
             obj = json.loads(body)
         except ValueError:
             return None
         return obj if isinstance(obj, dict) else None
+
+
+# ---------------------------------------------------------------- capping SkyPilot's recoveries
+
+RECOVERY_HISTORY = 50  # recoveries kept in the record, newest last
+
+
+def recovery_gate(
+    store: CheckpointStore,
+    *,
+    task_id: str,
+    max_recoveries: int,
+    exit_code: int | None = None,
+    recover_codes: tuple[int, ...] | list[int] = (),
+    count: bool = True,
+    now: float | None = None,
+) -> str | None:
+    """Why the job must stop instead of being recovered again, or None to go on. The count lives in the bucket.
+
+    SkyPilot recovers a job that exits with one of `recover_codes` (75: checkpointed and stopped on a preemption
+    notice) without limit; a job that exits 75 for another reason would be recovered forever. So every recovery
+    is counted in <prefix>/spot-recoveries.json, per managed job (`task_id`: SKYPILOT_TASK_ID, stable across its
+    recoveries; a new launch starts a new count). A recovery that brought a new whole checkpoint to the bucket is
+    progress and resets the count in a row; more than `max_recoveries` in a row without one stop the job.
+
+    Before the run (`exit_code` None) it only reads: a job that already gave up stops again at once (SkyPilot
+    restarts a failed job up to max_restarts_on_errors times). After it, the node that `count`s (rank 0: one count
+    per recovery, not one per node) records the exit.
+    """
+    record = store.get_recoveries()
+    if record is not None and record.get("task_id") != task_id:
+        record = None  # an earlier managed job's count
+    if exit_code is None:
+        return str(record["gave_up"]) if record and record.get("gave_up") else None
+    if exit_code not in recover_codes or not count:
+        return None
+    whole = store.list_remote()
+    newest = whole[-1].step if whole else None
+    record = record or {"task_id": task_id, "recoveries": 0, "in_a_row": 0, "newest_step": None, "history": []}
+    progress = newest is not None and newest != record.get("newest_step")
+    record["in_a_row"] = 0 if progress else int(record.get("in_a_row") or 0) + 1
+    record["recoveries"] = int(record.get("recoveries") or 0) + 1
+    record["newest_step"] = newest
+    now = time.time() if now is None else now
+    record["history"] = [*(record.get("history") or []), {"time": now, "exit_code": exit_code, "newest_step": newest}]
+    record["history"] = record["history"][-RECOVERY_HISTORY:]
+    why = None
+    if record["in_a_row"] > max_recoveries:
+        why = (
+            f"spot.max_recoveries ({max_recoveries}) reached: the job exited {exit_code} {record['in_a_row']} times in "
+            f"a row without a new checkpoint in {store.url} (newest: {'none' if newest is None else f'step {newest}'}"
+            f"); instead of another recovery (SkyPilot recovers exit {exit_code} without limit) it stops with exit "
+            f"{int(ExitCode.FAILED)}. Find out why it keeps exiting {exit_code} (`prime-train spot logs`), then "
+            "launch it again"
+        )
+        record["gave_up"], record["gave_up_at"] = why, now
+    store.put_recoveries(record)
+    return why
 
 
 __all__ = [
@@ -563,5 +647,6 @@ __all__ = [
     "StorageError",
     "UnsafeArchive",
     "parse_remote",
+    "recovery_gate",
     "remove_stale_staging",
 ]

@@ -272,6 +272,53 @@ def _gpu_request(cfg: Config) -> Accelerators | None:
         raise CostInputError(str(exc)) from None
 
 
+def local_gpu_names() -> list[str]:
+    """The names of this machine's GPUs that CUDA_VISIBLE_DEVICES leaves visible (NVML, or a replayed gpu.jsonl);
+    [] on a machine without NVIDIA GPUs."""
+    from prime_train.resilience.gpu import ENV_GPU_REPLAY, NvmlSource, gpu_inventory, readings_of, visible_devices
+
+    if not (os.environ.get(ENV_GPU_REPLAY) or NvmlSource.available()):
+        return []
+    return [r.name for r in readings_of(gpu_inventory(), visible_devices())]
+
+
+def gpu_to_measure(gpu: str | None, here: list[str]) -> GpuSpec:
+    """The GPU type a step time measured on this machine prices: this machine's GPU, which `gpu` may only name.
+
+    Asked before measuring (`cost --measure`), so a machine that cannot answer the question says so at once: a
+    step timed on a CPU says nothing about any GPU's, and one timed on an A10 nothing about an H100's.
+    """
+    if not here:
+        raise CostInputError(
+            "--measure times steps on this machine, and it has no GPU (NVML finds none): a CPU step time says nothing "
+            "about a GPU's. Run `cost --measure` on the GPU you will rent, or leave out --measure to estimate from "
+            "FLOPs per token at --mfu (add --gpu NAME for one GPU type)"
+        )
+    try:
+        local = load_gpus().find(here[0])
+    except MemoryInputError as exc:
+        raise CostInputError(f"this machine's GPU is not in the GPU table, so it cannot be priced: {exc}") from None
+    if gpu is not None:
+        try:
+            asked = load_gpus().find(gpu)
+        except MemoryInputError as exc:
+            raise CostInputError(str(exc)) from None
+        if asked.name != local.name:
+            raise CostInputError(
+                f"--gpu {gpu} with --measure: this machine's GPU is a {local.name}, and a step time measured on it "
+                f"says nothing about a {asked.name}. Measure on a {asked.name}, or leave out --measure to estimate it"
+            )
+    return local
+
+
+def measured_on_cpu_error(device: str) -> CostInputError:
+    """The refusal when a measured step ran on the CPU although this machine lists a GPU (a CPU build of torch)."""
+    return CostInputError(
+        f"the measured steps ran on {device}, not on this machine's GPU (is torch a CPU build? `python -c 'import "
+        "torch; print(torch.cuda.is_available())'`): a CPU step time says nothing about a GPU's, so it is not priced"
+    )
+
+
 def estimate_cost(
     cfg: Config,
     *,
@@ -282,13 +329,17 @@ def estimate_cost(
     prices_file: str | None = None,
     steps: int | None = None,
     model: dict[str, Any] | str | None = None,
+    here_gpus: list[str] | None = None,
 ) -> CostReport:
     """The cost of `cfg`'s run per GPU type and provider, on-demand and spot, as low–mid–high ranges.
 
-    `gpu` picks one GPU type (a name or alias from data/gpus.json); unset, every GPU type with a known bf16 peak
+    `gpu` picks one GPU type (a name or alias from data/gpus.json, or an accelerator string such as 'H100:8', whose
+    count is then `num_gpus`); unset, the GPU of [spot].accelerators, else every GPU type with a known bf16 peak
     and a price is listed. `num_gpus` defaults to distributed.nproc_per_node × nnodes, else to the count in
     spot.accelerators × spot.num_nodes. `step_time_s` is a measured seconds per full-batch step on `gpu` × `num_gpus`
-    (from a profile run); without it the step time is estimated from FLOPs at `mfu`.
+    (from a profile run); without it the step time is estimated from FLOPs at `mfu`. `here_gpus`, this machine's
+    GPUs (`local_gpu_names`), only words a note: a config that names no GPU runs on this machine's CPU when it has
+    none.
     """
     if not 0 < mfu <= 1:
         raise CostInputError(f"mfu = {mfu!r}: must be a fraction in (0, 1], e.g. 0.4")
@@ -300,6 +351,14 @@ def estimate_cost(
     prices = load_prices(prices_file, gpus=gpus)
     notes: list[str] = []
 
+    if gpu is not None and ":" in gpu:  # 'H100:8': the type and, unless given, the count
+        try:
+            asked = parse_accelerators(gpu, what="--gpu")
+            count = asked.whole_count("cost counts whole GPUs", what="--gpu")
+        except ValueError as exc:
+            raise CostInputError(str(exc)) from None
+        gpu = asked.name
+        num_gpus = num_gpus if num_gpus is not None else count
     requested = _gpu_request(cfg)
     requested_gpu = requested.name if requested else None
     if num_gpus is None:
@@ -314,10 +373,23 @@ def estimate_cost(
             notes.append(f"{num_gpus} GPU(s) from spot.accelerators = {cfg.spot.accelerators!r} × spot.num_nodes")
         else:
             num_gpus = 1
+    if gpu is None and requested_gpu is None:
+        how_many = (
+            f"{num_gpus} GPU(s) (distributed.nproc_per_node × nnodes)" if cfg.distributed.nproc_per_node else "1 GPU"
+        )
+        notes.append(
+            f"the config names no GPU type (no [spot] table with accelerators) and --gpu was not given: every priced "
+            f"GPU type is listed, at {how_many}"
+        )
+        if here_gpus == [] and not cfg.distributed.nproc_per_node:
+            notes.append(
+                "as written, this config runs on this machine's CPU (it has no GPU), which costs nothing listed here; "
+                "these are the GPUs you could rent for it"
+            )
 
     if step_time_s is not None and gpu is None:
         if requested_gpu is None:
-            raise CostInputError("a measured step time belongs to one GPU type: name it (--gpu)")
+            raise CostInputError("a measured step time belongs to one GPU type: name it (--gpu NAME, e.g. --gpu H100)")
         gpu = requested_gpu
         notes.append(f"the step time is taken as measured on {gpu} (from spot.accelerators); name the GPU to change it")
     selected: list[GpuSpec] = []
@@ -369,7 +441,7 @@ def estimate_cost(
         if step_time_s is not None:
             mid = step_time_s
             fast, slow = mid * (1 - MEASURED_SPREAD), mid * (1 + MEASURED_SPREAD)
-            basis = f"measured {mid:.3g} s/step ± {MEASURED_SPREAD:.0%}"
+            basis = f"measured {duration(mid)}/step ± {MEASURED_SPREAD:.0%}"
         else:
             if not spec.bf16_tflops:
                 raise CostInputError(
@@ -442,15 +514,55 @@ def _memory_need(cfg: Config, hf: dict[str, Any], num_gpus: int, notes: list[str
 # ---------------------------------------------------------------- rendering
 
 
-def _usd(value: float) -> str:
-    return f"${value:,.0f}" if value >= 100 else f"${value:,.2f}"
+def duration(seconds: float) -> str:
+    """A time in the unit that reads best, to 3 significant figures: '39.2 µs', '118 ms', '4.20 s', '3.10 h'."""
+    for unit, size, top in (("µs", 1e-6, 1e-3), ("ms", 1e-3, 1.0), ("s", 1.0, 60.0), ("min", 60.0, 3600.0)):
+        text = _sig3(seconds / size)
+        if seconds < top and float(text) < round(top / size):  # 999.96 µs reads as 1.00 ms, not 1000 µs
+            return f"{text} {unit}"
+    hours = seconds / 3600
+    return f"{hours:,.0f} h" if hours >= 1000 else f"{_sig3(hours)} h"
+
+
+def _sig3(value: float) -> str:
+    """3 significant figures, never in exponent form: 0.123, 1.23, 12.3, 123."""
+    if value == 0:
+        return "0"
+    rounded = float(f"{value:.3g}")  # 0.9999 -> 1.0: the digits follow the rounded value
+    digits = max(0, 2 - math.floor(math.log10(abs(rounded))))
+    return f"{rounded:.{digits}f}"
+
+
+def gpu_hours(hours: float) -> str:
+    """GPU-hours, or the GPU time of a run too short to count in hours."""
+    if hours >= 1000:
+        return f"{hours:,.0f} GPU-h"
+    if hours >= 0.1:
+        return f"{_sig3(hours)} GPU-h"
+    return f"{duration(hours * 3600)} of GPU time"
+
+
+def usd(value: float) -> str:
+    """Dollars as a price reads: '$1,234', '$12.34', cents to 2 significant figures ('4.2¢'), '< $0.01', '$0'."""
+    if value >= 100:
+        return f"${value:,.0f}"
+    cents = value * 100
+    if value >= 1 or round(cents) >= 100:
+        return f"${value:,.2f}"
+    if cents >= 10:
+        return f"{cents:.0f}¢"
+    if round(cents, 1) >= 1:
+        return f"{cents:.1f}¢"
+    return "$0" if value == 0 else "< $0.01"
 
 
 def _usd_range(values: tuple[float, float, float] | None) -> str:
     if values is None:
         return "—"
-    low, mid, high = values
-    return f"{_usd(mid)} ({_usd(low)}–{_usd(high)})"
+    low, mid, high = (usd(v) for v in values)
+    if low == mid == high:
+        return mid
+    return f"{mid} ({low}–{high})"
 
 
 def render_cost(report: CostReport, console: Console) -> None:
@@ -473,8 +585,9 @@ def render_cost(report: CostReport, console: Console) -> None:
                 f"{(row.memory_bytes or 0) / 2**30:,.1f} GiB there (prime-train memory)[/]"
             )
         table = Table(
-            title=f"{row.gpu} × {row.num_gpus}: {mid:,.1f} h wall ({fast:,.1f}–{slow:,.1f}), "
-            f"{row.gpu_hours[1]:,.0f} GPU-h; step {row.step_time_s[1]:.3g} s ({row.basis}){fit}",
+            title=f"{row.gpu} × {row.num_gpus}: {duration(mid * 3600)} wall ({duration(fast * 3600)}–"
+            f"{duration(slow * 3600)}), {gpu_hours(row.gpu_hours[1])}; step {duration(row.step_time_s[1])} "
+            f"({row.basis}){fit}",
             title_justify="left",
         )
         for col, justify in (("provider", "left"), ("on-demand $/GPU-h", "right"), ("on-demand", "right"),

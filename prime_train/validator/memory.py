@@ -248,6 +248,12 @@ def estimate(params: MemoryInputs, *, gpu_table: GpuTable | None = None) -> Memo
         notes.append("selective checkpointing saves nothing with SDPA/flash attention: they keep no score matrix")
     if params.world_size == 1 and params.strategy not in ("none",):
         notes.append(f"strategy {params.strategy} on one GPU shards nothing")
+    verdicts = gpu_verdicts(params, shape, trainer, inf, table)
+    if params.precision == "bf16":
+        no_bf16 = [v.gpu for v in verdicts if not table.find(v.gpu).bf16]
+        if no_bf16:
+            notes.append(f"{', '.join(no_bf16)}: no bf16, so these verdicts are for a run that cannot start there; "
+                         "train in fp32 (--precision fp32) for theirs")  # fmt: skip
     if inf is not None and params.colocate:
         notes.append(
             "colocated: vLLM takes gpu_memory_utilization × the GPU and the trainer gets the rest; start vLLM "
@@ -258,7 +264,7 @@ def estimate(params: MemoryInputs, *, gpu_table: GpuTable | None = None) -> Memo
         shape=shape,
         trainer=trainer,
         inference=inf,
-        gpus=gpu_verdicts(params, shape, trainer, inf, table),
+        gpus=verdicts,
         gpu_table_checked=table.checked,
         notes=notes,
     )

@@ -3,6 +3,10 @@
 Never the weights: `verify-model` answers from these few JSON and template files. A hub id is looked
 up in the local cache first; only online, and only then, are the files fetched, each with a short
 timeout. Every way this can fail is a ModelConfigNotFound whose message says what to do.
+
+Offline is found out in seconds, not after huggingface_hub's retries (five, with backoff: ~25 s per
+file): HF_HUB_OFFLINE says so outright, and otherwise one HEAD request with a short timeout asks the
+hub whether it answers at all before any download starts.
 """
 
 from __future__ import annotations
@@ -10,11 +14,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 HUB_TIMEOUT_S = 10.0
+PROBE_TIMEOUT_S = 5.0  # the hub answers a HEAD in well under a second; five covers a slow link, not a dead one
 
 
 class ModelConfigNotFound(Exception):
@@ -143,11 +152,15 @@ def _from_hub(repo_id: str, offline: bool) -> ModelFiles:
             "network access"
         )
     else:
-        config_path = _hub_download(huggingface_hub, repo_id, "config.json", required=True)
+        endpoint = str(getattr(huggingface_hub.constants, "ENDPOINT", "https://huggingface.co"))
+        why = hub_unreachable(f"{endpoint.rstrip('/')}/{repo_id}/resolve/main/config.json")
+        if why is not None:
+            raise ModelConfigNotFound(_offline_message(repo_id, cache, why))
+        config_path = _hub_download(huggingface_hub, repo_id, "config.json", required=True, cache=cache)
         source = "Hugging Face hub"
 
         def read(name: str) -> str | None:
-            path = _hub_download(huggingface_hub, repo_id, name, required=False)
+            path = _hub_download(huggingface_hub, repo_id, name, required=False, cache=cache)
             return Path(path).read_text(encoding="utf-8", errors="replace") if path else None
 
     assert config_path is not None
@@ -164,7 +177,62 @@ def _from_hub(repo_id: str, offline: bool) -> ModelFiles:
     return ModelFiles(config, tokenizer_config, _template_text(tokenizer_config, extra), source, repo_id)
 
 
-def _hub_download(hub: Any, repo_id: str, filename: str, *, required: bool) -> str | None:
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None  # a redirect is an answer: the hub is there
+
+
+def hub_unreachable(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why the hub at `url` cannot be reached (no DNS, refused, no answer in `timeout_s`), or None when it answers.
+
+    One HEAD request, without a token, through the proxies the environment names (as huggingface_hub's HTTP
+    client uses them). Any HTTP status is an answer. Run on a thread so that a DNS lookup that hangs, which no
+    socket timeout bounds, is bounded too.
+    """
+    result: list[str | None] = []
+    silent = f"no answer within {timeout_s:g} s"
+
+    def probe() -> None:
+        opener = urllib.request.build_opener(_NoRedirect)
+        try:
+            with opener.open(urllib.request.Request(url, method="HEAD"), timeout=timeout_s):
+                result.append(None)
+        except urllib.error.HTTPError:
+            result.append(None)  # 401, 404, a redirect: the hub answered
+        except urllib.error.URLError as exc:
+            reason = getattr(exc, "reason", exc)
+            result.append(silent if isinstance(reason, TimeoutError) else str(reason))
+        except TimeoutError:  # connected, and then nothing
+            result.append(silent)
+        except (OSError, ValueError) as exc:  # a connection reset, a malformed endpoint
+            result.append(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+
+    thread = threading.Thread(target=probe, name="hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s + 1)
+    return result[0] if result else silent
+
+
+def _offline_message(repo_id: str, cache: Path, why: str) -> str:
+    host = urllib.parse.urlsplit(_endpoint_of_hub()).netloc or "the hub"
+    return (
+        f"offline / hub unreachable: {host} did not answer ({why}), and {repo_id} is not in the local Hugging Face "
+        f"cache ({cache}). Pass a local model directory (the one with config.json), fetch the model where there is "
+        f"network (`hf download {repo_id}`) into this cache, or check the network and proxies (HF_ENDPOINT, "
+        "HTTPS_PROXY); HF_HUB_OFFLINE=1 skips the hub"
+    )
+
+
+def _endpoint_of_hub() -> str:
+    try:
+        from huggingface_hub import constants
+
+        return str(constants.ENDPOINT)
+    except ImportError:
+        return "https://huggingface.co"
+
+
+def _hub_download(hub: Any, repo_id: str, filename: str, *, required: bool, cache: Path) -> str | None:
     """One file from the hub with a short timeout; a missing optional file is None, never an error."""
     from huggingface_hub import errors
 
@@ -184,11 +252,17 @@ def _hub_download(hub: Any, repo_id: str, filename: str, *, required: bool) -> s
             f"{repo_id} was not found on the Hugging Face hub (a typo, or a private repository without a token): "
             "check the id, or pass a local path to the model directory"
         ) from None
+    except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled) as exc:
+        # huggingface_hub's "the hub did not answer and the cache has no copy" (a subclass of EntryNotFoundError
+        # since 1.0: caught first, or it would read as a file missing from the repository)
+        if not required:
+            return None
+        raise ModelConfigNotFound(_offline_message(repo_id, cache, type(exc).__name__)) from None
     except (errors.EntryNotFoundError, errors.RevisionNotFoundError):
         if not required:
             return None
         raise ModelConfigNotFound(f"{repo_id} has no {filename} on the hub: is it a transformers model?") from None
-    except Exception as exc:  # network down, timeouts, offline mode forced by the library
+    except Exception as exc:  # a connection dropped mid-way, a timeout
         if not required:
             return None
         raise ModelConfigNotFound(

@@ -61,7 +61,8 @@ def model_shape(cfg: Config) -> tuple[dict[str, Any] | None, str]:
         }
         return hf, f"random-initialised {m.arch}"
     local = Path(os.path.expanduser(m.path)) / "config.json"
-    path = str(local) if local.is_file() else _hub_config_path(m.path)
+    # os.path.isfile, not Path.is_file: a name the filesystem refuses (too long) is no local file, not an OSError
+    path = str(local) if os.path.isfile(local) else _hub_config_path(m.path)
     if path is None:
         return None, f"model.path {m.path!r} has no local config.json (not downloaded yet)"
     try:

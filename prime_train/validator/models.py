@@ -17,7 +17,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from prime_train.validator.model_files import ModelConfigNotFound, find_model_files
+# ModelConfigNotFound is verify_model's error (raised by find_model_files): its callers import it from here
+from prime_train.validator.model_files import ModelConfigNotFound, find_model_files  # noqa: F401
 from prime_train.validator.param_count import ParameterCount, count_model_parameters, text_config
 from prime_train.validator.registry import lookup
 from prime_train.validator.vllm_compat import (
@@ -60,7 +61,7 @@ class ModelReport:
     model_id: str
     architecture: str | None
     model_type: str | None
-    num_parameters: int
+    num_parameters: int | None  # None: config.json lacks what a count needs (the report says which field)
     active_parameters: int | None
     parameter_count_exact: bool
     parameter_parts: dict[str, int]
@@ -75,8 +76,8 @@ class ModelReport:
     rope_scaling: dict[str, Any] | None
     dtype: str | None
     serve_dtype: str
-    serve_memory_bytes: int
-    train_memory_bytes: int
+    serve_memory_bytes: int | None
+    train_memory_bytes: int | None
     known_issues: list[dict[str, Any]]
     tested: dict[str, Any] | None
     problems: list[str] = field(default_factory=list)
@@ -143,7 +144,10 @@ def serve_memory(count: ParameterCount, hf: dict[str, Any], dtype: str | None) -
 def verify_model(name_or_path: str, *, job: str = "rl", offline: bool | None = None) -> ModelReport:
     """Read a model's config and answer: can this job use it, and what will it cost in memory?
 
-    Raises ModelConfigNotFound when config.json cannot be read (CLI exit 2). Never downloads weights.
+    Raises ModelConfigNotFound when config.json cannot be read (CLI exit 2). A config.json that lacks what a
+    parameter count needs (an unknown architecture without intermediate_size, say) still gets its report: the
+    architecture, vLLM support and templates, with the size and memory figures left out and a warning saying why.
+    Never downloads weights.
     """
     if job not in JOBS:
         raise ValueError(f"job must be one of {', '.join(JOBS)}, not {job!r}")
@@ -156,21 +160,28 @@ def verify_model(name_or_path: str, *, job: str = "rl", offline: bool | None = N
     warnings: list[str] = []
     notes: list[str] = []
 
+    count: ParameterCount | None
     try:
         count = count_model_parameters(hf)
     except (KeyError, TypeError, ValueError) as exc:
-        raise ModelConfigNotFound(
-            f"config.json of {files.model_id} lacks what a parameter count needs ({type(exc).__name__}: {exc}); is it "
-            "a transformers decoder?"
-        ) from None
-    notes.extend(count.notes)
-    if not count.exact:
-        warnings.append("parameter count is an estimate: " + "; ".join(count.notes or ["family not mirrored"]))
+        count = None
+        missing = f"it lacks {exc}" if isinstance(exc, KeyError) else str(exc)
+        warnings.append(
+            f"parameter count unknown: config.json of {files.model_id} does not give what a count needs ({missing}; "
+            "is it a transformers decoder?), so the size and memory figures are left out"
+        )
+    if count is not None:
+        notes.extend(count.notes)
+        if not count.exact:
+            warnings.append("parameter count is an estimate: " + "; ".join(count.notes or ["family not mirrored"]))
 
-    text = text_config(hf)
+    text = _text_fields(hf)
     dtype = _dtype_of(hf, text)
-    serve_bytes, serve_dtype, serve_notes = serve_memory(count, hf, dtype)
-    notes.extend(serve_notes)
+    serve_bytes: int | None = None
+    serve_dtype = dtype or "bfloat16"
+    if count is not None:
+        serve_bytes, serve_dtype, serve_notes = serve_memory(count, hf, dtype)
+        notes.extend(serve_notes)
 
     support = vllm_support(architecture, installed=installed_vllm_archs())
     if support.detail and support.supported is not False:
@@ -237,10 +248,10 @@ def verify_model(name_or_path: str, *, job: str = "rl", offline: bool | None = N
         model_id=files.model_id,
         architecture=architecture,
         model_type=str(model_type) if model_type is not None else None,
-        num_parameters=count.total,
-        active_parameters=count.active if count.moe else None,
-        parameter_count_exact=count.exact,
-        parameter_parts={k: v for k, v in count.parts.items() if v},
+        num_parameters=count.total if count else None,
+        active_parameters=count.active if count and count.moe else None,
+        parameter_count_exact=bool(count and count.exact),
+        parameter_parts={k: v for k, v in count.parts.items() if v} if count else {},
         vllm_supported=support.supported,
         vllm_min_version=support.min_version,
         vllm_source=support.source,
@@ -253,13 +264,21 @@ def verify_model(name_or_path: str, *, job: str = "rl", offline: bool | None = N
         dtype=dtype,
         serve_dtype=serve_dtype,
         serve_memory_bytes=serve_bytes,
-        train_memory_bytes=count.total * TRAIN_BYTES_PER_PARAM,
+        train_memory_bytes=count.total * TRAIN_BYTES_PER_PARAM if count else None,
         known_issues=known,
         tested=tested,
         problems=problems,
         warnings=warnings,
         notes=notes,
     )
+
+
+def _text_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The language model's fields (text_config of a VL model), or the config itself when they cannot be split."""
+    try:
+        return text_config(hf)
+    except (KeyError, TypeError, ValueError):
+        return hf
 
 
 def _older(version: str, minimum: str) -> bool:
@@ -282,8 +301,10 @@ def human_count(n: int | None) -> str:
     return f"{n:,}"
 
 
-def human_bytes(n: float) -> str:
+def human_bytes(n: float | None) -> str:
     """Binary units, as GPU memory is sold and reported (nvidia-smi, torch)."""
+    if n is None:
+        return "unknown"
     for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
         if n >= size:
             return f"{n / size:.1f} {unit}"
@@ -302,7 +323,9 @@ def render_report(report: ModelReport, console: Any) -> None:
     table.add_column("value", overflow="fold")
     table.add_row("source", report.source)
     table.add_row("architecture", f"{report.architecture or '-'} ({report.model_type or '-'})")
-    table.add_row("parameters", human_count(report.num_parameters) + ("" if report.parameter_count_exact else " ~est."))
+    exactness = "" if report.parameter_count_exact or report.num_parameters is None else " ~est."
+    count = "unknown" if report.num_parameters is None else human_count(report.num_parameters)
+    table.add_row("parameters", count + exactness)
     if report.active_parameters is not None:
         table.add_row("active per token", human_count(report.active_parameters))
     vllm = yes_no(report.vllm_supported)
@@ -321,8 +344,9 @@ def render_report(report: ModelReport, console: Any) -> None:
         context += f" (rope scaling: {kind}, factor {report.rope_scaling.get('factor', '-')})"
     table.add_row("context (max_position_embeddings)", context)
     table.add_row("dtype", f"{report.dtype or 'not set'} (served as {report.serve_dtype})")
-    table.add_row("memory to serve", f"{human_bytes(report.serve_memory_bytes)} (weights only)")
-    table.add_row("memory to train", f"{human_bytes(report.train_memory_bytes)} (16 B/param, full AdamW)")
+    serve, train = report.serve_memory_bytes, report.train_memory_bytes
+    table.add_row("memory to serve", human_bytes(serve) + (" (weights only)" if serve is not None else ""))
+    table.add_row("memory to train", human_bytes(train) + (" (16 B/param, full AdamW)" if train is not None else ""))
     tested = report.tested
     table.add_row("registry", f"{tested['model_id']} (checked {tested.get('tested_on')})" if tested else "not listed")
     console.print(table)

@@ -37,11 +37,12 @@ class Answers:
 
 @dataclass(frozen=True)
 class Hardware:
-    """One node of the run: `count` GPUs called `gpu` (None: the CPU, one process) and each one's memory."""
+    """One node of the run: `count` GPUs called `gpu` (None: the CPU, one process), each one's memory and bf16."""
 
     gpu: str | None
     count: int
     memory_gib: float | None
+    bf16: bool = False
 
     @property
     def is_gpu(self) -> bool:
@@ -49,9 +50,14 @@ class Hardware:
 
 
 def parse_hardware(text: str) -> Hardware:
-    """'cpu', 'H100', 'H100:8', 'A100-80GB:4' -> Hardware; an unknown GPU keeps memory None (no guess)."""
+    """'cpu', 'H100', 'H100:8', 'A100-80GB:4' -> Hardware, the GPU looked up in the one GPU table (validator/gpus.py).
+
+    A GPU the table does not know is refused, as `prime-train memory` and `cost` refuse it: the config's sharding
+    and precision are chosen from the GPU's memory and bf16 support, which would otherwise be guesses.
+    """
     from prime_train.config.accelerators import parse_accelerators
-    from prime_train.validator.memory import MemoryInputError, load_gpus
+    from prime_train.validator.gpus import load_gpus
+    from prime_train.validator.memory_inputs import MemoryInputError
 
     accelerators = parse_accelerators(text, what="hardware")
     if accelerators.is_cpu:
@@ -59,10 +65,10 @@ def parse_hardware(text: str) -> Hardware:
     # the config gets one training process per GPU (distributed.nproc_per_node), so a shared GPU cannot be one
     count = accelerators.whole_count("the run starts one training process per GPU", what="hardware")
     try:
-        memory_gib = load_gpus().find(accelerators.name).memory_bytes / 2**30
-    except MemoryInputError:
-        memory_gib = None
-    return Hardware(accelerators.name, count, memory_gib)
+        spec = load_gpus().find(accelerators.name)
+    except MemoryInputError as exc:
+        raise ValueError(f"hardware {text!r}: {exc}") from None
+    return Hardware(accelerators.name, count, spec.memory_bytes / 2**30, spec.bf16)
 
 
 def _model_shape(model: str) -> tuple[dict[str, Any] | None, int | None]:
@@ -157,7 +163,7 @@ def build_config(a: Answers) -> str:
         while global_batch % group_size:
             global_batch += per_step
     max_steps = a.max_steps or (300 if a.model == TINY else 1000)
-    precision = "bf16" if hw.is_gpu else "fp32"
+    precision = "bf16" if hw.bf16 else "fp32"
     lr = 3e-3 if a.model == TINY else (1e-6 if a.job == "rl" else 1e-5)
     lines += [
         "",
@@ -166,7 +172,7 @@ def build_config(a: Answers) -> str:
         f"global_batch_size = {global_batch}   # sequences per optimizer step, over all {world} process(es)",
         f"micro_batch_size = {micro}   # per forward/backward; lower it first if memory runs out",
         f"lr = {lr:g}   # {'tiny models learn fast' if a.model == TINY else 'fine-tuning a pretrained model'}",
-        f'precision = "{precision}"   # {"bf16 autocast on GPUs" if hw.is_gpu else "the CPU trains in fp32"}',
+        f'precision = "{precision}"   # {_precision_why(hw)}',
     ]
     if a.job == "rl":
         lines += ['scheduler = "constant"', "warmup_steps = 0"]
@@ -242,6 +248,12 @@ def build_config(a: Answers) -> str:
         f"log_interval = {10 if a.model == TINY else 20}",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _precision_why(hw: Hardware) -> str:
+    if hw.bf16:
+        return "bf16 autocast on GPUs"
+    return f"the {hw.gpu} has no bf16: fp32" if hw.is_gpu else "the CPU trains in fp32"
 
 
 def check_text(text: str, path: Path) -> list:
