@@ -100,7 +100,16 @@ class Heartbeat:
     step_time_s: float | None = None
     reward: float | None = None  # RL: the mean sampled reward of the last step
     exit_code: int | None = None  # with phase stopped or failed: torchrun reports every worker failure as 1
-    reason: str | None = None  # with phase failed
+    reason: str | None = None  # with phase stopped or failed: why, in words
+    # with phase failed: the kind of failure the job diagnosed itself, as the supervisor names them
+    # (resilience/failures.py: "loss_not_finite"); the supervisor takes it over its own reading of the log
+    failure: str | None = None
+    resumed_from: int | None = None  # the step this attempt started from: its checkpoint's step, 0 when fresh
+    # RL: the policy step the rollout workers were last told to load, how many loaded it, and the slowest one's
+    # seconds (the supervisor records each new one as a `weights_loaded` event)
+    weights_step: int | None = None
+    workers_reloaded: int | None = None
+    weight_reload_s: float | None = None
 
     @classmethod
     def now(cls, step: int | None, phase: Phase, **fields: Any) -> Heartbeat:
@@ -131,12 +140,13 @@ class Heartbeat:
         if step is None and phase is None:
             return None
         hb = cls(step=step, phase=phase or Phase.STEP)
-        for name in ("pid", "max_steps", "tokens", "exit_code"):
+        for name in ("pid", "max_steps", "tokens", "exit_code", "resumed_from", "weights_step", "workers_reloaded"):
             setattr(hb, name, _int(obj.get(name)))
-        for name in ("time", "loss", "tokens_per_s", "step_time_s", "reward"):
+        for name in ("time", "loss", "tokens_per_s", "step_time_s", "reward", "weight_reload_s"):
             setattr(hb, name, _float(obj.get(name)))
-        reason = obj.get("reason")
-        hb.reason = reason if isinstance(reason, str) else None
+        for name in ("reason", "failure"):
+            value = obj.get(name)
+            setattr(hb, name, value if isinstance(value, str) else None)
         return hb
 
 
@@ -163,12 +173,20 @@ def write_heartbeat(path: str | os.PathLike[str], heartbeat: Heartbeat) -> None:
 ENV_RUN_DIR = "PRIME_TRAIN_RUN_DIR"  # the run directory, absolute
 ENV_ATTEMPT = "PRIME_TRAIN_ATTEMPT"  # the attempt number, from 1
 ENV_PROFILE = "PRIME_TRAIN_PROFILE"  # "<warmup>,<steps>": `prime-train profile` asks the job to time itself
+# "<pid>:<create time>" of the process that started the job (`prime-train run` or `train`): the job must not
+# outlive it. The create time (seconds since the epoch, as psutil.Process.create_time gives it) tells that
+# process from a later one that got its recycled pid.
+ENV_SUPERVISOR = "PRIME_TRAIN_SUPERVISOR"
 
 
 # ---------------------------------------------------------------- the run directory
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 TMP_RE = re.compile(r"^step-(\d+)\.tmp$")
+# a checkpoint set aside because it failed verification: neither whole nor unfinished, so neither resumed from,
+# counted by retention, nor cleaned up as a stale save; `quarantine.json` inside says why
+QUARANTINE_RE = re.compile(r"^step-(\d+)\.corrupt(?:-\d+)?$")
+QUARANTINE_NOTE = "quarantine.json"
 
 
 class RunDir:
@@ -176,10 +194,13 @@ class RunDir:
 
     ```
     runs/<name>/
+      .lock                     flock()ed by the one process that owns the run (`run` or `train`); names it inside
+      processes.json            the owner's job processes (pid, pgid, create time): the next owner ends orphans
       config.toml  events.jsonl  supervisor.json  progress.json  metrics.jsonl
       gpu.jsonl                 the GPU readings the supervisor acted on (PRIME_TRAIN_GPU_REPLAY replays them)
       logs/attempt-<n>/<process>.log  logs/latest -> attempt-<n>
       checkpoints/step-<N>/     written as step-<N>.tmp, renamed when whole
+      checkpoints/step-<N>.corrupt/  a checkpoint that failed verification, set aside (never deleted, never whole)
       weights/step-<N>/         RL: HF weights published for the inference workers, renamed when whole
       final/                    HF-format export
       profile/summary.json      `prime-train profile`
@@ -189,6 +210,8 @@ class RunDir:
 
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
+        self.lock_path = self.root / ".lock"
+        self.processes_path = self.root / "processes.json"
         self.config_path = self.root / "config.toml"
         self.events_path = self.root / "events.jsonl"
         self.supervisor_path = self.root / "supervisor.json"
@@ -289,12 +312,18 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
 
 
 def read_json(path: str | os.PathLike[str]) -> dict | None:
-    """The JSON object in `path`, or None when the file is missing, half-written or not an object."""
+    """The JSON object in `path`, or None when the file is missing, unreadable, half-written or not an object.
+
+    Bytes that are not UTF-8 read as U+FFFD, so that one stray byte in a string (a job's heartbeat `reason`)
+    does not hide the whole heartbeat; NaN and Infinity read as floats, null as None.
+    """
     try:
-        text = Path(path).read_text(encoding="utf-8")
-        obj = json.loads(text)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError):
-        # ValueError covers JSONDecodeError and UnicodeDecodeError: a garbled file reads as absent
+        data = Path(path).read_bytes()
+    except OSError:
+        return None
+    try:
+        obj = json.loads(data.decode("utf-8", "replace"))
+    except (ValueError, RecursionError):  # half-written or garbled: reads as absent
         return None
     return obj if isinstance(obj, dict) else None
 
@@ -306,3 +335,174 @@ def append_jsonl(path: str | os.PathLike[str], obj: Any) -> None:
     with open(path, "a", encoding="utf-8") as f:
         f.write(line)
         f.flush()
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file another process may be writing (metrics.jsonl, events.jsonl).
+
+    Nothing in it stops the reading: a torn or garbled line, a line that is not an object, and bytes that
+    are not UTF-8 (read as U+FFFD) are skipped or replaced; NaN and Infinity read as floats, null as None.
+    A missing or unreadable file has no records.
+    """
+    try:
+        data = Path(path).read_bytes()
+    except OSError:
+        return []
+    out = []
+    for line in data.decode("utf-8", "replace").splitlines():
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):  # torn, garbled, a number too long to parse, nesting too deep
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+# ---------------------------------------------------------------- processes, told apart from a recycled pid
+
+
+def process_started_at(pid: int) -> float | None:
+    """When process `pid` started, in seconds since the epoch, or None when it does not exist or cannot be told.
+
+    The value psutil.Process(pid).create_time() gives on Linux (boot time + /proc/<pid>/stat's starttime),
+    read without psutil so that this module stays standard library only. Elsewhere None: callers fall back
+    to the pid alone.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+        with open("/proc/stat", "rb") as f:
+            btime = next(int(line.split()[1]) for line in f.read().decode().splitlines() if line.startswith("btime"))
+        # the command name (field 2) may hold spaces and parentheses: count the fields after its last ')'
+        ticks = int(stat[stat.rindex(")") + 2 :].split()[19])
+        return ticks / os.sysconf("SC_CLK_TCK") + btime
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def same_process_alive(pid: int, started_at: float | None) -> bool:
+    """Whether `pid` is alive and is the process that started at `started_at` (None: any process with that pid).
+
+    The start times are compared to within a second: both sides read them the same way, but the boot time
+    they are counted from moves when the wall clock is stepped.
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, someone else's
+    if started_at is None:
+        return True
+    now = process_started_at(pid)
+    return now is None or abs(now - started_at) < 1.0
+
+
+# ---------------------------------------------------------------- one owner per run directory
+
+
+class RunDirBusy(Exception):
+    """The run directory is owned by another live process; `holder` is what it wrote about itself."""
+
+    def __init__(self, run_dir: RunDir, holder: dict[str, Any] | None):
+        self.run_dir = run_dir
+        self.holder = holder or {}
+        h = self.holder
+        who = f"`{h['command']}`" if isinstance(h.get("command"), str) else "another prime-train"
+        details = []
+        if isinstance(h.get("pid"), int):
+            details.append(f"pid {h['pid']}")
+        if isinstance(h.get("host"), str):
+            details.append(f"on {h['host']}")
+        if isinstance(h.get("since"), int | float):
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["since"]))
+            details.append(f"since {stamp} ({max(0, time.time() - h['since']) / 60:.0f} min ago)")
+        holder_text = f"{who} ({', '.join(details)})" if details else f"{who} (it has not said which process)"
+        stop = f"stop it (kill -TERM {h['pid']}), " if isinstance(h.get("pid"), int) else ""
+        super().__init__(
+            f"run directory {run_dir.root} is in use by {holder_text}: one process owns a run directory at a "
+            f"time. Wait for it to finish, {stop}or give this run another run.name or run.output_dir."
+        )
+
+
+class RunLock:
+    """The flock() on <run>/.lock, held for the life of the process that owns the run directory.
+
+    The kernel releases it when the holder exits however it exits (kill -9 included), so a stale lock
+    cannot outlive its owner; the file itself stays (deleting it would let two processes lock two
+    different files). The descriptor is not inherited by children: an orphaned job must not keep the
+    run locked against the supervisor that comes to end it. On NFS, Linux emulates flock() with POSIX
+    byte-range locks, which the server arbitrates between machines.
+    """
+
+    def __init__(self, run_dir: RunDir, fd: int):
+        self.run_dir = run_dir
+        self._fd: int | None = fd
+
+    @classmethod
+    def acquire(cls, run_dir: RunDir, command: str) -> RunLock:
+        """Take the run directory for this process, or raise RunDirBusy naming the process that has it."""
+        import fcntl
+        import socket
+
+        run_dir.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RunDirBusy(run_dir, read_lock_holder(run_dir)) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "command": command}
+        with contextlib.suppress(OSError):  # a full disk must not stop a run that holds its lock
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        return cls(run_dir, fd)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Give the run directory up (closing the descriptor releases the flock)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def read_lock_holder(run_dir: RunDir) -> dict[str, Any] | None:
+    """What the owner of the run directory wrote about itself in .lock (pid, host, since, command), or None."""
+    try:
+        obj = json.loads(run_dir.lock_path.read_bytes().decode("utf-8", "replace"))
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def newest_external_checkpoint(directory: Path, pattern: str) -> tuple[int, Path] | None:
+    """The highest-step entry of an external job's checkpoint directory whose name matches `pattern` (group 1:
+    the step); entries ending in .tmp are unfinished saves and never count."""
+    if not directory.is_dir():
+        return None
+    regex = re.compile(pattern)
+    best: tuple[int, Path] | None = None
+    for entry in directory.iterdir():
+        m = regex.search(entry.name)
+        if not m or entry.name.endswith(".tmp"):
+            continue
+        try:
+            step = int(m.group(1))
+        except (IndexError, ValueError):
+            continue
+        if best is None or step > best[0]:
+            best = (step, entry)
+    return best

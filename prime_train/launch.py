@@ -5,16 +5,22 @@ Torch-free on purpose: the supervisor builds the same argv without importing tor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from prime_train.config.loader import dump_toml
+import psutil
+
 from prime_train.config.schema import Config
-from prime_train.contract import ExitCode, Heartbeat, RunDir, read_heartbeat
+from prime_train.contract import ENV_SUPERVISOR, ExitCode, Heartbeat, RunDir, read_heartbeat
+
+if TYPE_CHECKING:
+    from prime_train.resilience.redact import MaskedConfig
 
 # The module each job runs as (`python -m MODULE --config RUN/config.toml`, under torchrun for several processes).
 JOB_MODULES = {"sft": "prime_train.engine.train", "pretrain": "prime_train.engine.train", "rl": "prime_train.rl.train"}
@@ -119,29 +125,50 @@ def job_exit_code(returncode: int, heartbeat: Heartbeat | None, started_at: floa
 
 
 def write_run_config(cfg: Config) -> RunDir:
-    """Create the run directory and keep the resolved config in it, as run."""
+    """Create the run directory and keep the resolved config in it, as run, secret values as `***` (the job
+    reads the real ones from the environment `masked_run_config(cfg).env` gives it)."""
     run_dir = RunDir(cfg.run_dir)
     run_dir.create()
-    run_dir.config_path.write_text(dump_toml(cfg))
+    run_dir.config_path.write_text(masked_run_config(cfg).text)
     return run_dir
 
 
+def masked_run_config(cfg: Config) -> MaskedConfig:
+    """The run's config.toml text with secrets masked, and the job's environment that restores them."""
+    from prime_train.resilience.redact import Redactor
+
+    return Redactor.for_run(cfg).masked_config(cfg)
+
+
 def train_directly(cfg: Config) -> int:
-    """Train in the foreground; SIGTERM is passed on so the job checkpoints and exits 75."""
-    run_dir = write_run_config(cfg)
-    plan = plan_engine_launch(cfg, str(run_dir.config_path))
-    env = {**os.environ, **{k: v for k, v in plan.env.items() if k not in os.environ}}
-    started = time.time()
-    child = subprocess.Popen(plan.argv, env=env)
+    """Train in the foreground; SIGTERM is passed on so the job checkpoints and exits 75.
 
-    def forward(signum, frame):
-        child.send_signal(signum)
+    Like `prime-train run`, it owns the run directory while it trains (contract.RunDirBusy when another
+    process does), ends what a killed predecessor left running, and its job stops when it is gone.
+    """
+    from prime_train.resilience.ownership import claim_run_dir, end_orphans, record_processes, supervisor_token
 
-    # Ctrl-C reaches the child through the terminal's process group; we only have to outlive it
-    previous = {s: signal.signal(s, h) for s, h in ((signal.SIGTERM, forward), (signal.SIGINT, signal.SIG_IGN))}
-    try:
-        returncode = child.wait()
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-    return job_exit_code(returncode, read_heartbeat(run_dir.progress_path), started)
+    with claim_run_dir(RunDir(cfg.run_dir), "prime-train train"):
+        end_orphans(RunDir(cfg.run_dir), cfg.supervisor.term_grace_s)
+        run_dir = write_run_config(cfg)
+        plan = plan_engine_launch(cfg, str(run_dir.config_path))
+        env = {**os.environ, **{k: v for k, v in plan.env.items() if k not in os.environ}}
+        env[ENV_SUPERVISOR] = supervisor_token()
+        env.update(masked_run_config(cfg).env)  # the real values of config.toml's ***
+        started = time.time()
+        child = subprocess.Popen(plan.argv, env=env)
+        with contextlib.suppress(psutil.Error):
+            record_processes(run_dir, {"trainer": [psutil.Process(child.pid)]})
+
+        def forward(signum, frame):
+            child.send_signal(signum)
+
+        # Ctrl-C reaches the child through the terminal's process group; we only have to outlive it
+        previous = {s: signal.signal(s, h) for s, h in ((signal.SIGTERM, forward), (signal.SIGINT, signal.SIG_IGN))}
+        try:
+            returncode = child.wait()
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+        record_processes(run_dir, {})
+        return job_exit_code(returncode, read_heartbeat(run_dir.progress_path), started)

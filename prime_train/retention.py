@@ -10,10 +10,24 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
+import socket
+import time
 from pathlib import Path
+from typing import Any
 
-from prime_train.contract import STEP_RE, TMP_RE, list_checkpoints
+from prime_train.contract import (
+    QUARANTINE_NOTE,
+    QUARANTINE_RE,
+    STEP_RE,
+    TMP_RE,
+    list_checkpoints,
+    process_started_at,
+    read_json,
+    same_process_alive,
+    write_json_atomic,
+)
 
 logger = logging.getLogger("prime_train.retention")
 
@@ -102,22 +116,124 @@ def apply_retention(
     return removed
 
 
+# Who is writing a step-N.tmp: its writer's pid, host and process start time, inside it from the moment it
+# appears (claim_tmp builds it under a private name and renames it), so that cleanup can tell a save in
+# progress from one a dead process left behind.
+TMP_OWNER_FILE = ".writer.json"
+_PREP_RE = re.compile(r"^\.step-\d+\.tmp\.(\d+)$")  # claim_tmp's private name: .step-N.tmp.<pid>
+
+
+def claim_tmp(tmp: str | os.PathLike[str]) -> None:
+    """Create the step-N.tmp this process is about to write, with its owner file already inside."""
+    tmp = Path(tmp)
+    pid = os.getpid()
+    prep = tmp.with_name(f".{tmp.name}.{pid}")
+    if prep.is_dir() and not prep.is_symlink():
+        shutil.rmtree(prep)
+    prep.mkdir()
+    owner = {"pid": pid, "host": socket.gethostname(), "started_at": process_started_at(pid), "time": time.time()}
+    try:
+        write_json_atomic(prep / TMP_OWNER_FILE, owner)
+        os.rename(prep, tmp)
+    except BaseException:
+        shutil.rmtree(prep, ignore_errors=True)
+        raise
+
+
+def tmp_writer(tmp: str | os.PathLike[str]) -> str | None:
+    """Who is still writing step-N.tmp, in words, or None when nobody is (it is safe to delete).
+
+    Someone is while its owner file names a live process of this host that started when the owner did (a
+    recycled pid is not the writer), or a process of another host, which this one cannot see. A step-N.tmp
+    without an owner file was left by an older prime-train, or is a checkpoint half way through deletion.
+    """
+    owner = read_json(Path(tmp) / TMP_OWNER_FILE)
+    if owner is None or not isinstance(owner.get("pid"), int):
+        return None
+    pid, host = owner["pid"], owner.get("host")
+    started = owner.get("started_at") if isinstance(owner.get("started_at"), int | float) else None
+    if host not in (None, socket.gethostname()):
+        return f"pid {pid} on {host} (another machine)"
+    if pid != os.getpid() and same_process_alive(pid, started):
+        return f"pid {pid}, still running"
+    return None
+
+
 def clean_stale_tmp(ckpt_dir: str | os.PathLike[str]) -> list[Path]:
-    """Remove step-N.tmp directories left by a crashed save; call it only while no save is running."""
+    """Remove step-N.tmp directories left by a crashed save; one another process is still writing stays.
+
+    This process's own unfinished saves count as stale: call it only while this process is not saving.
+    """
     removed: list[Path] = []
     try:
         entries = list(os.scandir(ckpt_dir))
     except (FileNotFoundError, NotADirectoryError):
         return []
     for entry in entries:
+        prep = _PREP_RE.match(entry.name)
+        if prep and entry.is_dir(follow_symlinks=False) and not same_process_alive(int(prep.group(1)), None):
+            shutil.rmtree(entry.path, ignore_errors=True)  # a claim_tmp its process did not finish
+            continue
         if not TMP_RE.match(entry.name):
             continue
         path = Path(ckpt_dir) / entry.name
         if not entry.is_symlink() and not entry.is_dir(follow_symlinks=False):
             logger.warning("leaving %s alone: a file named like a checkpoint, not a directory", path)
             continue
+        writer = None if entry.is_symlink() else tmp_writer(path)
+        if writer is not None:
+            logger.warning("leaving %s alone: it is being written by %s", path, writer)
+            continue
         safe_remove_checkpoint(path, ckpt_dir)
         removed.append(path)
     if removed:
         logger.info("removed incomplete checkpoint(s) from an interrupted save: %s", ", ".join(p.name for p in removed))
     return removed
+
+
+# ---------------------------------------------------------------- checkpoints that failed verification
+
+
+def quarantine_checkpoint(path: str | os.PathLike[str], ckpt_dir: str | os.PathLike[str], reason: str) -> Path:
+    """Set a checkpoint that failed verification aside: rename step-N to step-N.corrupt (never delete it).
+
+    The new name is neither whole nor unfinished, so nothing resumes from it, retention never counts or
+    deletes it, and stale-save cleanup leaves it; `quarantine.json` inside says why, for people and for the
+    supervisor (which reports it as an event). Returns the new path.
+    """
+    root = Path(ckpt_dir).resolve(strict=True)
+    p = Path(path)
+    m = STEP_RE.match(p.name)
+    if not m or p.parent.resolve() != root or p.is_symlink() or not p.is_dir():
+        raise ValueError(f"refusing to quarantine {p}: not a step-N directory directly inside {root}")
+    dest = root / f"{p.name}.corrupt"
+    n = 1
+    while dest.exists() or dest.is_symlink():
+        n += 1
+        dest = root / f"{p.name}.corrupt-{n}"
+    os.rename(root / p.name, dest)
+    note = {"step": int(m.group(1)), "reason": reason, "time": time.time(), "pid": os.getpid(), "from": p.name}
+    try:
+        write_json_atomic(dest / QUARANTINE_NOTE, note)
+    except OSError as e:  # the rename is what matters; a full disk may refuse the note
+        logger.warning("quarantined %s as %s but could not write its note: %s", p.name, dest.name, e)
+    logger.warning("checkpoint %s failed verification (%s); set aside as %s", p.name, reason, dest.name)
+    return dest
+
+
+def list_quarantined(ckpt_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Checkpoints set aside as corrupt, oldest step first: path, step and reason (from their note, if any)."""
+    try:
+        entries = list(os.scandir(ckpt_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for entry in entries:
+        m = QUARANTINE_RE.match(entry.name)
+        if not m or not entry.is_dir(follow_symlinks=False):
+            continue
+        note = read_json(Path(entry.path) / QUARANTINE_NOTE) or {}
+        reason = note.get("reason")
+        out.append({"path": entry.path, "step": int(m.group(1)), "reason": reason if isinstance(reason, str) else None})
+    out.sort(key=lambda q: (q["step"], q["path"]))
+    return out

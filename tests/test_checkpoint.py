@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -273,6 +274,123 @@ def test_checkpointer_start_removes_stale_tmp_dirs_and_knows_the_newest_step(tmp
     assert second.latest_step() == 6
 
 
+# ---------------------------------------------------------------------- a damaged newest checkpoint (issue 14.3)
+
+
+def _truncate_data(step_dir: Path) -> None:
+    data = next(step_dir.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+
+
+def _garbage_data(step_dir: Path) -> None:
+    _garbage_data_of(next(step_dir.glob("*.distcp")))
+
+
+def _garbage_metadata(step_dir: Path) -> None:
+    (step_dir / ".metadata").write_bytes(b"\x80\x04not a pickle at all")
+
+
+def _empty(step_dir: Path) -> None:
+    import shutil
+
+    shutil.rmtree(step_dir)
+    step_dir.mkdir()
+
+
+DAMAGE = {
+    "truncated_distcp": (_truncate_data, "is truncated"),
+    "missing_metadata": (lambda d: (d / ".metadata").unlink(), r"no DCP \.metadata"),
+    "garbage_metadata": (_garbage_metadata, r"\.metadata does not load"),
+    "garbage_data_file": (_garbage_data, "does not match its checksum"),
+    "empty_step_dir": (_empty, r"no DCP \.metadata"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_next_whole_one_resumed(tmp_path, damage):
+    from prime_train.retention import apply_retention, list_quarantined
+
+    root = tmp_path / "run"
+    ckpt = make_checkpointer(root, async_save=True, resume="auto", keep_last=5)
+    state = build_state(seed=0)
+    train(state, 2)
+    ckpt.save(state, 2)
+    at_two = full_params(state.model)
+    train(state, 2)
+    ckpt.save(state, 4)
+    ckpt.close()
+    damage_it, why = DAMAGE[damage]
+    damage_it(ckpt.ckpt_dir / "step-4")
+
+    fresh = make_checkpointer(root, resume="auto", keep_last=1)
+    assert fresh.resolve_resume() == fresh.ckpt_dir / "step-2"
+    assert fresh.latest_step() == 2
+    # set aside, never deleted, with its reason beside it; retention neither counts nor deletes it
+    [quarantined] = list_quarantined(fresh.ckpt_dir)
+    assert quarantined["step"] == 4 and Path(quarantined["path"]).name == "step-4.corrupt"
+    assert re.search(why, quarantined["reason"]), quarantined["reason"]
+    assert [name for name, _ in fresh.quarantined] == ["step-4"]
+    assert steps_on_disk(fresh) == [2]
+    assert apply_retention(fresh.ckpt_dir, keep_last=1, keep_every=None) == []
+    assert Path(quarantined["path"]).is_dir()
+    loaded = build_state(seed=1)
+    fresh.load(loaded, fresh.resolve_resume())
+    assert loaded.step == 2
+    assert_same_tensors(full_params(loaded.model), at_two)
+
+
+def test_every_damaged_checkpoint_is_set_aside_and_a_run_with_none_left_starts_fresh(tmp_path):
+    root = tmp_path / "run"
+    ckpt = make_checkpointer(root, async_save=False, keep_last=5)
+    state = build_state(seed=0)
+    for step in (1, 2):
+        ckpt.save(state, step)
+    _truncate_data(ckpt.ckpt_dir / "step-1")
+    _garbage_metadata(ckpt.ckpt_dir / "step-2")
+    fresh = make_checkpointer(root, resume="auto")
+    assert fresh.resolve_resume() is None
+    assert sorted(p.name for p in fresh.ckpt_dir.iterdir()) == ["step-1.corrupt", "step-2.corrupt"]
+
+
+def test_each_save_writes_a_manifest_with_every_file_size_and_checksum(tmp_path):
+    import zlib
+
+    ckpt = make_checkpointer(tmp_path / "run", async_save=True)
+    ckpt.save(build_state(seed=0), 3)
+    ckpt.wait()
+    step_dir = ckpt.ckpt_dir / "step-3"
+    manifest = json.loads((step_dir / "manifest.json").read_text())["files"]
+    on_disk = {p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file()} - {"manifest.json"}
+    assert set(manifest) == on_disk and ".metadata" in manifest and "meta.json" in manifest
+    for name, rec in manifest.items():
+        data = (step_dir / name).read_bytes()
+        assert rec == {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
+
+
+def test_startup_cleanup_leaves_a_tmp_another_live_process_is_writing(tmp_path):
+    root = tmp_path / "run"
+    RunDir(root).create()
+    tmp = RunDir(root).checkpoints_dir / "step-5.tmp"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", f"import time\nfrom prime_train.retention import claim_tmp\nclaim_tmp({str(tmp)!r})\n"
+         "print('claimed', flush=True)\ntime.sleep(600)\n"], stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert writer.stdout.readline().strip() == "claimed"
+        (tmp / "__0_0.distcp").write_bytes(b"half a shard")
+        ckpt = make_checkpointer(root, async_save=False)
+        assert tmp.is_dir(), "a save in progress in another live process was deleted"
+        # and this process does not write into it either
+        with pytest.raises(RuntimeError, match=rf"step-5 was not saved: .*being written by pid {writer.pid}"):
+            ckpt.save(build_state(seed=0), 5)
+        writer.kill()
+        writer.wait()
+        make_checkpointer(root, async_save=False)
+        assert not tmp.exists(), "its writer is dead: the unfinished save is stale"
+    finally:
+        writer.kill()
+
+
 class BrokenTokenizer:
     def save_pretrained(self, path):
         raise OSError("No space left on device")
@@ -387,6 +505,21 @@ def test_fsdp2_two_process_save_loads_into_a_fresh_two_process_run_and_into_one_
     assert state.dataloader.state_dict()["rank"] == 0
     assert_same_tensors(full_params(state.model), torch.load(root / "params-step-4.pt"))
 
+    # the manifest holds both ranks' shards, each checksummed by its own rank: damage rank 1's, and both ranks
+    # agree (rank 0 verifies, the others follow it) to set step-4 aside and resume from step-2
+    manifest = json.loads((root / "checkpoints" / "step-4" / "manifest.json").read_text())["files"]
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(manifest)
+    _garbage_data_of(root / "checkpoints" / "step-4" / "__1_0.distcp")
+    resolved = run_worker("fsdp-resolve", str(root), nproc=2)
+    assert resolved.returncode == 0, resolved.stdout + resolved.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} resumes from step-2, set aside: step-4" in resolved.stdout, resolved.stdout
+    assert (root / "checkpoints" / "step-4.corrupt").is_dir()
+
+
+def _garbage_data_of(data: Path) -> None:
+    data.write_bytes(bytes(reversed(data.read_bytes())))  # same size, other bytes: only the checksum tells
+
 
 # ---------------------------------------------------------------------- worker entry points
 
@@ -460,6 +593,18 @@ def _worker_fsdp_load(root: Path) -> None:
     dist.destroy_process_group()
 
 
+def _worker_fsdp_resolve(root: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ckpt = Checkpointer(RunDir(root), CkptConfig(resume="auto"), rank=rank, world_size=world)
+    path = ckpt.resolve_resume()
+    aside = ", ".join(name for name, _ in ckpt.quarantined)
+    print(f"rank {rank} resumes from {path.name if path else None}, set aside: {aside}", flush=True)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, stream=sys.stdout)
     command, target = sys.argv[1], Path(sys.argv[2])
@@ -467,4 +612,5 @@ if __name__ == "__main__":
         "save-then-hang": _worker_save_then_hang,
         "fsdp-save": _worker_fsdp_save,
         "fsdp-load": _worker_fsdp_load,
+        "fsdp-resolve": _worker_fsdp_resolve,
     }[command](target)

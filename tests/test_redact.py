@@ -6,8 +6,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from prime_train.config.loader import MASK
+from prime_train.config.schema import Config
 from prime_train.resilience.events import EventLog, read_events
-from prime_train.resilience.redact import REDACTED, is_secret_name, redact, redact_argv, redact_env
+from prime_train.resilience.redact import (
+    REDACTED,
+    Redactor,
+    is_secret_name,
+    looks_secret_name,
+    redact,
+    redact_argv,
+    redact_env,
+)
 
 HF = "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"
 WANDB = "0123456789abcdef0123456789abcdef01234567"
@@ -55,6 +65,10 @@ SECRETS = [
         "@gitlab.com/acme/repo.git",
     ),
     ("accessToken: 'xyz-123-abc'", "xyz-123-abc", "accessToken"),
+    # a W&B key has no shape of its own: 40 hex digits, secret on a line that is about W&B
+    (f"wandb_key: {WANDB} (from ~/.netrc)", WANDB, "(from ~/.netrc)"),
+    (f"python train.py --wandb-key {WANDB} --steps 10", WANDB, "--steps 10"),
+    (f"wandb: logging in with {WANDB.upper()}", WANDB.upper(), "wandb: logging in with"),
 ]
 
 ORDINARY = [
@@ -200,3 +214,88 @@ def test_events_written_through_the_event_log_are_redacted(tmp_path):
     (event,) = read_events(tmp_path / "events.jsonl")
     assert HF not in str(event) and WANDB not in str(event)
     assert event["line"] == 3 and event["text"].startswith("torch.OutOfMemoryError")
+
+
+@pytest.mark.parametrize(
+    ("name", "secret"),
+    [
+        ("WANDB_KEY", True),
+        ("wandb_key", True),
+        ("DB_PASS", True),
+        ("MYSQL_PWD", True),
+        ("SMTP_AUTH", True),
+        ("GOOGLE_APPLICATION_CREDENTIALS", True),
+        ("SSH_PRIVATE_PEM", True),
+        ("client-secret", True),
+        ("apiKey", True),
+        ("HF_TOKEN", True),
+        ("PWD", False),  # the shell's working directory
+        ("OLDPWD", False),
+        ("SSH_AUTH_SOCK", False),  # a socket path
+        ("PUBLIC_KEY", False),
+        ("KEYBOARD", False),
+        ("PRIVATE", False),  # alone: `--private` is a switch
+        ("max_tokens", False),
+        ("TOKENIZERS_PARALLELISM", False),
+        ("required_env", False),
+    ],
+)
+def test_names_chosen_for_a_value_are_secret_by_any_credential_word(name, secret):
+    assert looks_secret_name(name) is secret
+
+
+def test_redact_argv_hides_values_of_flags_named_like_any_credential():
+    argv = ["train.py", "--wandb_key", WANDB, "--db-pass=hunter2-long", "--no-auth", "data/", "--private", "out/"]
+    assert redact_argv(argv) == [
+        "train.py", "--wandb_key", REDACTED, f"--db-pass={REDACTED}", "--no-auth", "data/", "--private", "out/",
+    ]  # fmt: skip
+
+
+def test_redactor_masks_values_of_credential_variables_wherever_they_appear():
+    env = {
+        "ANALYTICS_PASS": "plain-analytics-42",
+        "PRIVATE_PEM": "-----BEGIN KEY-----\nAAAAsecretline\n-----END KEY-----",
+    }
+    redactor = Redactor.from_environment(env)
+    assert redactor("sent plain-analytics-42 to the server") == f"sent {REDACTED} to the server"
+    assert redactor("AAAAsecretline") == REDACTED  # a multi-line key reaches logs line by line
+    assert redactor.value({"a": ["x plain-analytics-42"], "n": 3}) == {"a": [f"x {REDACTED}"], "n": 3}
+
+
+@pytest.mark.parametrize("value", ["", "none", "true", "12345", "3.5e-4", "abc", "$HF_TOKEN", "***"])
+def test_redactor_leaves_values_that_cannot_be_credentials_alone(value):
+    redactor = Redactor.from_environment({"SOME_TOKEN": value, "OTHER_KEY": value})
+    assert redactor.values == ()
+    line = f"step 12345 lr 3.5e-4 abc {value} true none"
+    assert redactor(line) == redact(line)
+
+
+def test_masked_config_hides_secret_values_and_keeps_names_and_ordinary_text():
+    cfg = Config.model_validate(
+        {
+            "job": {
+                "command": ["python", "t.py", "--wandb_key", WANDB, f"--hf-token={HF}", "--lr", "3e-4"],
+                "env": {"DB_PASSWORD": "hunter2-long", "MODE": "fast-and-loose"},
+            },
+            "spot": {"setup": [f"export HF_TOKEN={HF}"], "secrets": ["WANDB_API_KEY", "HF_TOKEN"]},
+            "rl": {"env_args": {"api_key": "judge-key-123", "rounds": 3}},
+        }
+    )
+    masked = Redactor.for_run(cfg, {}).masked_config(cfg)
+    for secret in (WANDB, HF, "hunter2-long", "judge-key-123"):
+        assert secret not in masked.text
+    assert f'"--wandb_key",\n    "{MASK}",\n    "--hf-token={MASK}",' in masked.text
+    assert 'MODE = "fast-and-loose"' in masked.text and f'DB_PASSWORD = "{MASK}"' in masked.text
+    assert f'"export HF_TOKEN={MASK}"' in masked.text
+    assert '"WANDB_API_KEY",' in masked.text  # the names of secrets are not secret
+    assert sorted(path for path, _ in masked.secrets) == sorted(
+        [["job", "command", 3], ["job", "command", 4], ["job", "env", "DB_PASSWORD"], ["spot", "setup", 0],
+         ["rl", "env_args", "api_key"]]
+    )  # fmt: skip
+
+
+def test_event_log_masks_by_value_with_the_runs_redactor(tmp_path):
+    log = EventLog(tmp_path / "events.jsonl", Redactor(["plain-analytics-42"]))
+    log.emit("failure", evidence=["login plain-analytics-42", f"token {HF}"], step=4)
+    (event,) = read_events(tmp_path / "events.jsonl")
+    assert event["evidence"] == [f"login {REDACTED}", f"token {REDACTED}"] and event["step"] == 4

@@ -313,6 +313,86 @@ def test_clean_stale_tmp_removes_unfinished_saves_only(tmp_path):
     assert clean_stale_tmp(tmp_path / "missing") == []
 
 
+def test_process_start_time_read_without_psutil_is_psutils_create_time():
+    import psutil
+
+    from prime_train.contract import process_started_at, same_process_alive
+
+    pid = os.getpid()
+    assert abs(process_started_at(pid) - psutil.Process(pid).create_time()) < 0.02
+    assert same_process_alive(pid, psutil.Process(pid).create_time())
+    assert not same_process_alive(pid, psutil.Process(pid).create_time() - 30), "another process, same pid"
+
+
+def test_a_tmp_is_being_written_while_its_owner_lives_and_stale_once_it_is_gone_or_its_pid_recycled(tmp_path):
+    import socket
+    import subprocess
+
+    from prime_train.contract import process_started_at
+    from prime_train.retention import TMP_OWNER_FILE, claim_tmp, tmp_writer
+
+    ckpt = tmp_path / "checkpoints"
+    ckpt.mkdir()
+    mine = ckpt / "step-1.tmp"
+    claim_tmp(mine)
+    assert read_json(mine / TMP_OWNER_FILE)["pid"] == os.getpid()
+    assert tmp_writer(mine) is None, "this process's own unfinished save is stale to itself"
+    assert [p.name for p in ckpt.iterdir()] == ["step-1.tmp"], "no private name left behind"
+
+    other = subprocess.Popen(["sleep", "600"])
+    try:
+        owner = {"pid": other.pid, "host": socket.gethostname(), "started_at": process_started_at(other.pid)}
+        for name, fields, writer in [
+            ("step-2.tmp", {}, f"pid {other.pid}, still running"),
+            ("step-3.tmp", {"started_at": owner["started_at"] - 100}, None),  # the pid was recycled since
+            ("step-4.tmp", {"host": "elsewhere"}, f"pid {other.pid} on elsewhere (another machine)"),
+        ]:
+            (ckpt / name).mkdir()
+            write_json_atomic(ckpt / name / TMP_OWNER_FILE, {**owner, **fields})
+            assert tmp_writer(ckpt / name) == writer, name
+        assert sorted(p.name for p in clean_stale_tmp(ckpt)) == ["step-1.tmp", "step-3.tmp"]
+        other.kill()
+        other.wait()
+        assert [p.name for p in clean_stale_tmp(ckpt)] == ["step-2.tmp"]
+        assert names(ckpt) == ["step-4.tmp"]
+    finally:
+        other.kill()
+
+
+def test_quarantine_renames_and_never_deletes_and_nothing_counts_or_cleans_a_quarantined_checkpoint(tmp_path):
+    from prime_train.retention import list_quarantined, quarantine_checkpoint
+
+    ckpt = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        make_ckpt(ckpt, f"step-{step}")
+    first = quarantine_checkpoint(ckpt / "step-3", ckpt, "its .metadata does not load")
+    make_ckpt(ckpt, "step-3")  # saved again later, and damaged again
+    second = quarantine_checkpoint(ckpt / "step-3", ckpt, "__0_0.distcp is truncated")
+    assert (first.name, second.name) == ("step-3.corrupt", "step-3.corrupt-2")
+    assert (first / "__0_0.distcp").read_bytes() == b"x" * 16
+    assert [(q["step"], q["reason"]) for q in list_quarantined(ckpt)] == [
+        (3, "its .metadata does not load"),
+        (3, "__0_0.distcp is truncated"),
+    ]
+    assert newest_checkpoint(ckpt).step == 2
+    assert apply_retention(ckpt, keep_last=1, keep_every=None) == [ckpt / "step-1"]
+    assert clean_stale_tmp(ckpt) == []
+    assert names(ckpt) == ["step-2", "step-3.corrupt", "step-3.corrupt-2"]
+    with pytest.raises(ValueError, match="not a step-N directory"):
+        quarantine_checkpoint(first, ckpt, "again")
+
+
+def test_read_jsonl_takes_torn_lines_non_objects_nan_null_and_bytes_that_are_not_utf8(tmp_path):
+    from prime_train.contract import read_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"a": NaN, "b": null}\n\xff\xfe\n[1]\n"text"\n{"c": "\xe9"}\n{"d": 1')
+    records = read_jsonl(path)
+    assert len(records) == 2 and records[0]["b"] is None and records[0]["a"] != records[0]["a"]
+    assert records[1] == {"c": "\ufffd"}
+    assert read_jsonl(tmp_path / "missing.jsonl") == []
+
+
 def test_contract_and_retention_never_import_torch():
     import subprocess
     import sys

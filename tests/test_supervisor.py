@@ -257,3 +257,29 @@ def test_vllm_use_v1_gets_a_warning_not_a_setting(tmp_path, monkeypatch):
     assert any("VLLM_USE_V1" in m and "does nothing" in m for m in rec.messages)
     # passed through untouched: prime-train warns, it does not rewrite the user's environment
     assert os.environ["VLLM_USE_V1"] == "0"
+
+
+def test_a_job_ended_by_the_sigterm_of_a_requested_stop_is_stopped_not_a_crash(tmp_path):
+    # `sleep` has no SIGTERM handler, like a trainer still importing torch: the stop's signal ends it
+    cfg = Config.model_validate(
+        {
+            "run": {"name": "stop", "output_dir": str(tmp_path / "runs")},
+            "job": {"command": ["sleep", "600"]},
+            "supervisor": {"poll_interval_s": 0.2, "term_grace_s": 5},
+        }
+    )
+    rec = Recorder()
+    sup = Supervisor(cfg, rec, SupervisorOptions())
+
+    def stop_once_started():
+        deadline = time.time() + 30
+        while time.time() < deadline and not sup.children:
+            time.sleep(0.05)
+        sup.request_stop("SIGTERM")
+
+    threading.Thread(target=stop_once_started, daemon=True).start()
+    assert sup.run() == 75
+    assert not events_of(sup, "failure") and events_of(sup, "run_stopped")
+    assert sup.attempts[0].failure is None and sup.state == "stopped"
+    assert not any("crash" in m for m in rec.messages)
+    assert any("before the attempt's first step: nothing new to checkpoint" in m for m in rec.messages), rec.messages

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -94,6 +95,20 @@ def test_an_external_heartbeat_without_a_clock_counts_only_when_its_step_moves()
     hb.update(step=8)
     w.poll()
     assert w.step == 8 and w.first_step == 8
+
+
+def test_each_policy_the_rl_workers_loaded_becomes_one_weights_loaded_event():
+    # the GRPO job's step heartbeat names the policy its workers were told to load (rl/train.py)
+    clock, hb = Clock(), {"step": 1, "phase": "step", "time": 1000.0}
+    w = watcher(hb, clock)
+    assert w.poll() == []  # an SFT heartbeat: no weights
+    for step in (2, 3):
+        clock.now += 1
+        hb.update(step=step, time=clock.now, weights_step=step, workers_reloaded=2, weight_reload_s=0.1)
+        assert w.poll() == [{"event": "weights_loaded", "step": step, "workers": 2, "reload_s": 0.1}]
+    clock.now += 1
+    hb.update(phase="save", time=clock.now)  # the same policy, another heartbeat: no second event
+    assert w.poll() == []
 
 
 def test_startup_that_never_reaches_a_step_is_a_hang():
@@ -189,6 +204,35 @@ def test_byte_cap_deletes_real_bytes_until_under(tmp_path):
     events = w.poll()
     assert [c.step for c in list_checkpoints(ckpt)] == [3, 4]
     assert sum(e["bytes"] for e in events) == 200_000
+
+
+def test_a_watermark_breach_below_keep_last_says_so_and_keeps_one_whole_checkpoint_not_a_quarantined_one(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    make_checkpoints(ckpt, [1, 2, 3], size=100_000)
+    corrupt = ckpt / "step-4.corrupt"  # set aside by the engine (failed verification): not whole, never deleted
+    corrupt.mkdir()
+    (corrupt / "__0_0.distcp").write_bytes(b"\0" * 100_000)
+    w = DiskWatcher(ckpt, keep_last=3, keep_every=None, high_watermark=1.0, max_bytes=50_000)
+    events = w.poll()
+    assert [c.step for c in list_checkpoints(ckpt)] == [3], "the newest whole one stays, over the cap or not"
+    assert corrupt.is_dir()
+    [below] = [e for e in events if e["event"] == "retention_below_keep_last"]
+    assert below["kept"] == [3] and below["keep_last"] == 3 and "max_disk_gb" in below["reason"]
+    assert w.poll() == [], "said once, when it happens"
+
+
+def test_a_full_disk_failure_says_which_checkpoint_is_left(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    make_checkpoints(ckpt, [7])
+    full = lambda path: type("du", (), {"total": 100, "used": 100, "free": 0})()  # noqa: E731
+    w = DiskWatcher(ckpt, keep_last=2, keep_every=None, high_watermark=0.9, max_bytes=None, disk_usage=full)
+    w.poll()
+    assert w.failure.message == "disk 100% full and retention cannot free more (only step-7 on it)"
+    for path in ckpt.iterdir():
+        shutil.rmtree(path)
+    w.failure = None
+    w.poll()
+    assert w.failure.message == "disk 100% full and retention cannot free more (no whole checkpoint on it)"
 
 
 # ---------------------------------------------------------------- cloud notices

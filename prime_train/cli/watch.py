@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
@@ -36,7 +37,28 @@ def status(
     if not run_dir.is_dir():
         raise CliError(f"{run_dir} is not a run directory", USAGE)
     state = run_status(run_dir)
-    output.emit(state, as_json, lambda console: render_status(state, console))
+    output.emit(json_safe(state) if as_json else state, as_json, lambda console: render_status(state, console))
+
+
+def json_safe(value: object) -> object:
+    """`value` with NaN and infinities as null: JSON has neither, and `| jq` refuses Python's NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def _clock(stamp: object) -> str:
+    """HH:MM:SS of an event's `time`; a time that is not a plausible number (a string, NaN, 1e300) shows as such."""
+    if isinstance(stamp, int | float) and not isinstance(stamp, bool):
+        try:
+            return time.strftime("%H:%M:%S", time.localtime(stamp))
+        except (OverflowError, OSError, ValueError):
+            pass
+    return "--:--:--"
 
 
 def render_status(s: dict, console: Console) -> None:
@@ -49,10 +71,11 @@ def render_status(s: dict, console: Console) -> None:
         table.add_row(key, literal(s[key] if s[key] is not None else "-"))
     if s["last_failure"]:
         failure = s["last_failure"]
-        table.add_row("last failure", literal(f"{failure.get('kind')}: {failure.get('message')}"))
+        kind, message = failure.get("kind"), failure.get("message")
+        table.add_row("last failure", literal(f"{kind}: {message}" if kind else f"{message}"))
     console.print(table)
     for event in s["recent_events"]:
-        stamp = time.strftime("%H:%M:%S", time.localtime(event.get("time", 0)))
+        stamp = _clock(event.get("time"))
         rest = {k: v for k, v in event.items() if k not in ("time", "event")}
         console.print(literal(stamp, "dim") + literal(f" {event.get('event')} {json.dumps(rest, default=str)[:160]}"))
 
@@ -64,7 +87,11 @@ def logs(
     lines: Annotated[int, typer.Option("--lines", "-n", help="Last N lines; 0 for all.")] = 100,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
 ) -> None:
-    """Print a run's process logs (the latest attempt unless --attempt).
+    """Print a run's process logs (the latest attempt unless --attempt), exactly as the processes wrote them.
+
+    These raw logs are the one place a job's own output is kept unredacted: a secret the job prints
+    stays in its log file. Everything else prime-train writes or prints (events.jsonl,
+    supervisor.json, config.toml, the console, status, diagnose) has secrets masked.
 
     Examples:
 

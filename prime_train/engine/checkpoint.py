@@ -21,6 +21,14 @@ SIGTERM (preemption) design, which the trainer follows:
   5. the process exits 75, which the supervisor reads as "checkpointed, resume me".
 The rename is the commit point: SIGKILL before it loses only the .tmp, after it nothing.
 
+A whole checkpoint can still be damaged later (a disk that filled, a copy cut short, bit rot), and a
+damaged newest checkpoint must not become a crash loop. So each save also writes manifest.json: every
+file with its size and CRC-32, each rank checksumming its own shards (in the background thread for an
+async save). Before resuming, rank 0 verifies the newest checkpoint (the DCP .metadata loads, every
+file it points into is there and long enough, every file matches the manifest); one that fails is
+renamed step-N.corrupt with quarantine.json saying why (never deleted; the supervisor reports it as an
+event), and the next older checkpoint is tried.
+
 Every method here except `saving`, `latest_step` and `set_hf_assets` is a collective when
 torch.distributed is initialized: every rank calls it at the same point of the program, as the
 trainer does. A checkpoint directory must be on a filesystem every rank sees (DCP's contract).
@@ -36,7 +44,8 @@ import os
 import random
 import time
 import warnings
-from concurrent.futures import Future
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,8 +63,16 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from prime_train.config.schema import CkptConfig
-from prime_train.contract import STEP_RE, RunDir, fsync_dir, newest_checkpoint, write_json_atomic
-from prime_train.retention import apply_retention, clean_stale_tmp, safe_remove_checkpoint
+from prime_train.contract import STEP_RE, RunDir, fsync_dir, list_checkpoints, newest_checkpoint, write_json_atomic
+from prime_train.retention import (
+    TMP_OWNER_FILE,
+    apply_retention,
+    claim_tmp,
+    clean_stale_tmp,
+    quarantine_checkpoint,
+    safe_remove_checkpoint,
+    tmp_writer,
+)
 
 logger = logging.getLogger("prime_train.engine.checkpoint")
 
@@ -65,6 +82,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 META_FILE = "meta.json"
 HF_ASSETS_DIR = "hf"
 DCP_METADATA_FILE = ".metadata"
+MANIFEST_FILE = "manifest.json"  # every file of the checkpoint: {"files": {relative path: {"bytes", "crc32"}}}
 
 
 def _pack(obj: Any) -> bytes:
@@ -167,7 +185,7 @@ class _PendingSave:
     tokens_seen: int
     tmp: Path
     dest: Path
-    future: Future | None  # None for a synchronous save
+    future: Future | None  # None for a synchronous save; else DCP's write, then this rank's checksums
     started: float
     wall_time: float
     final: bool
@@ -226,6 +244,76 @@ def is_whole_checkpoint(path: Path) -> str | None:
     return None
 
 
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)  # releases the GIL on large buffers: files are checksummed in parallel
+    return f"{crc:08x}"
+
+
+def digest_files(root: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:
+    """Size and CRC-32 of each file, keyed by its path relative to `root` (the manifest's entries)."""
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(paths)))) as pool:
+        crcs = list(pool.map(_crc32, paths))
+    return {
+        p.relative_to(root).as_posix(): {"bytes": p.stat().st_size, "crc32": c}
+        for p, c in zip(paths, crcs, strict=True)
+    }
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """What is wrong with checkpoint `path`, in words, or None when it is whole and undamaged.
+
+    Checks that its DCP .metadata loads, that every file the metadata points into is present and long
+    enough, and, when it has a manifest (saved by prime-train 0.4 and later), that every file matches
+    the size and CRC-32 recorded at save time. The checksums read the whole checkpoint once.
+    """
+    path = Path(path)
+    problem = is_whole_checkpoint(path)
+    if problem is not None:
+        return problem
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # garbage, truncated or unreadable: torch raises whatever unpickling raised
+        return f"its DCP {DCP_METADATA_FILE} does not load ({type(e).__name__}: {e})"
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = getattr(info, "relative_path", None)
+        if isinstance(name, str):
+            needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    for name, end in sorted(needed.items()):
+        try:
+            size = (path / name).stat().st_size
+        except OSError:
+            return f"{name}, which its {DCP_METADATA_FILE} points into, is missing"
+        if size < end:
+            return f"{name} is truncated: {size} bytes, its {DCP_METADATA_FILE} needs {end}"
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_bytes())
+    except FileNotFoundError:
+        return None  # saved before manifests: the sizes above are all there is to check
+    except (OSError, ValueError) as e:
+        return f"its {MANIFEST_FILE} does not load ({type(e).__name__}: {e})"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        return f"its {MANIFEST_FILE} lists no files"
+    present = []
+    for name, rec in sorted(files.items()):
+        try:
+            size = (path / name).stat().st_size
+        except OSError:
+            return f"{name} is missing (the manifest lists it)"
+        if not isinstance(rec, dict) or size != rec.get("bytes"):
+            return f"{name} has {size} bytes; {(rec or {}).get('bytes')} were written"
+        present.append(path / name)
+    actual = digest_files(path, present)
+    for name, rec in sorted(files.items()):
+        if actual[name]["crc32"] != rec.get("crc32"):
+            return f"{name} does not match its checksum (CRC-32 {actual[name]['crc32']}, {rec.get('crc32')} at save)"
+    return None
+
+
 class Checkpointer:
     """Saves and loads TrainState as step-N DCP checkpoints in the run directory, with retention."""
 
@@ -263,6 +351,10 @@ class Checkpointer:
                 self._sync_pg = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
         self._pending: _PendingSave | None = None
         self._stager = None  # kept across saves only where torch allows it (STAGER_REUSABLE)
+        # DCP names each rank's shards __<rank in the save group>_<n>.distcp: this rank checksums its own
+        self._shard_prefix = f"__{dist.get_group_rank(self._save_pg, rank) if self._distributed else 0}_"
+        self._digester: ThreadPoolExecutor | None = None  # checksums an async save's shards off the training thread
+        self.quarantined: list[tuple[str, str]] = []  # (checkpoint, what was wrong) set aside by resolve_resume
         self._hf_config = None
         self._tokenizer = None
 
@@ -353,7 +445,10 @@ class Checkpointer:
                 no_dist=no_dist,
                 async_stager=stager,
             )
-            pending.future = getattr(response, "upload_completion", response)
+            written = getattr(response, "upload_completion", response)
+            if self._digester is None:
+                self._digester = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-digest")
+            pending.future = self._digester.submit(self._digest_when_written, written, tmp)
             self._pending = pending
             logger.info(
                 "checkpoint step %d: async save started, training blocked %.2fs", step, time.monotonic() - started
@@ -361,19 +456,31 @@ class Checkpointer:
             return
         self._pending = pending
         error: BaseException | None = None
+        digest: dict[str, Any] = {}
         try:
             dcp.save(state_dict, checkpoint_id=tmp, process_group=self._save_pg, no_dist=no_dist)
+            digest = self._own_digest(tmp)
         except Exception as e:  # finalize reports it on every rank
             error = e
-        self._finalize(error)
+        self._finalize(error, digest)
+
+    def _own_digest(self, tmp: Path) -> dict[str, Any]:
+        return digest_files(tmp, sorted(tmp.glob(f"{self._shard_prefix}*")))
+
+    def _digest_when_written(self, written: Future, tmp: Path) -> dict[str, Any]:
+        written.result()
+        return self._own_digest(tmp)
 
     def _prepare_tmp(self, dest: Path, tmp: Path) -> str:
         if dest.is_dir():
             return "exists"
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         if tmp.is_symlink() or tmp.exists():
+            writer = None if tmp.is_symlink() else tmp_writer(tmp)
+            if writer is not None:  # two writers of one run directory: the run lock should make this impossible
+                return f"{tmp} is being written by {writer}"
             safe_remove_checkpoint(tmp, self.ckpt_dir)
-        tmp.mkdir()
+        claim_tmp(tmp)  # step-N.tmp appears with this process named inside: cleanup leaves it while we live
         return "go"
 
     def poll(self) -> None:
@@ -395,35 +502,65 @@ class Checkpointer:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        if self._digester is not None:
+            self._digester.shutdown()
+            self._digester = None
 
     def resolve_resume(self) -> Path | None:
         """The checkpoint to resume from per ckpt.resume ('never', 'auto' or a step-N path), or None."""
-        result: tuple[str | None, str | None] = (None, None)
+        result: tuple[str | None, str | None, list] = (None, None, [])
         if self.rank == 0 or not self._distributed:
             result = self._resolve_resume_local()
-        path, error = self._from_rank0(result)
+        path, error, self.quarantined = self._from_rank0(result)
         if error is not None:
             raise ValueError(error)
+        if self.quarantined:
+            newest = path and STEP_RE.match(Path(path).name)
+            self._latest_step = int(newest.group(1)) if newest else None
         return Path(path) if path is not None else None
 
-    def _resolve_resume_local(self) -> tuple[str | None, str | None]:
+    def _newest_verified(self) -> tuple[str | None, list[tuple[str, str]]]:
+        """The newest checkpoint that verifies, after setting aside every newer one that does not."""
+        quarantined: list[tuple[str, str]] = []
+        for found in reversed(list_checkpoints(self.ckpt_dir)):
+            problem = verify_checkpoint(found.path)
+            if problem is None:
+                return str(found.path), quarantined
+            quarantined.append((found.path.name, problem))
+            try:
+                quarantine_checkpoint(found.path, self.ckpt_dir, problem)
+            except (OSError, ValueError) as e:  # it is skipped all the same; a later start tries again
+                logger.warning("could not set %s aside: %s", found.path.name, e)
+        return None, quarantined
+
+    def _resolve_resume_local(self) -> tuple[str | None, str | None, list]:
         value = self.cfg.resume
         if value == "never":
-            return None, None
+            return None, None, []
         if value == "auto":
-            found = newest_checkpoint(self.ckpt_dir)
-            return (str(found.path) if found else None), None
+            path, quarantined = self._newest_verified()
+            if quarantined:
+                logger.warning(
+                    "resuming from %s instead: %s",
+                    Path(path).name if path else "nothing (no checkpoint verifies; starting from step 0)",
+                    "; ".join(f"{name} {why}" for name, why in quarantined),
+                )
+            return path, None, quarantined
         path = Path(value).expanduser()
         if not path.is_absolute() and not path.exists() and (self.ckpt_dir / value).exists():
             path = self.ckpt_dir / value  # a bare "step-N" names one of this run's checkpoints
-        problem = is_whole_checkpoint(path)
+        problem = verify_checkpoint(path)
         if problem is not None:
-            return None, (
-                f"ckpt.resume = {value!r}: {path} is not a whole checkpoint: {problem}. "
-                f"Point ckpt.resume at a step-N directory holding a {DCP_METADATA_FILE} file, "
-                "or set it to 'auto' (newest whole checkpoint) or 'never'."
+            return (
+                None,
+                (
+                    f"ckpt.resume = {value!r}: {path} is not a whole checkpoint: {problem}. "
+                    f"Point ckpt.resume at a step-N directory holding a {DCP_METADATA_FILE} file, "
+                    "or set it to 'auto' (newest whole checkpoint) or 'never'."
+                ),
+                [],
             )
-        return str(path), None
+        return str(path), None, []
 
     def load(self, state: TrainState, path: Path) -> None:
         """Load checkpoint `path` into `state` (any saving world size), this rank's RNG included."""
@@ -469,14 +606,15 @@ class Checkpointer:
             if p.tokenizer is not None:
                 p.tokenizer.save_pretrained(hf_dir)
 
-    def _finalize(self, error: BaseException | None = None) -> None:
-        """Agree that every rank wrote its part, then rank 0 renames step-N.tmp -> step-N and prunes."""
+    def _finalize(self, error: BaseException | None = None, digest: dict[str, Any] | None = None) -> None:
+        """Agree that every rank wrote its part, then rank 0 writes the manifest, renames step-N.tmp -> step-N
+        and prunes."""
         p = self._pending
         assert p is not None
         self._pending = None
         if p.future is not None:
             try:
-                p.future.result()
+                digest = p.future.result()
             except Exception as e:
                 error = e
         if p.stager is not None:
@@ -486,14 +624,17 @@ class Checkpointer:
                 self._write_extras(p)
             except Exception as e:
                 error = e
-        errors = self._gather(None if error is None else f"{type(error).__name__}: {error}")
-        failed = [f"rank {r}: {msg}" for r, msg in enumerate(errors) if msg is not None]
+        reports = self._gather((None if error is None else f"{type(error).__name__}: {error}", digest or {}))
+        failed = [f"rank {r}: {msg}" for r, (msg, _) in enumerate(reports) if msg is not None]
 
         committed_error = None
         if not failed and self.rank == 0:
             try:
                 if not (p.tmp / DCP_METADATA_FILE).is_file():
                     raise RuntimeError(f"{p.tmp} has no {DCP_METADATA_FILE} after the save reported success")
+                self._write_manifest(p, [d for _, d in reports])
+                with contextlib.suppress(FileNotFoundError):
+                    (p.tmp / TMP_OWNER_FILE).unlink()
                 os.rename(p.tmp, p.dest)  # the commit point
                 fsync_dir(self.ckpt_dir)
             except Exception as e:
@@ -520,6 +661,16 @@ class Checkpointer:
             f"checkpoint step-{p.step} was not saved ({committed_error}); {previous}. "
             f"Check free space and permissions of {self.ckpt_dir}."
         ) from error
+
+    def _write_manifest(self, p: _PendingSave, digests: list[dict[str, Any]]) -> None:
+        """manifest.json: the ranks' checksums of their shards, and rank 0's of every other file."""
+        files: dict[str, Any] = {}
+        for d in digests:
+            files.update(d)
+        skip = {MANIFEST_FILE, TMP_OWNER_FILE}
+        rest = [f for f in sorted(p.tmp.rglob("*")) if f.is_file() and f.name not in skip]
+        files.update(digest_files(p.tmp, [f for f in rest if f.relative_to(p.tmp).as_posix() not in files]))
+        write_json_atomic(p.tmp / MANIFEST_FILE, {"step": p.step, "files": files})
 
     def _apply_retention(self, newest: int) -> None:
         # a checkpoint that could not be pruned is a disk-space problem (the supervisor watches

@@ -10,7 +10,12 @@ entry point each job module calls (`python -m prime_train.engine.train`, `python
 
 SIGTERM/SIGINT only set a flag; the step in progress finishes, every rank agrees to stop at the
 same step, a checkpoint is saved synchronously and the process exits 75 (engine/checkpoint.py has
-the full design). See docs/architecture.md for how the job meets the supervisor.
+the full design). Before the first step there is nothing to save: a stop then ends start-up at once,
+also with 75. The job does not outlive the process that started it: when that supervisor is gone
+(engine/lifeline.py) the job stops the same way, and its last heartbeat says why. A loss or gradient
+norm that is NaN or infinite ends the run at that step, before anything saves the diverged weights,
+with a heartbeat naming the failure (`loss_not_finite`: not retried). See docs/architecture.md for
+how the job meets the supervisor.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from prime_train.config.schema import Config
 from prime_train.contract import ExitCode, Heartbeat, Phase, RunDir, newest_checkpoint, write_heartbeat
 from prime_train.engine import parallel
 from prime_train.engine.checkpoint import Checkpointer, TrainState
+from prime_train.engine.lifeline import watch_supervisor
 from prime_train.engine.metrics import EngineConfigError, MetricsLogger
 from prime_train.engine.model import num_parameters
 from prime_train.engine.optim import build_optimizer
@@ -44,12 +50,20 @@ logger = logging.getLogger("prime_train.engine")
 _HEARTBEAT_METRICS = ("loss", "tokens_per_s", "step_time_s", "reward")
 
 
+class StopRequested(BaseException):
+    """A stop asked for during start-up, before the first step: there is nothing to save, so start-up ends.
+
+    A BaseException, like KeyboardInterrupt: library code that catches Exception must not swallow it."""
+
+
 class StopFlag:
-    """Set by SIGTERM/SIGINT: finish the step, save, exit 75."""
+    """Set by SIGTERM/SIGINT: finish the step, save, exit 75. During start-up it raises StopRequested instead."""
 
     def __init__(self) -> None:
         self.requested = False
         self.signal_name = ""
+        self.reason = ""  # why, when it was not a signal from outside (the supervisor is gone)
+        self.startup = True  # until the training loop starts: a stop ends start-up at once
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -58,6 +72,18 @@ class StopFlag:
     def _handle(self, signum, frame) -> None:
         self.requested = True
         self.signal_name = signal.Signals(signum).name
+        if self.startup:
+            self.startup = False  # a second signal while start-up unwinds only sets the flag
+            raise StopRequested(self.describe() + " during start-up, before the first step: nothing to save")
+
+    def describe(self) -> str:
+        """Why the job stops, in words."""
+        return self.reason or f"{self.signal_name or 'a peer rank'} received"
+
+    def supervisor_gone(self, reason: str) -> None:
+        """Called from the lifeline's thread: stop as on SIGTERM, handled on the main thread like one."""
+        self.reason = reason
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def setup_logging(cfg: Config, rank: int) -> None:
@@ -104,12 +130,16 @@ class TrainingJob:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.run_dir = RunDir(cfg.run_dir)
+        # first: a stop during a long start-up (rendezvous, model load, resume) must end it, not kill it mid-write
+        self.stop = StopFlag()
+        self.stop.install()
+        watch_supervisor(self.stop.supervisor_gone)
+        self.resumed_from = 0
         self.dist = parallel.init_distributed(cfg.distributed)
         setup_logging(cfg, self.dist.rank)
         if self.dist.is_rank0:
             self.run_dir.create()
         parallel.set_seed(cfg.run.seed, self.dist.rank)
-        self.stop = StopFlag()
         self.strategy = parallel.resolve_strategy(cfg.distributed, self.dist.world_size)
         self._autocast = lambda: parallel.autocast(cfg.train.precision, self.dist.device)
 
@@ -191,17 +221,19 @@ class TrainingJob:
     def heartbeat(self, phase: Phase, **fields: Any) -> None:
         """Tell the supervisor what the job is doing now (rank 0 writes progress.json)."""
         self.phase = phase
-        self.metrics.heartbeat(self.state.step, phase=phase, tokens=self.state.tokens_seen, **fields)
+        self.metrics.heartbeat(
+            self.state.step, phase=phase, tokens=self.state.tokens_seen, resumed_from=self.resumed_from, **fields
+        )
 
     def fit(self) -> int:
         """Resume, train to train.max_steps, save and export; returns the exit code."""
         cfg = self.cfg
-        self.stop.install()
         # no step yet: the one a resume starts from is known only once the checkpoint is loaded
         self.metrics.heartbeat(None, phase=Phase.STARTUP)
         self.resume()
         self.before_training()
         if self.profile is not None:
+            self.stop.startup = False
             return self._profile_fit()
         if self.dist.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.dist.device)
@@ -209,6 +241,7 @@ class TrainingJob:
             # a baseline at step 0 so curves and "did it learn" have a starting point
             self.heartbeat(Phase.EVAL)
             self.metrics.log(0, self.evaluate())
+        self.stop.startup = False  # from here a stop finishes the step and saves
         start_step, t_start = self.state.step, time.time()
         # the first step of an attempt is part of start-up: CUDA and allocator warm-up, torch.compile
         self.heartbeat(Phase.COMPILE if cfg.train.compile else Phase.STARTUP)
@@ -218,6 +251,8 @@ class TrainingJob:
             m = self.train_step()
             self._last_loss = m.get("loss")
             step = self.state.step
+            if not_finite := [k for k in ("loss", "grad_norm") if _not_finite(m.get(k))]:
+                return self._diverged(step, m, not_finite)
             self.checkpointer.poll()
             last = step == cfg.train.max_steps
             if step % cfg.logging.log_interval == 0 or last:
@@ -246,7 +281,10 @@ class TrainingJob:
         path = self.checkpointer.resolve_resume()
         if path is not None:
             self.checkpointer.load(self.state, path)
+            self.resumed_from = self.state.step
             logger.info("resumed from %s at step %d", path, self.state.step)
+        # metrics.jsonl then holds one row per step: the rows of the steps trained again after the checkpoint go
+        self.metrics.rewind(self.state.step)
 
     def save(self, *, final: bool = False) -> None:
         self.heartbeat(Phase.SAVE)
@@ -286,15 +324,33 @@ class TrainingJob:
 
     def _stop_and_save(self) -> int:
         logger.warning(
-            "stop requested (%s): saving a checkpoint at step %d and exiting 75",
-            self.stop.signal_name or "peer rank",
-            self.state.step,
+            "stop requested (%s): saving a checkpoint at step %d and exiting 75", self.stop.describe(), self.state.step
         )
         self.checkpointer.wait()
         if self.state.step > 0 and self._newest_saved_step() != self.state.step:
             self.save(final=True)
-        self.heartbeat(Phase.STOPPED, exit_code=ExitCode.PREEMPTED)
+        self.heartbeat(Phase.STOPPED, exit_code=ExitCode.PREEMPTED, reason=self.stop.describe())
         return ExitCode.PREEMPTED
+
+    def _diverged(self, step: int, m: dict[str, Any], names: list[str]) -> int:
+        """End the run at a non-finite loss or gradient norm, saving nothing of the diverged weights.
+
+        The values are reductions over every rank (train.py, rl/train.py), so every rank sees them and
+        returns here at the same step without a collective of its own.
+        """
+        self.metrics.log(step, m)  # the diverged step's record, its NaN as null
+        values = ", ".join(f"{k} {m[k]}" for k in ("loss", "grad_norm") if k in m)
+        self.checkpointer.wait()  # a save in flight holds an earlier, finite state: let it finish
+        newest = self.checkpointer.latest_step()
+        where = f"the newest checkpoint, step-{newest}, is from before" if newest is not None else "no checkpoint"
+        reason = (
+            f"{' and '.join(names)} not finite at step {step} ({values}): the run diverged; stopped without saving "
+            f"({where}). "
+            "Lower train.lr or lengthen the warmup, keep train.grad_clip set, prefer bf16 to fp16, check the data"
+        )
+        logger.error("%s", reason)
+        self.heartbeat(Phase.FAILED, exit_code=ExitCode.FAILED, reason=reason, failure="loss_not_finite")
+        return ExitCode.FAILED
 
     def _log_line(self, step: int, m: dict, t_start: float, start_step: int) -> None:
         elapsed = time.time() - t_start
@@ -342,12 +398,16 @@ class TrainingJob:
         return ExitCode.OK
 
 
-def _record_exit(cfg: Config, code: int, reason: str) -> None:
+def _not_finite(value: Any) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+def _record_exit(cfg: Config, code: int, reason: str, phase: Phase = Phase.FAILED) -> None:
     """Leave the verdict in progress.json: torchrun turns every worker failure into exit 1."""
     if int(os.environ.get("RANK", "0")) == 0:
         run_dir = RunDir(cfg.run_dir)
         run_dir.root.mkdir(parents=True, exist_ok=True)
-        write_heartbeat(run_dir.progress_path, Heartbeat.now(None, Phase.FAILED, exit_code=code, reason=reason))
+        write_heartbeat(run_dir.progress_path, Heartbeat.now(None, phase, exit_code=code, reason=reason))
 
 
 def run(job_class: type[TrainingJob], config_path: str) -> int:
@@ -361,6 +421,10 @@ def run(job_class: type[TrainingJob], config_path: str) -> int:
     try:
         job = job_class(cfg)
         return job.fit()
+    except StopRequested as exc:
+        logger.warning("%s; exiting 75", exc)
+        _record_exit(cfg, ExitCode.PREEMPTED, str(exc), Phase.STOPPED)
+        return ExitCode.PREEMPTED
     except (EngineConfigError, ConfigError) as exc:
         logger.error("configuration error: %s", exc)
         print(f"configuration error: {exc}", file=sys.stderr)

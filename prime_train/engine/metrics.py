@@ -5,12 +5,23 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import secrets
 import time
 from typing import Any
 
 from prime_train.config.schema import Config
-from prime_train.contract import Heartbeat, Phase, RunDir, append_jsonl, read_json, write_heartbeat, write_json_atomic
+from prime_train.contract import (
+    Heartbeat,
+    Phase,
+    RunDir,
+    append_jsonl,
+    fsync_dir,
+    read_json,
+    read_jsonl,
+    write_heartbeat,
+    write_json_atomic,
+)
 
 logger = logging.getLogger("prime_train.engine")
 
@@ -81,6 +92,22 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, int | float | str)}, step=step)
 
+    def rewind(self, step: int) -> int:
+        """Make metrics.jsonl hold only what led to the state the job starts from; returns the rows dropped.
+
+        A resume from step-N retrains the steps after N, so their old rows go (else metrics.jsonl holds two rows
+        for one step, and curves double back); a start from step 0 keeps none, as its step-0 baseline is written
+        again. Done by the job, not the supervisor: only the job knows the step it really resumed from (a
+        checkpoint that fails verification sends it to an older one), and `prime-train train` has no supervisor.
+        """
+        if not self.enabled:
+            return 0
+        dropped = rewind_metrics(self.run_dir, step)
+        if dropped:
+            after = f"after step {step}" if step > 0 else "of an earlier run (starting from step 0)"
+            logger.info("metrics.jsonl: dropped %d row(s) %s; they are trained again", dropped, after)
+        return dropped
+
     def log_text(self, step: int, tag: str, text: str) -> None:
         if not self.enabled:
             return
@@ -109,13 +136,38 @@ def _finite(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_metrics(run_dir: RunDir) -> list[dict[str, Any]]:
-    """All records of metrics.jsonl; a torn last line (a crash mid-write) is skipped."""
-    out = []
-    if not run_dir.metrics_path.exists():
-        return out
-    for line in run_dir.metrics_path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    """All records of metrics.jsonl; torn or garbled lines and bytes that are not UTF-8 never stop the reading
+    (a NaN written by an older prime-train reads as a float NaN, null as None)."""
+    return read_jsonl(run_dir.metrics_path)
+
+
+def rewind_metrics(run_dir: RunDir, step: int) -> int:
+    """Keep the rows of metrics.jsonl up to `step` (none when `step` is 0), byte for byte, and replace the file
+    atomically; returns how many rows were dropped. Rows with no step of their own (torn lines, garbage) go too.
+    """
+    path = run_dir.metrics_path
+    try:
+        lines = path.read_bytes().splitlines(keepends=True)
+    except FileNotFoundError:
+        return 0
+    kept = [line for line in lines if step > 0 and _row_step(line) <= step]
+    dropped = sum(1 for line in lines if line.strip()) - len(kept)
+    if dropped == 0:
+        return 0
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.writelines(line if line.endswith(b"\n") else line + b"\n" for line in kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return dropped
+
+
+def _row_step(line: bytes) -> float:
+    """The step a metrics row records; infinity (never kept) for a line that is not a row."""
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return math.inf
+    return step if isinstance(step, int) and not isinstance(step, bool) else math.inf

@@ -1,6 +1,6 @@
 """Checkpoint backup: every new whole checkpoint goes to the bucket in the background.
 
-`BackupWatcher` is one of the supervisor's slow watchers (polled in its `_Background` thread). Its
+`BackupWatcher` is one of the supervisor's slow watchers (polled on resilience/background.py's thread). Its
 `poll()` never waits on the network: an upload and a heartbeat copy each run in a thread of their
 own, at most one of each at a time, and what they did comes back as events on a later poll.
 Training never waits for a backup, and a backup that fails never stops training: the watcher has a

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -11,13 +12,13 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from prime_train.contract import Phase
+from prime_train.contract import Phase, read_jsonl
 from prime_train.resilience.logscan import Finding
 from prime_train.resilience.supervisor import Observer, Supervisor
 
 
 def _fmt_duration(seconds: float | None) -> str:
-    if seconds is None:
+    if not isinstance(seconds, int | float) or not math.isfinite(seconds):
         return "-"
     seconds = int(seconds)
     h, rem = divmod(seconds, 3600)
@@ -39,8 +40,8 @@ def status_line(s: dict[str, Any]) -> str:
         parts.append(f"eta {_fmt_duration(s['eta_s'])}")
     gpu = s.get("gpu")
     if gpu:
-        parts.append(f"gpu {gpu.get('mean_utilization_pct', 0):.0f}% {gpu.get('memory_used_gib', 0):.1f}GiB")
-    if s.get("disk") is not None:
+        parts.append(f"gpu {gpu.get('mean_utilization_pct') or 0:.0f}% {gpu.get('memory_used_gib') or 0:.1f}GiB")
+    if isinstance(s.get("disk"), int | float):
         parts.append(f"disk {s['disk']:.0%}")
     parts.append(f"restarts {s.get('restarts', 0)}")
     return " | ".join(parts)
@@ -92,13 +93,15 @@ class ConsoleObserver(Observer):
 
 
 def summary_table(sup: Supervisor) -> Table:
+    """One row per attempt: how long, from which step to which, how it ended and what its failure cost."""
     table = Table(title=f"run {sup.cfg.run.name}: {sup.state}")
     for col in ("attempt", "duration", "steps", "exit", "cause", "time lost"):
         table.add_column(col)
     step_time = sup.mean_step_time()
     for a in sup.attempts:
         duration = (a.ended or time.time()) - a.started
-        first = a.resumed_from if a.resumed_from is not None else (0 if a.number == 1 else a.first_step)
+        # where it resumed (the job's heartbeat says so), not 0: a resumed run did not train from the start
+        first = a.resumed_from if a.resumed_from is not None else a.first_step
         steps = f"{first if first is not None else '-'} → {a.last_step if a.last_step is not None else '-'}"
         cause = f"{a.failure.kind}" if a.failure else ("stopped" if sup.state == "stopped" else "ok")
         table.add_row(
@@ -112,28 +115,37 @@ def summary_table(sup: Supervisor) -> Table:
     return table
 
 
-def final_results(run_dir) -> list[str]:
-    """The last training and eval figures and where the model is, for the end of a run."""
-    import json
+def _number(value: Any) -> str:
+    """A metric as the console shows it: NaN and infinities by name, null (a NaN in JSON) as "null"."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return "null" if value is None else str(value)
+    return f"{value:.4f}" if math.isfinite(value) else str(value)
 
+
+def final_results(run_dir, *, written_since: float | None = None) -> list[str]:
+    """The last training and eval figures and where the model is, for the end of a run.
+
+    final/ is announced only when it was written at or after `written_since` (this run's start; None: never),
+    so that a stopped or failed run does not point at an earlier run's model. metrics.jsonl is read whatever
+    it holds: nulls (a diverged loss), NaN, torn lines and bytes that are not UTF-8.
+    """
     last: dict[str, Any] = {}
     evals: dict[str, Any] = {}
-    if run_dir.metrics_path.exists():
-        for line in run_dir.metrics_path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "loss" in record:
-                last = record
-            if any(k.startswith("eval_") for k in record):
-                evals = record
+    for record in read_jsonl(run_dir.metrics_path):
+        if "loss" in record:
+            last = record
+        if any(isinstance(k, str) and k.startswith("eval_") for k in record):
+            evals = record
     out = []
     if last:
-        out.append(f"step {last.get('step')}: loss {last['loss']:.4f}")
-    shown = {k: v for k, v in evals.items() if k.startswith("eval_") and isinstance(v, int | float)}
+        out.append(f"step {last.get('step')}: loss {_number(last['loss'])}")
+    shown = {k: v for k, v in evals.items() if k.startswith("eval_") and isinstance(v, int | float | None)}
     if shown:
-        out.append(f"eval at step {evals.get('step')}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()))
-    if (run_dir.final_dir / "config.json").exists():
+        out.append(f"eval at step {evals.get('step')}: " + ", ".join(f"{k} {_number(v)}" for k, v in shown.items()))
+    try:
+        final_written = (run_dir.final_dir / "config.json").stat().st_mtime
+    except OSError:
+        final_written = None
+    if final_written is not None and written_since is not None and final_written >= written_since:
         out.append(f"model (HF format): {run_dir.final_dir}")
     return out

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prime_train.resilience.logscan import FATAL, LOG_SUFFIXES, Finding, log_files, root_cause, scan_log
+from prime_train.resilience.redact import Redactor
 
 EXIT_CLEAN, EXIT_FATAL, EXIT_BAD_PATH = 0, 1, 2
 
@@ -139,8 +140,11 @@ def _print_table(verdicts: list[FileVerdict]) -> None:
 def diagnose_command(paths: list[str], as_json: bool, all_attempts: bool = False) -> int:
     """Print what the known-failure library finds in `paths`, a verdict per file and one for all; returns the exit code.
 
-    With `as_json`, stdout is one JSON object: {"verdict": {...}, "files": [per-file verdicts], "findings": [...]}."""
-    missing = [p for p in paths if not os.path.exists(p)]
+    With `as_json`, stdout is one JSON object: {"verdict": {...}, "files": [per-file verdicts], "findings": [...],
+    "skipped": [notes]}. Paths that are not regular files (a FIFO, a device, a symlink loop) or cannot be read are
+    skipped with a note on stderr. Log lines are shown with secrets masked: by shape, and by value for the
+    credential variables of this environment."""
+    missing = [p for p in paths if not os.path.lexists(p)]
     if not paths or missing:
         what = ", ".join(missing) if missing else "(none given)"
         print(
@@ -148,10 +152,19 @@ def diagnose_command(paths: list[str], as_json: bool, all_attempts: bool = False
             file=sys.stderr,
         )
         return EXIT_BAD_PATH
+    redactor = Redactor.from_environment()
+    skipped: list[str] = []
     verdicts = []
-    for path in log_files(paths, all_attempts=all_attempts):
-        scanner = scan_log(path)
-        verdicts.append(FileVerdict(str(path), scanner.process, scanner.findings, dict(scanner.suppressed)))
+    for path in log_files(paths, all_attempts=all_attempts, skipped=skipped):
+        try:
+            scanner = scan_log(path)
+        except OSError as exc:  # unreadable, or gone since it was listed
+            skipped.append(f"{path}: cannot be read ({exc.strerror or exc}); skipped")
+            continue
+        findings = [redactor.value(f) for f in scanner.findings]
+        verdicts.append(FileVerdict(str(path), scanner.process, findings, dict(scanner.suppressed)))
+    for note in skipped:
+        print(f"note: {note}", file=sys.stderr)
     findings = [f for v in verdicts for f in v.findings]
     verdict = _verdict(verdicts, paths)
     if as_json:
@@ -164,6 +177,7 @@ def diagnose_command(paths: list[str], as_json: bool, all_attempts: bool = False
             },
             "files": [v.to_dict() for v in verdicts],
             "findings": [f.to_dict() for f in findings],
+            "skipped": skipped,
         }
         print(json.dumps(document, indent=2))
         # stdout stays one JSON document for `| jq`; the verdict is for the human watching

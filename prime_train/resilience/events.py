@@ -3,49 +3,62 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from prime_train.resilience.redact import redact
+from prime_train.resilience.redact import Redactor
+
+# Bytes of events kept in memory at most while the disk refuses them (a full disk); the oldest go first.
+UNWRITTEN_BYTES = 16 * 2**20
 
 
 class EventLog:
-    """Append-only, thread-safe; every string is redacted before it is written."""
+    """Append-only, thread-safe; every string is redacted before it is written (by value too, with the run's
+    Redactor; by shape and name alone without one)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, redactor: Redactor | None = None):
         self.path = Path(path)
+        self.redactor = redactor or Redactor()
         self._lock = threading.Lock()
+        self._unwritten = b""  # what a full disk refused, written first, from the byte where the write stopped
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
-        record = {"time": time.time(), "event": event, **_redact_values(fields)}
+        record = {"time": time.time(), "event": event, **self.redactor.value(fields)}
         line = json.dumps(record, default=str)
-        with self._lock, open(self.path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
+        with self._lock:
+            self._unwritten += (line + "\n").encode()
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    while self._unwritten:  # a short write on a filling disk: the rest goes on where it stopped
+                        self._unwritten = self._unwritten[os.write(fd, self._unwritten) :]
+                finally:
+                    os.close(fd)
+            except OSError:
+                # ENOSPC, EDQUOT, EIO: the supervisor must outlive a full disk; the newest events wait in memory
+                if len(self._unwritten) > UNWRITTEN_BYTES:
+                    cut = self._unwritten.find(b"\n", len(self._unwritten) - UNWRITTEN_BYTES) + 1
+                    self._unwritten = b"\n" + self._unwritten[cut:]  # the newline ends a line cut short on disk
         return record
 
 
-def _redact_values(value: Any) -> Any:
-    if isinstance(value, str):
-        return redact(value)
-    if isinstance(value, dict):
-        return {k: _redact_values(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_redact_values(v) for v in value]
-    return value
-
-
 def read_events(path: str | Path) -> list[dict[str, Any]]:
-    """All events; a torn last line is skipped."""
+    """All events, each a JSON object; a torn line, a line that is not an object, and bytes that are not UTF-8
+    (replaced by U+FFFD) never stop the reading. A missing or unreadable file has none."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError:
+        return []
     out = []
-    p = Path(path)
-    if not p.exists():
-        return out
-    for line in p.read_text(encoding="utf-8").splitlines():
+    for line in data.decode("utf-8", "replace").splitlines():
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except (ValueError, RecursionError):  # a torn line, a number too long to parse, nesting too deep
             continue
+        if isinstance(record, dict):
+            out.append(record)
     return out

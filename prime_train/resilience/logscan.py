@@ -14,8 +14,10 @@ and the state carried from line to line is a few short strings.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -497,51 +499,96 @@ def scan_file(path: str | os.PathLike[str], process: str | None = None) -> list[
 
 def _attempt_dirs(logs_dir: Path) -> list[Path]:
     found = []
-    for child in logs_dir.iterdir():
+    try:
+        children = list(logs_dir.iterdir())
+    except OSError:  # unreadable: no attempts to choose from; os.walk skips it the same way
+        return []
+    for child in children:
         m = _ATTEMPT_RE.match(child.name)
         if m and child.is_dir():
             found.append((int(m.group(1)), child))
     return [d for _, d in sorted(found)]
 
 
-def _files_below(directory: Path) -> list[Path]:
+def not_a_regular_file(path: str | os.PathLike[str]) -> str | None:
+    """What `path` is when it is not a regular file to read (through symlinks): "a FIFO", "a symlink loop", …;
+    None for a regular file. Opening a FIFO blocks until a writer comes, a device can be endless."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symlink loop"
+        if exc.errno == errno.ENOENT and os.path.islink(path):
+            return "a broken symlink"
+        return f"unreadable ({exc.strerror or exc})"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file"
+
+
+def _files_below(directory: Path, skipped: list[str]) -> list[Path]:
     out = []
+    # os.walk does not follow symlinked directories, so a symlink loop cannot make it go round
     for root, dirs, files in os.walk(directory):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        out.extend(Path(root) / f for f in sorted(files) if f.endswith(LOG_SUFFIXES))
+        for name in sorted(files):
+            if not name.endswith(LOG_SUFFIXES):
+                continue
+            path = Path(root) / name
+            what = not_a_regular_file(path)
+            if what is None:
+                out.append(path)
+            else:
+                skipped.append(f"{path}: {what}, not a regular file; skipped")
     return out
 
 
-def _logs_of_directory(directory: Path, all_attempts: bool) -> list[Path]:
+def _logs_of_directory(directory: Path, all_attempts: bool, skipped: list[str]) -> list[Path]:
     logs_dir = directory / "logs" if (directory / "logs").is_dir() else directory
     attempts = _attempt_dirs(logs_dir)
     if not attempts:
-        return _files_below(directory)
+        return _files_below(directory, skipped)
     if all_attempts:
         chosen = attempts
     else:
         latest = logs_dir / "latest"
-        target = latest.resolve() if latest.exists() else attempts[-1]
+        # realpath, not Path.resolve: it never raises, a symlink loop included
+        target = Path(os.path.realpath(latest)) if latest.is_dir() else attempts[-1]
         # report paths through attempt-<n>, which stays true after the next restart moves `latest`
         chosen = [logs_dir / target.name]
-    return [f for d in chosen for f in _files_below(d)]
+    return [f for d in chosen for f in _files_below(d, skipped)]
 
 
-def log_files(paths: Iterable[str | os.PathLike[str]], all_attempts: bool = False) -> list[Path]:
+def log_files(
+    paths: Iterable[str | os.PathLike[str]], all_attempts: bool = False, skipped: list[str] | None = None
+) -> list[Path]:
     """The log files `paths` stand for: files as given; for a run directory logs/latest (or every
-    attempt), for any other directory every *.log / *.out / *.err below it. Raises FileNotFoundError."""
+    attempt), for any other directory every *.log / *.out / *.err below it. Only regular files: a FIFO, a
+    socket, a device or a symlink loop is left out, with a note appended to `skipped` when given.
+    Raises FileNotFoundError for a path that does not exist."""
+    notes: list[str] = [] if skipped is None else skipped
     out: list[Path] = []
-    seen: set[Path] = set()
+    seen: set[str] = set()
     for raw in paths:
         p = Path(raw)
-        if p.is_file():
-            found = [p]
-        elif p.is_dir():
-            found = _logs_of_directory(p, all_attempts)
-        else:
+        if not os.path.lexists(p):
             raise FileNotFoundError(f"no such file or directory: {raw}")
+        what = not_a_regular_file(p)
+        if what is None:
+            found = [p]
+        elif what == "a directory":
+            found = _logs_of_directory(p, all_attempts, notes)
+        else:
+            notes.append(f"{raw}: {what}, not a regular file; skipped")
+            continue
         for f in found:
-            key = f.resolve()
+            key = os.path.realpath(f)
             if key not in seen:
                 seen.add(key)
                 out.append(f)

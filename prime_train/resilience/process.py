@@ -158,7 +158,11 @@ class ChildProcess:
         partial = b""  # the start of a line whose newline has not come yet: its head and tail when long
         line_no = 0
         try:
-            with open(self.log_path, "ab", buffering=0) as log:
+            try:
+                log: BinaryIO | None = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 (closed below)
+            except OSError:
+                log = None  # a full disk refused even the file: the pipe is drained all the same
+            with log or contextlib.nullcontext():
                 # whatever the pipe holds, up to READ_BYTES, in one read and one write: the job's
                 # output is copied as fast as it comes, however many lines it is cut into
                 while chunk := os.read(fd, READ_BYTES):
@@ -187,8 +191,10 @@ class ChildProcess:
         if self.on_line is not None:
             self._lines.put_many(lines, first_no + 1)
 
-    def _write(self, log: BinaryIO, data: bytes) -> None:
+    def _write(self, log: BinaryIO | None, data: bytes) -> None:
         try:
+            if log is None:
+                raise OSError("no log file")
             log.write(data)
         except OSError:
             # ENOSPC, EIO: the job must not block on a full pipe because the disk is full; the
@@ -233,8 +239,17 @@ class ChildProcess:
         """Send `sig` to the child's whole process group."""
         if self.popen is None:
             return
+        # the group's id is the child's pid: once the child is reaped and no member of its group is left, the
+        # kernel may give that id to an unrelated group, which must never get our signal
+        pgid = self.popen.pid
+        if self.popen.poll() is not None and not any(_in_group(p, pgid) for p in self.alive_descendants()):
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, sig)
+            os.killpg(pgid, sig)
+
+    def known_processes(self) -> list[psutil.Process]:
+        """The child and every descendant seen so far (remember_descendants), dead ones included."""
+        return list(self._known.values())
 
     def alive_descendants(self) -> list[psutil.Process]:
         out = []
@@ -278,3 +293,10 @@ class ChildProcess:
         for thread in (self._reader, self._caller):
             if thread is not None:
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _in_group(proc: psutil.Process, pgid: int) -> bool:
+    try:
+        return os.getpgid(proc.pid) == pgid
+    except OSError:
+        return False

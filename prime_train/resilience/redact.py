@@ -1,15 +1,27 @@
-"""Secrets out of everything the supervisor shows or stores: log lines, events, environments.
+"""Secrets out of everything the supervisor shows or stores: log lines, events, environments, config.toml.
 
-Two kinds of rule: token shapes that are secret wherever they appear (hf_…, sk-…, ghp_…, AKIA…),
-and values that are secret because of the name in front of them (HF_TOKEN=…, "api_key": "…",
---hf-token …). The name test is deliberately narrow: `max_tokens=256`, `tokenizer: …` and
-`pad_token=<|endoftext|>` are ordinary training-log text and must survive untouched.
+Three kinds of rule. Token shapes that are secret wherever they appear (hf_…, sk-…, ghp_…, AKIA…, a
+password in a URL, a Bearer token, a 40-hex key on a line about W&B). Values that are secret because of
+the name in front of them in the same text (HF_TOKEN=…, "api_key": "…", --hf-token …); that name test
+is deliberately narrow: `max_tokens=256`, `tokenizer: …` and `pad_token=<|endoftext|>` are ordinary
+training-log text and must survive untouched. And values known to be secret wherever they appear,
+with no name or shape beside them: a `Redactor` is built from the environment and the run's config,
+collects every value whose variable, key or flag is named like a credential (KEY, TOKEN, SECRET,
+PASSWORD, PASS, PWD, CREDENTIAL, AUTH, PRIVATE) and masks each occurrence. Every file the supervisor
+writes and every line it or `status`/`diagnose` prints goes through one; the raw process logs under
+logs/ are the one place a job's output stays as written.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields, is_dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prime_train.config.schema import Config
 
 REDACTED = "[REDACTED]"
 
@@ -31,6 +43,8 @@ _AFTER = [
     re.compile(r"(?i)(?P<pre>\bwandb\s+login\b(?:\s+\S+)*?\s+[\"']?)[A-Za-z0-9_\-]{40,}(?=[\s\"']|$)"),
     # credentials inside a URL: scheme://user:password@host
     re.compile(r"(?P<pre>\b[a-zA-Z][a-zA-Z0-9+.\-]*://[^/\s:@]+:)[^/\s@]+(?=@)"),
+    # a W&B API key (40 hex digits) on a line that is about W&B: `wandb_key: …`, `--wandb-key …`, `wandb … key …`
+    re.compile(r"(?i)(?P<pre>wandb.*?(?<![0-9a-f]))[0-9a-f]{40}(?![0-9a-f])"),
 ]
 
 _KEYWORD = r"(?:token|secret|passw(?:or)?d|passphrase|api[_\-]?key|apikey|access[_\-]?key|private[_\-]?key)"
@@ -91,6 +105,41 @@ def is_secret_name(name: str) -> bool:
     return False
 
 
+# The broad rule, for names chosen for a value (environment variables, keys of job.env or rl.env_args, flags):
+# any of these as a whole part of the name. `is_secret_name` is the narrow one, for words in free log text.
+_SECRET_PARTS = {
+    "key", "keys", "secret", "secrets", "password", "passwords", "passwd", "pass", "pwd", "passphrase",
+    "credential", "credentials", "creds", "auth", "apikey", "privatekey", "accesskey",
+}  # fmt: skip
+# PWD and OLDPWD are the shell's working directories; a public key is not a secret; SSH_AUTH_SOCK is a path.
+_NEVER_SECRET_NAMES = {"pwd", "oldpwd"}
+_NEVER_SECRET_PARTS = {"public", "pub", "sock", "socket"}
+# `--no-auth`, `--disable-auth`: switches, whatever follows them is not their value
+_SWITCH_PREFIXES = {"no", "disable", "enable", "skip"}
+_FLAG_ITEM = re.compile(r"--?(?P<name>[A-Za-z][\w\-.]*)(?:=(?P<value>.*))?", re.DOTALL)
+
+
+def looks_secret_name(name: str) -> bool:
+    """Whether a name chosen for a value (an environment variable, a config key, a flag) says it is a credential.
+
+    Broader than is_secret_name: KEY, SECRET, PASSWORD, PASS, PWD, CREDENTIAL, AUTH, PRIVATE (with another
+    part: PRIVATE_PEM) as a whole part of the name, or a credential TOKEN (WANDB_KEY, DB_PASS, SSH_PRIVATE_PEM
+    yes; PWD, SSH_AUTH_SOCK, PUBLIC_KEY, KEYBOARD, max_tokens no)."""
+    if name.lower() in _NEVER_SECRET_NAMES:
+        return False
+    parts = _name_parts(name)
+    if any(p in _NEVER_SECRET_PARTS for p in parts):
+        return False
+    if is_secret_name(name) or any(p in _SECRET_PARTS for p in parts):
+        return True
+    return "private" in parts and len(parts) > 1
+
+
+def _is_secret_flag(name: str) -> bool:
+    parts = _name_parts(name)
+    return bool(parts) and parts[0] not in _SWITCH_PREFIXES and looks_secret_name(name)
+
+
 def _is_placeholder(value: str) -> bool:
     bare = value.strip("\"'")
     return bare.lower() in _NOT_SECRET_VALUES or bare.startswith("$")
@@ -125,7 +174,9 @@ def redact(text: str) -> str:
 
 
 def redact_argv(argv: Sequence[str]) -> list[str]:
-    """A copy of a command line with secrets hidden, including `--api-key VALUE` split over two items."""
+    """A copy of a command line with secrets hidden, including `--api-key VALUE` split over two items.
+
+    Flags are names people chose for a value, so the broad rule applies: `--wandb_key VALUE` is hidden too."""
     out: list[str] = []
     hide_next = False
     for arg in argv:
@@ -133,9 +184,16 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
             out.append(REDACTED)
             hide_next = False
             continue
-        flag = re.fullmatch(r"--?([A-Za-z][\w\-]*)", arg)
+        flag = _FLAG_ITEM.fullmatch(arg)
         # redact() sees one item at a time, so a flag and its value in separate items need this
-        hide_next = flag is not None and is_secret_name(flag.group(1))
+        hide_next = flag is not None and flag.group("value") is None and _is_secret_flag(flag.group("name"))
+        if (
+            flag is not None
+            and flag.group("value") is not None
+            and _is_secret_flag(flag.group("name"))
+            and not _is_placeholder(flag.group("value"))
+        ):
+            arg = arg[: flag.start("value")] + REDACTED
         out.append(redact(arg))
     return out
 
@@ -149,3 +207,184 @@ def redact_env(env: dict[str, str]) -> dict[str, str]:
         else:
             out[key] = redact(value) if isinstance(value, str) else value
     return out
+
+
+# ---------------------------------------------------------------- by value
+
+# Shorter values would mask ordinary words and numbers everywhere (a 4-character value is in half of any log),
+# and are too short to be a credential worth the name.
+MIN_SECRET_CHARS = 6
+_NUMBER = re.compile(r"[+-]?(?:\d[\d_]*\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+
+
+def _worth_masking(value: str) -> bool:
+    bare = value.strip()
+    return (
+        len(bare) >= MIN_SECRET_CHARS
+        and not _is_placeholder(bare)
+        and REDACTED not in bare
+        and bare != "***"
+        and not _NUMBER.fullmatch(bare)  # a number is not a credential, and masking it would hide steps and losses
+    )
+
+
+def _value_and_lines(value: str) -> list[str]:
+    # a multi-line secret (a PEM key) reaches logs line by line
+    return [value, *(line.strip() for line in value.splitlines()[1:] if line.strip())] if "\n" in value else [value]
+
+
+def find_secrets(text: str) -> list[str]:
+    """The secret values the shape and name rules of `redact` find in `text` (what it would replace)."""
+    low = text.lower()
+    if not any(t in low for t in _TRIGGERS):
+        return []
+    found = [m.group(0) for rx in _SHAPES for m in rx.finditer(text)]
+    found += [m.group(0)[len(m.group("pre")) :] for rx in _AFTER for m in rx.finditer(text)]
+    for rx in (_ASSIGNMENT, _FLAG):
+        for m in rx.finditer(text):
+            value = m.group("val")
+            if is_secret_name(m.group("key")) and not _is_placeholder(value):
+                found.append(value.strip("\"'"))
+    return found
+
+
+def _argv_secrets(argv: Sequence[Any]) -> list[tuple[int, str]]:
+    """(index, value) of each secret flag's value in a command line: `--hf-token VALUE` and `--hf-token=VALUE`."""
+    out = []
+    for i, arg in enumerate(argv):
+        flag = _FLAG_ITEM.fullmatch(arg) if isinstance(arg, str) else None
+        if flag is None or not _is_secret_flag(flag.group("name")):
+            continue
+        if flag.group("value") is not None:
+            out.append((i, flag.group("value")))
+        elif i + 1 < len(argv) and isinstance(argv[i + 1], str) and not argv[i + 1].startswith("-"):
+            out.append((i + 1, argv[i + 1]))
+    return out
+
+
+def _config_secrets(node: Any) -> list[str]:
+    """Secret values in a config's data: values of secret-named keys (job.env HF_TOKEN, rl.env_args api_key, a
+    section field named like a credential), secret flags' values in lists of strings (job.command,
+    inference.extra_args), and whatever the shape rules find in any string (a password in a URL)."""
+    found: list[str] = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if isinstance(value, str) and looks_secret_name(str(key)):
+                found.append(value)
+            found += _config_secrets(value)
+    elif isinstance(node, list):
+        found += [value for _, value in _argv_secrets(node)]
+        for item in node:
+            found += _config_secrets(item)
+    elif isinstance(node, str):
+        found += find_secrets(node)
+    return found
+
+
+@dataclass
+class MaskedConfig:
+    """A run config as its run directory keeps it: TOML with every secret value as `***`, and what was masked."""
+
+    text: str
+    secrets: list[tuple[list[str | int], str]]  # (key path, real value) of each string that holds a `***`
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a job process needs in its environment to read the real values back (config.loader restores them)."""
+        from prime_train.config.loader import ENV_CONFIG_SECRETS
+
+        return {ENV_CONFIG_SECRETS: json.dumps(self.secrets)} if self.secrets else {}
+
+
+class Redactor:
+    """Secrets out of text by shape and name (`redact`) and by value: every value known to be secret is masked
+    wherever it appears, with no name or shape beside it (a W&B key in a traceback, a password echoed alone).
+
+    Build one per run with `for_run` (the config and the environment) or, for a reader of a finished run,
+    with `from_environment`; `Redactor()` redacts by shape and name only."""
+
+    def __init__(self, values: Iterable[str] = ()):
+        keep = {piece for value in values if isinstance(value, str) for piece in _value_and_lines(value)}
+        # longest first: a value that contains another is masked whole
+        self.values = tuple(sorted((v for v in keep if _worth_masking(v)), key=lambda v: (-len(v), v)))
+        self._rx = re.compile("|".join(map(re.escape, self.values))) if self.values else None
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str] | None = None) -> Redactor:
+        """Masks the values of this process's credential variables (HF_TOKEN, WANDB_API_KEY, DB_PASS, …)."""
+        import os
+
+        env = os.environ if env is None else env
+        return cls(value for name, value in env.items() if looks_secret_name(name))
+
+    @classmethod
+    def for_run(cls, cfg: Config, env: Mapping[str, str] | None = None) -> Redactor:
+        """Masks the environment's credential values and the run config's (see `masked_config`)."""
+        from prime_train.config.loader import to_toml_dict
+
+        return cls([*cls.from_environment(env).values, *_config_secrets(to_toml_dict(cfg))])
+
+    def __call__(self, text: str) -> str:
+        """`text` with every known secret value and every secret shape replaced by [REDACTED]."""
+        if self._rx is not None:
+            text = self._rx.sub(REDACTED, text)
+        return redact(text)
+
+    def value(self, obj: Any) -> Any:
+        """A copy of `obj` (str, dict, list, tuple, dataclass, nested) with its strings redacted; keys are kept."""
+        if isinstance(obj, str):
+            return self(obj)
+        if isinstance(obj, dict):
+            return {k: self.value(v) for k, v in obj.items()}
+        if isinstance(obj, list | tuple):
+            return [self.value(v) for v in obj]
+        if is_dataclass(obj) and not isinstance(obj, type):
+            return replace(obj, **{f.name: self.value(getattr(obj, f.name)) for f in fields(obj) if f.init})
+        return obj
+
+    def argv(self, argv: Sequence[str]) -> list[str]:
+        """A command line as it may be shown: secret flags' values and known secret values hidden."""
+        return [self(arg) for arg in redact_argv(argv)]
+
+    def masked_config(self, cfg: Config) -> MaskedConfig:
+        """The config as TOML with every secret value as `***`: values of secret-named keys and secret flags,
+        and every occurrence of a value this redactor knows. The real values stay in `secrets`, for the
+        job's environment (`MaskedConfig.env`), never in the file."""
+        import tomli_w
+
+        from prime_train.config.loader import MASK, to_toml_dict
+
+        masked: list[tuple[list[str | int], str]] = []
+
+        def mask_string(value: str) -> str:
+            return self._rx.sub(MASK, value) if self._rx is not None else value
+
+        def walk(node: Any, path: list[str | int]) -> Any:
+            if isinstance(node, dict):
+                out = {}
+                for key, value in node.items():
+                    if isinstance(value, str) and looks_secret_name(str(key)) and _worth_masking(value):
+                        masked.append(([*path, key], value))
+                        out[key] = MASK
+                    else:
+                        out[key] = walk(value, [*path, key])
+                return out
+            if isinstance(node, list):
+                flagged = {i: value for i, value in _argv_secrets(node) if _worth_masking(value)}
+                items = []
+                for i, item in enumerate(node):
+                    if i in flagged:  # `VALUE` after `--hf-token`, or `--hf-token=VALUE`: the value part only
+                        masked.append(([*path, i], item))
+                        items.append(item[: len(item) - len(flagged[i])] + MASK)
+                    else:
+                        items.append(walk(item, [*path, i]))
+                return items
+            if isinstance(node, str):
+                out_str = mask_string(node)
+                if out_str != node:
+                    masked.append((path, node))
+                return out_str
+            return node
+
+        data = walk(to_toml_dict(cfg), [])
+        return MaskedConfig(tomli_w.dumps(data), masked)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from pathlib import Path
@@ -11,39 +12,62 @@ from rich.console import Console
 
 from prime_train.contract import RunDir, list_checkpoints, read_heartbeat, read_json
 from prime_train.resilience.events import read_events
+from prime_train.resilience.redact import Redactor
 
 
-def _alive(pid: int | None) -> bool:
-    if not pid:
+def _alive(pid: object) -> bool:
+    if not _is_int(pid) or pid <= 0:
         return False
     try:
-        return psutil.pid_exists(int(pid)) and psutil.Process(int(pid)).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
+        return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, OverflowError):
         return False
 
 
-def run_status(run_dir: Path) -> dict:
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if _is_int(value) else None
+
+
+def _last_failure(value: object) -> dict | None:
+    """supervisor.json's last_failure as the object it should be; a bare string is kept as its message."""
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, str) and value:
+        return {"kind": None, "message": value}
+    return None
+
+
+def run_status(run_dir: Path, redactor: Redactor | None = None) -> dict:
+    """A run's state from its files, every string redacted (the environment's credential values included).
+
+    Files of any shape read without an exception: a field of the wrong type reads as unknown."""
     rd = RunDir(run_dir)
     sup = read_json(rd.supervisor_path) or {}
     hb = read_heartbeat(rd.progress_path)
-    state = sup.get("state", "unknown")
+    state = sup.get("state") if isinstance(sup.get("state"), str) else "unknown"
     if state in ("running", "restarting", "starting") and not _alive(sup.get("pid")):
         state = "dead (supervisor not running)"
     events = read_events(rd.events_path)
-    return {
+    age = time.time() - hb.time if hb is not None and hb.time is not None and math.isfinite(hb.time) else None
+    status = {
         "run_dir": str(rd.root),
         "state": state,
-        "attempt": sup.get("attempt"),
-        "restarts": sup.get("restarts"),
-        "step": hb.step if hb is not None else sup.get("step"),
+        "attempt": _int_or_none(sup.get("attempt")),
+        "restarts": _int_or_none(sup.get("restarts")),
+        "step": hb.step if hb is not None else _int_or_none(sup.get("step")),
         "max_steps": hb.max_steps if hb is not None else None,
         "phase": hb.phase.value if hb is not None else None,
         "loss": hb.loss if hb is not None else None,
-        "heartbeat_age_s": round(time.time() - hb.time, 1) if hb is not None and hb.time else None,
+        "heartbeat_age_s": round(age, 1) if age is not None else None,
         "checkpoints": [c.step for c in list_checkpoints(rd.checkpoints_dir)],
-        "last_failure": sup.get("last_failure"),
+        "last_failure": _last_failure(sup.get("last_failure")),
         "recent_events": events[-8:],
     }
+    return (redactor or Redactor.from_environment()).value(status)
 
 
 def logs_command(run_dir: Path, process: str, attempt: int | None, lines: int, follow: bool) -> int:

@@ -2,12 +2,18 @@
 
 Plain Python, never imports torch. It meets the job only in the run directory (prime_train/contract.py,
 docs/architecture.md): it reads progress.json and the checkpoints, writes events.jsonl and supervisor.json.
+
+It owns its run directory for its whole life (resilience/ownership.py): a second owner is refused, and
+what a killed predecessor left running is ended before anything starts. Its own files never take it
+down: on a full disk it keeps its state in memory and writes it again on the next poll.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import math
 import os
-import re
 import signal
 import threading
 import time
@@ -16,27 +22,39 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prime_train.config.loader import dump_toml
 from prime_train.config.schema import Config
 from prime_train.contract import (
     ENV_ATTEMPT,
     ENV_RUN_DIR,
+    ENV_SUPERVISOR,
     ExitCode,
     Heartbeat,
     Phase,
     RunDir,
+    RunLock,
     newest_checkpoint,
+    newest_external_checkpoint,
     read_heartbeat,
     read_json,
     write_json_atomic,
 )
 from prime_train.launch import gpu_devices, job_exit_code, plan_engine_launch
+from prime_train.resilience.background import Background
 from prime_train.resilience.events import EventLog
 from prime_train.resilience.failures import Failure, FailureKind
-from prime_train.resilience.logscan import Finding, LogScanner, classify
+from prime_train.resilience.logscan import Finding, LogScanner
+from prime_train.resilience.ownership import (
+    Housekeeper,
+    attempt_numbers,
+    claim_run_dir,
+    disk_statement,
+    end_orphans,
+    supervisor_token,
+)
 from prime_train.resilience.policy import RestartPolicy
 from prime_train.resilience.process import ChildProcess, ProcessSpec
-from prime_train.resilience.redact import redact_argv
+from prime_train.resilience.redact import Redactor, redact_argv
+from prime_train.resilience.verdict import exit_verdict
 from prime_train.resilience.watchers import (
     DiskWatcher,
     LogProgress,
@@ -46,7 +64,7 @@ from prime_train.resilience.watchers import (
     detect_cloud,
 )
 from prime_train.rl.client import worker_url
-from prime_train.rl.workers import InferenceHealthWatcher, gpu_plan, inference_specs
+from prime_train.rl.workers import InferenceHealthWatcher, gpu_plan, inference_specs, never_starts
 
 
 @dataclass
@@ -58,7 +76,7 @@ class Attempt:
     failure: Failure | None = None
     first_step: int | None = None
     last_step: int | None = None
-    resumed_from: int | None = None
+    resumed_from: int | None = None  # the step it started from (0: fresh); the job's heartbeat has the last word
     checkpoint_step_at_end: int | None = None
 
     def time_lost(self, step_time: float | None) -> float:
@@ -90,8 +108,11 @@ class Supervisor:
     def __init__(self, cfg: Config, observer: Observer | None = None, options: SupervisorOptions | None = None):
         self.cfg = cfg
         self.run_dir = RunDir(cfg.run_dir)
-        self.observer = observer or Observer()
         self.options = options or SupervisorOptions()
+        # secrets out of every file it writes and every line it prints: by shape, and by value (the credentials
+        # of its environment and of the config)
+        self.redactor = Redactor.for_run(cfg, {**os.environ, **self.options.extra_env})
+        self.observer = _redacting(observer or Observer(), self.redactor)
         self.policy = RestartPolicy(
             cfg.supervisor.max_restarts, cfg.supervisor.backoff_initial_s, cfg.supervisor.backoff_max_s
         )
@@ -114,6 +135,11 @@ class Supervisor:
         self._backup = None  # BackupWatcher when ckpt.remote is set: one for the whole run, across attempts
         self._health_watcher: InferenceHealthWatcher | None = None
         self._rank_logs: RankLogs | None = None
+        self.lock: RunLock | None = None  # the run directory is this process's while held (claim)
+        self._orphans: list[dict[str, Any]] = []  # what a killed predecessor left running, ended by claim()
+        self._attempt_base = 0  # attempts of earlier invocations in this run directory: numbering goes on after them
+        self._keeper: Housekeeper | None = None
+        self._state_unwritten = False  # supervisor.json could not be written (a full disk): try again each poll
 
     # ------------------------------------------------------------------ public
 
@@ -123,11 +149,43 @@ class Supervisor:
         self._stop.set()
         self._wake.set()
 
+    def claim(self) -> None:
+        """Own the run directory: take its lock (contract.RunDirBusy, naming the holder, when another process
+        has it) and end whatever job a killed predecessor left running. `run` claims if this was not called;
+        the CLI calls it first, so that preflight never sees an orphan's ports and GPU memory."""
+        if self.lock is not None:
+            return
+        self.lock = claim_run_dir(self.run_dir, "prime-train run")
+        self._orphans = end_orphans(self.run_dir, self.cfg.supervisor.term_grace_s)
+        for orphan in self._orphans:
+            how = "SIGKILL" if orphan["killed"] else "SIGTERM"
+            self.observer.message(
+                f"ended {orphan['name']} (pid {orphan['pid']}) left running by a previous supervisor ({how})"
+            )
+
     def run(self) -> int:
+        self.claim()
+        try:
+            return self._run()
+        finally:
+            assert self.lock is not None
+            self.lock.release()
+
+    def _run(self) -> int:
         self.run_dir.create()
-        self.events = EventLog(self.run_dir.events_path)
-        self.run_dir.config_path.write_text(dump_toml(self.cfg))
+        self.events = EventLog(self.run_dir.events_path, self.redactor)
         self.events.emit("run_started", run_dir=str(self.run_dir.root), pid=os.getpid(), job=self._job_kind())
+        for orphan in self._orphans:
+            self.events.emit("orphan_ended", **orphan)
+        self._attempt_base = max(attempt_numbers(self.run_dir), default=0)
+        self._keeper = Housekeeper(self.run_dir, self.events, self.observer.message)
+        try:
+            self.run_dir.config_path.write_text(self.redactor.masked_config(self.cfg).text)  # secret values as ***
+        except OSError as exc:
+            self.events.emit("run_failed", reason=f"cannot write {self.run_dir.config_path}: {exc}")
+            self.observer.message(f"cannot write {self.run_dir.config_path}: {exc}; {self._disk_statement()}")
+            self._set_state("failed")
+            return ExitCode.FAILED
         if "VLLM_USE_V1" in os.environ:
             # vLLM 0.11 removed the V0 engine; the variable is ignored, and people believe it does something
             self.events.emit(
@@ -142,16 +200,19 @@ class Supervisor:
         restarts = 0
         code = ExitCode.FAILED
         while True:
-            attempt = Attempt(len(self.attempts) + 1, time.time())
+            attempt = Attempt(self._attempt_base + len(self.attempts) + 1, time.time())
             self.attempts.append(attempt)
             failure = self._run_attempt(attempt)
             attempt.ended = time.time()
             attempt.failure = failure
             attempt.checkpoint_step_at_end = self._newest_checkpoint_step()
+            if failure is not None and failure.kind is FailureKind.DISK_FULL:
+                failure.message += f"; {self._disk_statement()}"
             if failure is None:
                 if self._stop.is_set():
                     self._set_state("stopped")
                     self.events.emit("run_stopped", reason=self._stop_reason, step=attempt.last_step)
+                    self.observer.message(self._stopped_message(attempt))
                     code = ExitCode.PREEMPTED
                 else:
                     self._set_state("done")
@@ -256,21 +317,23 @@ class Supervisor:
         return "command" if self.cfg.job.command else self.cfg.run.job
 
     def _attempt_config_path(self, attempt: Attempt) -> Path:
-        """Attempt 1 runs the config as given; later attempts always resume from the newest whole checkpoint."""
-        if attempt.number == 1 or self.cfg.ckpt.resume == "auto":
+        """The first attempt runs the config as given; later ones always resume from the newest whole checkpoint."""
+        if attempt is self.attempts[0] or self.cfg.ckpt.resume == "auto":
             return self.run_dir.config_path
         cfg = self.cfg.model_copy(deep=True)
         if newest_checkpoint(self.run_dir.checkpoints_dir) is not None:
             cfg.ckpt.resume = "auto"
         path = self.run_dir.root / f"config.attempt-{attempt.number}.toml"
-        path.write_text(dump_toml(cfg))
+        path.write_text(self.redactor.masked_config(cfg).text)
         return path
 
     def _specs(self, attempt: Attempt) -> list[ProcessSpec]:
         env = {
+            **self.redactor.masked_config(self.cfg).env,  # the real values of config.toml's ***, for the job
             "PYTHONUNBUFFERED": "1",
             ENV_RUN_DIR: str(self.run_dir.root),
             ENV_ATTEMPT: str(attempt.number),
+            ENV_SUPERVISOR: supervisor_token(),  # the job stops when this process is gone (engine/lifeline.py)
             **self.options.extra_env,
         }
         if self.cfg.job.command:
@@ -334,14 +397,15 @@ class Supervisor:
             self.observer.message(f"[{process}] {line}")
 
     def _start_children(self, attempt: Attempt) -> None:
+        self.children = []  # first: a start that fails half way must not leave the last attempt's children listed
+        self._scanners = {}
         logs = self.run_dir.attempt_logs(attempt.number)
         logs.mkdir(parents=True, exist_ok=True)
         latest = self.run_dir.logs_dir / "latest"
         if latest.is_symlink() or latest.exists():
             latest.unlink()
-        latest.symlink_to(logs.name)
-        self.children = []
-        self._scanners = {}
+        with contextlib.suppress(OSError):  # a convenience: a full disk must not stop the attempt for it
+            latest.symlink_to(logs.name)
         specs = self._specs(attempt)
         self._roles = {spec.name: spec.role for spec in specs}
         for spec in specs:
@@ -354,6 +418,7 @@ class Supervisor:
             self.events.emit(
                 "process_started", attempt=attempt.number, process=spec.name, pid=child.pid, argv=redact_argv(spec.argv)
             )
+        self._housekeeping()
 
     def _progress_reader(self) -> Callable[[], dict[str, Any] | None]:
         job = self.cfg.job
@@ -367,9 +432,10 @@ class Supervisor:
     def _run_attempt(self, attempt: Attempt) -> Failure | None:
         assert self.events is not None
         sup = self.cfg.supervisor
-        newest = self._newest_checkpoint_step()
-        attempt.resumed_from = newest if attempt.number > 1 else None
+        attempt.resumed_from = self._expected_resume(attempt)
         self.events.emit("attempt_started", attempt=attempt.number, resume_from=attempt.resumed_from)
+        if attempt.resumed_from:
+            self.observer.message(f"resuming from step {attempt.resumed_from}")
         progress = ProgressWatcher(
             self._progress_reader(),
             stall_timeout_s=sup.stall_timeout_s,
@@ -386,10 +452,14 @@ class Supervisor:
         try:
             self._start_children(attempt)
         except ValueError as exc:  # a placement the config cannot have (vLLM without GPUs): never retried
-            self.events.emit("attempt_ended", attempt=attempt.number, leftover_pids=[])
+            self._teardown(attempt)
             return Failure(FailureKind.CONFIG_ERROR, str(exc))
+        except OSError as exc:  # its log directory or config on a full disk; retried, space may come back
+            self._teardown(attempt)
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            return Failure(FailureKind.DISK_FULL if full else FailureKind.CRASH, f"cannot start the attempt: {exc}")
         self._set_state("running", attempt=attempt.number)
-        background = _Background(self._background_watchers(progress, gpu, attempt), sup.poll_interval_s, self.events)
+        background = Background(self._background_watchers(progress, gpu, attempt), sup.poll_interval_s, self.events)
         background.start()
         failure: Failure | None = None
         stop_sent = False
@@ -401,7 +471,10 @@ class Supervisor:
                 attempt.last_step = progress.step if progress.step is not None else attempt.last_step
                 if attempt.first_step is None and progress.first_step is not None:
                     attempt.first_step = progress.first_step
+                if progress.phase is not None and progress.last_seen and progress.last_seen.resumed_from is not None:
+                    attempt.resumed_from = progress.last_seen.resumed_from  # fresh: where the job really resumed
                 self._status(attempt, progress, background)
+                self._housekeeping()
                 if self._stop.is_set() and not stop_sent:
                     self.events.emit("stop_requested", reason=self._stop_reason)
                     self.observer.message(f"stopping ({self._stop_reason}): the trainer saves a checkpoint and exits")
@@ -453,7 +526,7 @@ class Supervisor:
             failure.step = progress.step
         return failure
 
-    def _mend_inference(self, dead, background: _Background) -> Failure | None:
+    def _mend_inference(self, dead, background: Background) -> Failure | None:
         """Restart a dead or wedged rollout worker on its own; the trainer's pool routes around it meanwhile.
 
         Wedged: alive but no longer answering /health, or its GPUs back at their memory from before the attempt
@@ -469,6 +542,8 @@ class Supervisor:
             count = self._worker_restarts.get(child.name, 0) + 1
             self._worker_restarts[child.name] = count
             tail = [line for line in child.tail if line.strip()][-10:]
+            if (cause := never_starts(child.name, code, list(self.findings), health, tail)) is not None:
+                return Failure(FailureKind.CONFIG_ERROR, cause, tail, child.name, exit_code=code)
             if code is not None:
                 why = f"exited with {code}"
             elif gpu is not None and child.name in gpu.emptied:
@@ -590,39 +665,19 @@ class Supervisor:
                 self._on_finding(finding)
         if self._rank_logs is not None and child.spec.role == "trainer":
             self._rank_logs.drain(final=True)  # the rank that failed first may have written its last words there
-        code = job_exit_code(returncode, read_heartbeat(self.run_dir.progress_path), child.started_at)
+        hb = read_heartbeat(self.run_dir.progress_path)
+        code = job_exit_code(returncode, hb, child.started_at)
         attempt.exit_code = code
         assert self.events is not None
         self.events.emit(
             "process_exited", process=child.name, exit_code=code, returncode=returncode, step=progress.step
         )
-        tail = list(child.tail)[-20:]
         with self._findings_lock:
             findings = list(self.findings)
-        if code == 0:
-            if child.spec.role in ("trainer", "job"):
-                return None
-            return Failure(FailureKind.INFERENCE_DIED, f"{child.name} exited", tail, child.name, exit_code=code)
-        if code == ExitCode.PREEMPTED:
-            if self._stop.is_set():
-                return None
-            return Failure(
-                FailureKind.PREEMPTED,
-                "the job checkpointed and stopped on request" + (" (cloud preemption notice)" if preempted else ""),
-                tail,
-                child.name,
-                exit_code=code,
-            )
-        if code == ExitCode.CONFIG:
-            return Failure(FailureKind.CONFIG_ERROR, _last_message(findings, tail), tail, child.name, exit_code=code)
-        if child.spec.role == "inference":
-            return Failure(FailureKind.INFERENCE_DIED, _last_message(findings, tail), tail, child.name, exit_code=code)
-        kind = classify(findings) or FailureKind.CRASH
-        if kind is FailureKind.CRASH and returncode in (-signal.SIGKILL, 137) and not findings:
-            message = "killed by SIGKILL (the kernel OOM killer, or a kill -9): no traceback"
-        else:
-            message = _last_message(findings, tail)
-        return Failure(kind, message, tail, child.name, exit_code=code)
+        return exit_verdict(
+            child.spec, returncode, code, hb, child.started_at, list(child.tail)[-20:], findings,
+            stop_requested=self._stop.is_set(), preempted=preempted,
+        )  # fmt: skip
 
     def _teardown(self, attempt: Attempt) -> None:
         grace = self.cfg.supervisor.term_grace_s
@@ -630,7 +685,43 @@ class Supervisor:
             child.stop(grace)
         assert self.events is not None
         leftovers = [p.pid for c in self.children for p in c.alive_descendants()]
+        assert self._keeper is not None
+        named = {c.name: c.known_processes() for c in self.children}
+        self._keeper.after_attempt(named, clean_tmp=not self.cfg.job.command)
         self.events.emit("attempt_ended", attempt=attempt.number, leftover_pids=leftovers)
+
+    def _housekeeping(self) -> None:
+        """Each poll: the process record, quarantine notices, and supervisor.json if a full disk refused it."""
+        assert self._keeper is not None
+        self._keeper.poll({c.name: c.known_processes() for c in self.children})
+        if self._state_unwritten:
+            self._write_state()
+
+    def _expected_resume(self, attempt: Attempt) -> int | None:
+        """The step an attempt will start from, as far as the supervisor can tell before it starts (the engine's
+        heartbeat corrects it: a checkpoint that fails verification sends it to an older one)."""
+        newest = self._newest_checkpoint_step()
+        if self.cfg.job.command:
+            return 0 if newest is None else (newest if self.cfg.job.resume_args else None)
+        resume = self.cfg.ckpt.resume
+        if attempt is self.attempts[0] and resume not in ("auto", "never"):
+            return None  # a named checkpoint: its step is known once the job has loaded it
+        if attempt is self.attempts[0] and resume == "never":
+            return 0
+        return newest if newest is not None else 0
+
+    def _stopped_message(self, attempt: Attempt) -> str:
+        newest = self._newest_checkpoint_step()
+        then = f"the next run resumes from step-{newest}" if newest is not None else "the next run starts from step 0"
+        if attempt.last_step is None or attempt.last_step == attempt.resumed_from:
+            return f"stopped ({self._stop_reason}) before the attempt's first step: nothing new to checkpoint; {then}"
+        return f"stopped ({self._stop_reason}) at step {attempt.last_step}; {then}"
+
+    def _disk_statement(self) -> str:
+        """What is left on the checkpoints' disk, in words (for a disk-full failure)."""
+        job = self.cfg.job
+        ckpt_dir = Path(job.checkpoint_dir) if job.command and job.checkpoint_dir else self.run_dir.checkpoints_dir
+        return disk_statement(ckpt_dir)
 
     # ------------------------------------------------------------------ state and status
 
@@ -640,7 +731,7 @@ class Supervisor:
 
     def _write_state(self, final: bool = False, **extra: Any) -> None:
         last = self.attempts[-1] if self.attempts else None
-        write_json_atomic(
+        self._state_unwritten = not _write_json_or_keep(
             self.run_dir.supervisor_path,
             {
                 "pid": os.getpid(),
@@ -650,17 +741,17 @@ class Supervisor:
                 "step": last.last_step if last else None,
                 "run_dir": str(self.run_dir.root),
                 "updated": time.time(),
-                "last_failure": last.failure.to_dict() if last and last.failure else None,
+                "last_failure": self.redactor.value(last.failure.to_dict()) if last and last.failure else None,
                 "final": final,
                 **extra,
             },
         )
 
-    def _status(self, attempt: Attempt, progress: ProgressWatcher, background: _Background) -> None:
+    def _status(self, attempt: Attempt, progress: ProgressWatcher, background: Background) -> None:
         hb = progress.last_seen or Heartbeat(None)
         status = {
             "attempt": attempt.number,
-            "restarts": attempt.number - 1,
+            "restarts": len(self.attempts) - 1,
             "step": progress.step,
             "max_steps": hb.max_steps or self.cfg.train.max_steps,
             "phase": progress.phase,
@@ -669,7 +760,7 @@ class Supervisor:
             "disk": background.disk_usage(),
             "gpu": background.gpu_summary(),
         }
-        if hb.step_time_s is not None:
+        if hb.step_time_s is not None and math.isfinite(hb.step_time_s):
             self._step_times.append(hb.step_time_s)
             self._step_times = self._step_times[-50:]
         if self._step_times and progress.step is not None and status["max_steps"]:
@@ -682,82 +773,19 @@ class Supervisor:
         return sum(self._step_times) / len(self._step_times) if self._step_times else None
 
 
-class _Background:
-    """Slow watchers (disk, GPU, cloud notices) polled in one thread so they never delay the main loop."""
-
-    def __init__(self, watchers: list, interval: float, events: EventLog):
-        self.watchers = watchers
-        self.interval = interval
-        self.events = events
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="watchers", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            for w in self.watchers:
-                try:
-                    for event in w.poll():
-                        self.events.emit(**event)
-                except Exception as exc:  # a watcher bug must not take the run down
-                    self.events.emit("watcher_error", watcher=type(w).__name__, error=repr(exc))
-            self._stop.wait(self.interval)
-
-    def failure(self) -> Failure | None:
-        for w in self.watchers:
-            f = getattr(w, "failure", None)
-            if f is not None:
-                return f
-        return None
-
-    def preemption_notice(self) -> dict[str, Any] | None:
-        for w in self.watchers:
-            if isinstance(w, PreemptionWatcher) and w.notice is not None:
-                return w.notice
-        return None
-
-    def disk_usage(self) -> float | None:
-        for w in self.watchers:
-            if isinstance(w, DiskWatcher):
-                return w.last_usage
-        return None
-
-    def gpu_summary(self) -> dict[str, Any] | None:
-        for w in self.watchers:
-            summary = getattr(w, "last_summary", None)
-            if summary is not None:
-                return summary
-        return None
+def _redacting(observer: Observer, redactor: Redactor) -> Observer:
+    """`observer` behind `redactor`: the log lines in findings and messages reach the console masked."""
+    return Observer(
+        status=observer.status,
+        finding=lambda f: observer.finding(redactor.value(f)),
+        message=lambda m: observer.message(redactor(m)),
+    )
 
 
-def _last_message(findings: list[Finding], tail: list[str]) -> str:
-    fatal = [f for f in findings if f.severity == "fatal"]
-    if fatal:
-        return fatal[-1].text
-    lines = [t for t in tail if t.strip()]
-    return lines[-1] if lines else "exited without output"
-
-
-def newest_external_checkpoint(directory: Path, pattern: str) -> tuple[int, Path] | None:
-    """The highest-step entry of an external job's checkpoint directory whose name matches `pattern`."""
-    if not directory.is_dir():
-        return None
-    regex = re.compile(pattern)
-    best: tuple[int, Path] | None = None
-    for entry in directory.iterdir():
-        m = regex.search(entry.name)
-        if not m or entry.name.endswith(".tmp"):
-            continue
-        try:
-            step = int(m.group(1))
-        except (IndexError, ValueError):
-            continue
-        if best is None or step > best[0]:
-            best = (step, entry)
-    return best
+def _write_json_or_keep(path: Path, obj: Any) -> bool:
+    """write_json_atomic, but a full disk (or any write error) is not the supervisor's death: False instead."""
+    try:
+        write_json_atomic(path, obj)
+    except OSError:
+        return False
+    return True

@@ -55,6 +55,7 @@ class ProgressWatcher:
         self.phase: Phase | None = None
         self.first_step: int | None = None
         self.failure: Failure | None = None
+        self.weights_step: int | None = None  # RL: the newest policy step recorded as loaded by the workers
 
     def restart(self) -> None:
         """A new attempt: the clock starts over; the last step seen is kept for reports."""
@@ -82,6 +83,13 @@ class ProgressWatcher:
             if fresh:
                 self.last_change = now
                 self.phase = hb.phase
+                if hb.weights_step is not None and hb.weights_step != self.weights_step:
+                    # RL: each policy the workers loaded is on record, with how many loaded it and how fast
+                    self.weights_step = hb.weights_step
+                    events.append({
+                        "event": "weights_loaded", "step": hb.weights_step,
+                        "workers": hb.workers_reloaded, "reload_s": hb.weight_reload_s,
+                    })  # fmt: skip
                 if hb.step is not None:
                     if self.first_step is None:
                         self.first_step = hb.step
@@ -246,6 +254,7 @@ class DiskWatcher:
             events.append(self._delete(by_step[step], step, "retention"))
         remaining = [c for c in list_checkpoints(self.ckpt_dir)]
         # over the watermark (or the byte cap): the oldest whole checkpoints go first, never the newest
+        breached = False
         while len(remaining) > 1 and self._over_limit(remaining):
             candidates = [c for c in remaining[:-1] if c.step not in protected]
             if not candidates:
@@ -253,12 +262,20 @@ class DiskWatcher:
             oldest = candidates[0]
             remaining.remove(oldest)
             events.append(self._delete(oldest.path, oldest.step, "watermark"))
+            breached = True
+        remaining = list_checkpoints(self.ckpt_dir)  # what is really left (a refused delete leaves one)
+        if breached and self.keep_last is not None and len(remaining) < self.keep_last:
+            why = "the disk is over supervisor.disk_high_watermark (or supervisor.max_disk_gb): oldest went first"
+            kept = [c.step for c in remaining]
+            event = {"event": "retention_below_keep_last", "kept": kept, "keep_last": self.keep_last, "reason": why}
+            events.append(event)
         usage = self._usage_fraction()
         self.last_usage = usage
         if usage is not None and usage > 0.98 and len(remaining) <= 1:
+            left = f"only step-{remaining[0].step}" if remaining else "no whole checkpoint"
             self.failure = Failure(
                 FailureKind.DISK_FULL,
-                f"disk {usage:.0%} full with only the newest checkpoint left",
+                f"disk {usage:.0%} full and retention cannot free more ({left} on it)",
                 evidence=[str(self.ckpt_dir)],
             )
         return events

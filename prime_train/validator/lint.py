@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -48,6 +49,40 @@ def _writable_dir(path: Path) -> str | None:
 def _resolve(path: str) -> str:
     """Relative data paths are read from the working directory, as the trainer will."""
     return os.path.expanduser(path)
+
+
+# The files the engine reads (engine/records.py LOCAL_SUFFIXES), mirrored: lint stays torch-free; tested equal
+DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
+# Entries looked at below a data directory before lint stops searching (and leaves the directory to the engine).
+MAX_DATA_SCAN = 100_000
+
+
+def _data_files_problem(path: str) -> str | None:
+    """Why a dataset `path` gives the engine no data file, or None: the same rule as engine/records.py
+    expand_local_path (a file of a known type, a directory or glob holding one), stopping at the first found."""
+    where = f"{path!r}"
+    expanded = _resolve(path)
+    if any(ch in expanded for ch in "*?["):
+        matches = (p for p in glob.iglob(expanded, recursive=True) if p.endswith(DATA_SUFFIXES) and os.path.isfile(p))
+        if next(matches, None) is None:
+            found = next(glob.iglob(expanded, recursive=True), None)
+            if found is None:
+                return f"{where} does not exist; check the path (relative paths are read from the directory you run in)"
+            return f"{where} matches no {', '.join(DATA_SUFFIXES)} file"
+        return None
+    if os.path.isdir(expanded):
+        seen = 0
+        for _, _, names in os.walk(expanded):
+            for name in names:
+                if name[0] != "." and name.endswith(DATA_SUFFIXES):
+                    return None
+            seen += len(names)
+            if seen > MAX_DATA_SCAN:
+                return None
+        return f"{where} is a directory with no {', '.join(DATA_SUFFIXES)} file in it"
+    if os.path.isfile(expanded):
+        return None if expanded.endswith(DATA_SUFFIXES) else f"{where}: use {', '.join(DATA_SUFFIXES)} files"
+    return f"{where} does not exist; check the path (relative paths are read from the directory you run in)"
 
 
 def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[Problem]:
@@ -151,15 +186,10 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
             )
     for i, ds in enumerate(d.datasets):
         if ds.path is not None:
-            path = _resolve(ds.path)
-            if not (os.path.exists(path) or glob.glob(path)):
+            why = _data_files_problem(ds.path)
+            if why:
                 problems.append(
-                    sources.problem(
-                        ("data", "datasets", i, "path"),
-                        "error",
-                        f"data.datasets[{i}].path {ds.path!r} does not exist; check the path "
-                        "(relative paths are read from the directory you run in)",
-                    )
+                    sources.problem(("data", "datasets", i, "path"), "error", f"data.datasets[{i}].path {why}")
                 )
     if cfg.train.mc_eval_path is not None and not os.path.isfile(_resolve(cfg.train.mc_eval_path)):
         problems.append(
@@ -212,6 +242,28 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
                 f"supervisor.backoff_max_s ({sup.backoff_max_s}) is below backoff_initial_s ({sup.backoff_initial_s})",
             )
         )
+    problems.extend(_job_command_problems(cfg, sources))
+    if cfg.train.eval_environment and not cfg.job.command:
+        from prime_train.rl.environments import load_environment
+
+        try:  # as the SFT job loads it (engine/train.py), which otherwise refuses it only after start-up
+            load_environment(cfg.train.eval_environment, {})
+        except (ValueError, ImportError) as exc:
+            message = str(exc).replace("rl.environment = ", "", 1)
+            problems.append(
+                sources.problem(("train", "eval_environment"), "error", f"train.eval_environment: {message}")
+            )
+    inf = cfg.inference
+    if inf.base_port + inf.num_workers - 1 > 65535:
+        problems.append(
+            sources.problem(
+                ("inference", "base_port"),
+                "error",
+                f"inference.base_port ({inf.base_port}) + {inf.num_workers} workers reaches port "
+                f"{inf.base_port + inf.num_workers - 1}, past 65535 (worker i listens on base_port + i); "
+                f"use a base_port of at most {65536 - inf.num_workers}",
+            )
+        )
     if cfg.job.command is not None and cfg.job.progress_file is None and cfg.job.progress_regex is None:
         problems.append(
             sources.problem(
@@ -235,11 +287,57 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
     return problems
 
 
+def _job_command_problems(cfg: Config, sources: Sources) -> list[Problem]:
+    """job.cwd is a directory and job.command's program exists and runs, found as subprocess will find it: a
+    relative path from job.cwd, a bare name on the job's PATH (job.env's, else this one); no `~` expansion."""
+    job = cfg.job
+    if not job.command:
+        return []
+    problems = []
+    cwd_ok = job.cwd is None or os.path.isdir(job.cwd)
+    if not cwd_ok:
+        tilde = " (a `~` is not expanded here: write the full path)" if job.cwd.startswith("~") else ""
+        problems.append(
+            sources.problem(
+                ("job", "cwd"),
+                "error",
+                f"job.cwd {job.cwd!r} is not a directory{tilde}; create it or fix the path (relative paths are "
+                "from the directory you run in)",
+            )
+        )
+    program = job.command[0]
+    if os.sep in program:
+        if not cwd_ok:
+            return problems  # relative to a cwd that does not exist: reported above
+        path = os.path.join(job.cwd or ".", program)
+        why = None
+        if not os.path.isfile(path):
+            why = "does not exist" if not os.path.lexists(path) else "is not a file"
+        elif not os.access(path, os.X_OK):
+            why = f"is not executable (chmod +x {program}, or run it with its interpreter: ['python', {program!r}])"
+        where = f" (from job.cwd {job.cwd!r})" if job.cwd and not os.path.isabs(program) else ""
+    else:
+        search = job.env.get("PATH", os.environ.get("PATH", os.defpath))
+        why = None if shutil.which(program, path=search) else "is not a program on PATH"
+        where = " (job.env's PATH)" if "PATH" in job.env else ""
+    if why:
+        problems.append(
+            sources.problem(
+                ("job", "command"),
+                "error",
+                f"job.command[0] {program!r} {why}{where}; the job could not start",
+            )
+        )
+    return problems
+
+
 def spot_problems(cfg: Config, sources: Sources) -> list[Problem]:
     """SkyPilot's known limits for this config (`run --spot` checks them whether or not [spot] was written)."""
     from prime_train.integrations.skypilot import lint_spot
+    from prime_train.validator.gpus import spot_gpu_problems
 
-    return [sources.problem(path, severity, message) for path, severity, message in lint_spot(cfg)]
+    found = [*lint_spot(cfg), *spot_gpu_problems(cfg)]  # SkyPilot's limits; the GPU against the one GPU table
+    return [sources.problem(path, severity, message) for path, severity, message in found]
 
 
 def lint_files(

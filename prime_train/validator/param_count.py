@@ -8,6 +8,7 @@ estimate, flagged as such. Preflight's disk and memory estimates, the memory and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,6 +124,12 @@ class ParameterCount:
     notes: list[str] = field(default_factory=list)
 
 
+# No model comes near these (Llama-3.1-405B: 126 layers, hidden 16384; DeepSeek-V3: 256 experts); a config.json
+# past them is broken or hostile, and would make the estimates meaningless.
+MAX_LAYERS = 100_000
+MAX_DIMENSION = 1 << 24
+
+
 def _num(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
     value = cfg.get(key)
     if value is None:
@@ -131,7 +138,16 @@ def _num(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{key} = {value!r} is not a number")
+    if not (isinstance(value, int) or math.isfinite(value)) or not 0 <= value <= MAX_DIMENSION * MAX_DIMENSION:
+        raise TypeError(f"{key} = {value!r} is not a size a model has")
     return int(value)
+
+
+def _layers(cfg: dict[str, Any]) -> int:
+    layers = _num(cfg, "num_hidden_layers")
+    if layers > MAX_LAYERS:
+        raise TypeError(f"num_hidden_layers = {layers} is not a layer count a model has (at most {MAX_LAYERS:,})")
+    return layers
 
 
 def split_config(hf: dict[str, Any]) -> tuple[dict[str, Any], str, str]:
@@ -194,9 +210,35 @@ class _MoE:
     shared: int
 
 
-def _moe_layer(cfg: dict[str, Any], text_type: str, h: int, layer: int) -> _MoE | None:
-    """The routed-expert block of `layer`, or None when the layer has a dense MLP."""
-    if text_type in ("mixtral", "gpt_oss") or (text_type not in EXACT_TEXT_TYPES and cfg.get("num_local_experts")):
+def _is_routed(cfg: dict[str, Any], text_type: str) -> bool:
+    return text_type in ("mixtral", "gpt_oss") or (
+        text_type not in EXACT_TEXT_TYPES and bool(cfg.get("num_local_experts"))
+    )
+
+
+def _moe_layer_count(cfg: dict[str, Any], text_type: str, layers: int) -> int:
+    """How many of the `layers` decoder layers have routed experts instead of a dense MLP (by formula: a hostile
+    config.json can claim any number of layers, and counting them one by one would never end)."""
+    if _is_routed(cfg, text_type):
+        return layers
+    if text_type in ("qwen2_moe", "qwen3_moe"):
+        if not _num(cfg, "num_experts", 0):
+            return 0
+        step = _num(cfg, "decoder_sparse_step", 1)
+        if step < 1:
+            raise TypeError(f"decoder_sparse_step = {step} is not a layer interval (at least 1)")
+        dense = cfg.get("mlp_only_layers") or []
+        dense = {x for x in dense if isinstance(x, int) and 0 <= x < layers} if isinstance(dense, list) else set()
+        # every step-th layer is sparse (layer + 1 a multiple of step), unless listed as dense
+        return layers // step - sum(1 for x in dense if (x + 1) % step == 0)
+    if text_type == "deepseek_v3":
+        return max(0, layers - _num(cfg, "first_k_dense_replace", 0))
+    return 0
+
+
+def _moe_block(cfg: dict[str, Any], text_type: str, h: int) -> _MoE:
+    """The routed-expert block every sparse layer of this family has."""
+    if _is_routed(cfg, text_type):
         experts = _num(cfg, "num_local_experts")
         width = _num(cfg, "intermediate_size")
         top_k = _num(cfg, "num_experts_per_tok", _num(cfg, "experts_per_token", 2))
@@ -205,21 +247,14 @@ def _moe_layer(cfg: dict[str, Any], text_type: str, h: int, layer: int) -> _MoE 
         return _MoE(experts, top_k, 3 * h * width, experts * h, 0)
     if text_type in ("qwen2_moe", "qwen3_moe"):
         experts = _num(cfg, "num_experts", 0)
-        step = _num(cfg, "decoder_sparse_step", 1)
-        if not experts or layer in (cfg.get("mlp_only_layers") or []) or (layer + 1) % step:
-            return None
         width = _num(cfg, "moe_intermediate_size")
         shared = 0
         if text_type == "qwen2_moe":
             shared = 3 * h * _num(cfg, "shared_expert_intermediate_size") + h  # shared expert and its gate
         return _MoE(experts, _num(cfg, "num_experts_per_tok"), 3 * h * width, experts * h, shared)
-    if text_type == "deepseek_v3":
-        if layer < _num(cfg, "first_k_dense_replace", 0):
-            return None
-        experts, width = _num(cfg, "n_routed_experts"), _num(cfg, "moe_intermediate_size")
-        shared = 3 * h * width * _num(cfg, "n_shared_experts", 0)
-        return _MoE(experts, _num(cfg, "num_experts_per_tok"), 3 * h * width, experts * h, shared)
-    return None
+    experts, width = _num(cfg, "n_routed_experts"), _num(cfg, "moe_intermediate_size")  # deepseek_v3
+    shared = 3 * h * width * _num(cfg, "n_shared_experts", 0)
+    return _MoE(experts, _num(cfg, "num_experts_per_tok"), 3 * h * width, experts * h, shared)
 
 
 def _qwen_vl_vision(vision: dict[str, Any], outer: str) -> int:
@@ -261,7 +296,7 @@ def count_model_parameters(hf: dict[str, Any]) -> ParameterCount:
     cfg, text_type, outer = split_config(hf)
     exact = text_type in EXACT_TEXT_TYPES
     notes: list[str] = []
-    h, layers = _num(cfg, "hidden_size"), _num(cfg, "num_hidden_layers")
+    h, layers = _num(cfg, "hidden_size"), _layers(cfg)
     vocab = _num(cfg, "vocab_size")
     parts = dict.fromkeys(
         ("embedding", "lm_head", "attention", "mlp", "experts", "router", "shared_experts", "norms", "vision"), 0
@@ -271,21 +306,21 @@ def count_model_parameters(hf: dict[str, Any]) -> ParameterCount:
         parts["lm_head"] = vocab * h
     attention = _attention(cfg, text_type, h)
     norms_per_layer = (4 if text_type in _FOUR_NORM_TYPES else 2) * h
+    parts["attention"] = layers * attention
+    parts["norms"] = layers * norms_per_layer
+    sparse = _moe_layer_count(cfg, text_type, layers)
+    if layers - sparse:
+        width = _num(cfg, "intermediate_size")
+        mlp = 3 * h * width + ((2 * width + h) if text_type == "llama" and cfg.get("mlp_bias") else 0)
+        parts["mlp"] = (layers - sparse) * mlp
     inactive = 0
-    moe = False
-    for layer in range(layers):
-        parts["attention"] += attention
-        parts["norms"] += norms_per_layer
-        block = _moe_layer(cfg, text_type, h, layer)
-        if block is None:
-            width = _num(cfg, "intermediate_size")
-            parts["mlp"] += 3 * h * width + ((2 * width + h) if text_type == "llama" and cfg.get("mlp_bias") else 0)
-        else:
-            moe = True
-            parts["experts"] += block.experts * block.per_expert
-            parts["router"] += block.router
-            parts["shared_experts"] += block.shared
-            inactive += (block.experts - min(block.top_k, block.experts)) * block.per_expert
+    moe = sparse > 0
+    if moe:
+        block = _moe_block(cfg, text_type, h)
+        parts["experts"] = sparse * block.experts * block.per_expert
+        parts["router"] = sparse * block.router
+        parts["shared_experts"] = sparse * block.shared
+        inactive = sparse * (block.experts - min(block.top_k, block.experts)) * block.per_expert
     parts["norms"] += h  # final norm
     vision = hf.get("vision_config")
     if isinstance(vision, dict):

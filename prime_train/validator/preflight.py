@@ -30,6 +30,7 @@ from prime_train.launch import node_rank, procs_per_node, rendezvous_endpoint, v
 from prime_train.resilience.gpu import ENV_GPU_REPLAY, replayed_probe
 from prime_train.validator.checks import FAIL, PASS, WARN, CheckResult
 from prime_train.validator.memory import estimate, inputs_from_config
+from prime_train.validator.memory_inputs import MemoryInputError
 from prime_train.validator.model_shape import model_shape
 from prime_train.validator.param_count import count_parameters
 from prime_train.validator.rl_checks import rl_preflight_checks
@@ -302,6 +303,12 @@ def check_model_source(cfg: Config) -> CheckResult:
                     "model_source", FAIL, f"model.{key} = {value!r} is a file, not a model directory",
                     f"point model.{key} at the directory holding config.json",
                 )  # fmt: skip
+            missing = _missing_model_files(local, key)
+            if missing:
+                return CheckResult(
+                    "model_source", FAIL, f"model.{key} = {value!r} is a directory without {missing}",
+                    f"point model.{key} at a model directory (a run's final/, or a hub download), or fix the path",
+                )  # fmt: skip
             continue
         if not HUB_ID.match(value):  # one slash between names: anything else ('./x', '/x', 'a/b/c') is a path
             return CheckResult(
@@ -311,6 +318,23 @@ def check_model_source(cfg: Config) -> CheckResult:
                 f" (relative paths are from {os.getcwd()})",
             )  # fmt: skip
     return CheckResult("model_source", PASS, "model source found" if cfg.model.path else "random-initialised model")
+
+
+# What transformers' from_pretrained needs in a local directory: a tokenizer's files, a model's config and weights.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
+
+
+def _missing_model_files(directory: Path, key: str) -> str | None:
+    """What a local model.path / model.tokenizer directory lacks that the engine will load from it, or None."""
+    try:
+        if key == "tokenizer":
+            return None if any((directory / name).is_file() for name in TOKENIZER_FILES) else "tokenizer files"
+        if not (directory / "config.json").is_file():
+            return "config.json"
+        return None if any(next(directory.glob(p), None) for p in WEIGHT_PATTERNS) else "weights (*.safetensors)"
+    except OSError as exc:
+        return f"readable files ({exc.strerror or exc})"
 
 
 def _human(num_bytes: float) -> str:
@@ -579,7 +603,10 @@ def check_memory_fit(
     hf, source = model_shape(cfg)
     if hf is None:
         return CheckResult("memory_fit", WARN, f"model size unknown: {source}")
-    est = estimate_memory(cfg, hf, on_gpu=gpu_run)
+    try:
+        est = estimate_memory(cfg, hf, on_gpu=gpu_run)
+    except MemoryInputError as exc:  # a config.json the parameter count reads but the calculator cannot
+        return CheckResult("memory_fit", WARN, f"memory not estimated: {exc}")
     if gpu_run:
         if not gpu_memory_bytes:
             return CheckResult("memory_fit", WARN, "GPU memory unknown (see the cuda check)", None, est)

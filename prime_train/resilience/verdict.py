@@ -1,0 +1,81 @@
+"""A child's exit, judged: success, a requested stop, or a Failure classified from its evidence.
+
+The order of the rules is the point: a clean exit, then a checkpointed stop (75), then a stop the
+supervisor asked for that arrived before the job could handle it, then a configuration error (78), then
+what the job diagnosed itself in its last heartbeat (a non-finite loss), and only then a reading of
+its log (logscan.classify), with SIGKILL without a word named as such.
+"""
+
+from __future__ import annotations
+
+import signal
+
+from prime_train.contract import ExitCode, Heartbeat, Phase
+from prime_train.resilience.failures import Failure, FailureKind
+from prime_train.resilience.logscan import Finding, classify
+from prime_train.resilience.process import ProcessSpec
+
+# How a process the supervisor sent SIGTERM (or a Ctrl-C reached) ends before it has a handler of its own:
+# by the signal (Popen's -N), or as a shell's 128 + N
+STOP_SIGNALS = frozenset({-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT})
+
+
+def exit_verdict(
+    spec: ProcessSpec,
+    returncode: int,
+    code: int,
+    heartbeat: Heartbeat | None,
+    started_at: float,
+    tail: list[str],
+    findings: list[Finding],
+    *,
+    stop_requested: bool,
+    preempted: bool,
+) -> Failure | None:
+    """None when the exit is a success or the stop the supervisor asked for; else the Failure, with evidence.
+
+    `code` is the job's own exit code (launch.job_exit_code: torchrun reports every worker failure as 1),
+    `returncode` the process's; `heartbeat` counts only when written after `started_at`.
+    """
+    name = spec.name
+    if code == 0:
+        if spec.role in ("trainer", "job"):
+            return None
+        return Failure(FailureKind.INFERENCE_DIED, f"{name} exited", tail, name, exit_code=code)
+    if code == ExitCode.PREEMPTED:
+        if stop_requested:
+            return None
+        return Failure(
+            FailureKind.PREEMPTED,
+            "the job checkpointed and stopped on request" + (" (cloud preemption notice)" if preempted else ""),
+            tail,
+            name,
+            exit_code=code,
+        )
+    if stop_requested and returncode in STOP_SIGNALS:
+        return None  # the SIGTERM we sent arrived before the job could handle it (in start-up): a stop
+    if code == ExitCode.CONFIG:
+        return Failure(FailureKind.CONFIG_ERROR, last_message(findings, tail), tail, name, exit_code=code)
+    fresh = heartbeat if heartbeat is not None and (heartbeat.time or 0) >= started_at else None
+    diagnosed = fresh.failure if fresh is not None and fresh.phase is Phase.FAILED else None
+    if diagnosed in FailureKind.__members__.values() and spec.role != "inference":
+        # the job named its failure itself (a non-finite loss): its word over a reading of its log
+        assert fresh is not None
+        return Failure(FailureKind(diagnosed), fresh.reason or last_message(findings, tail), tail, name, exit_code=code)
+    if spec.role == "inference":
+        return Failure(FailureKind.INFERENCE_DIED, last_message(findings, tail), tail, name, exit_code=code)
+    kind = classify(findings) or FailureKind.CRASH
+    if kind is FailureKind.CRASH and returncode in (-signal.SIGKILL, 137) and not findings:
+        message = "killed by SIGKILL (the kernel OOM killer, or a kill -9): no traceback"
+    else:
+        message = last_message(findings, tail)
+    return Failure(kind, message, tail, name, exit_code=code)
+
+
+def last_message(findings: list[Finding], tail: list[str]) -> str:
+    """The line that says why: the last fatal finding, else the last line of output."""
+    fatal = [f for f in findings if f.severity == "fatal"]
+    if fatal:
+        return fatal[-1].text
+    lines = [t for t in tail if t.strip()]
+    return lines[-1] if lines else "exited without output"
