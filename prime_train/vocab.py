@@ -15,6 +15,11 @@ IM_END_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
 NUM_BYTES = 256
 BYTE_VOCAB_SIZE = NUM_BYTES + len(SPECIAL_TOKENS)  # len(tokenizer), before padding to model.vocab_multiple
+# The special tokens' ids: a model's config.json and generation_config.json must name these, or generate() and
+# vLLM stop on an id the tokenizer never emits and run on past the answer
+PAD_TOKEN_ID = NUM_BYTES + SPECIAL_TOKENS.index(PAD_TOKEN)
+BOS_TOKEN_ID = NUM_BYTES + SPECIAL_TOKENS.index(BOS_TOKEN)
+EOS_TOKEN_ID = NUM_BYTES + SPECIAL_TOKENS.index(EOS_TOKEN)
 
 # ChatML: the format vLLM and most chat tooling expect; the generation prompt opens an assistant turn.
 CHATML_TEMPLATE = (

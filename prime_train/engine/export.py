@@ -90,6 +90,22 @@ def _fsync_tree(path: Path) -> None:
                 os.fsync(f.fileno())
 
 
+def align_special_tokens(model: torch.nn.Module, tokenizer) -> None:
+    """Make the model's config and generation config name the tokenizer's bos/eos/pad ids.
+
+    transformers' generate() and vLLM stop on the eos id of config.json / generation_config.json; one that is
+    not the tokenizer's end token (a config class's default, Llama's 2) lets generation run on past the answer.
+    """
+    generation = getattr(model, "generation_config", None)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, name, None)
+        if value is None:
+            continue
+        setattr(model.config, name, value)
+        if generation is not None:
+            setattr(generation, name, value)
+
+
 def _write_hf_dir(
     model: torch.nn.Module,
     state_dict: dict[str, Any] | None,
@@ -110,6 +126,8 @@ def _write_hf_dir(
     _remove(old)
     tmp.mkdir(parents=True)
 
+    if tokenizer is not None:
+        align_special_tokens(model, tokenizer)
     model.save_pretrained(tmp, state_dict=state_dict, max_shard_size=max_shard_size)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
@@ -193,6 +211,12 @@ def dcp_to_hf(
     state_dict = {"model": get_model_state_dict(model)}
     dcp.load(state_dict, checkpoint_id=step_dir, no_dist=True)
     set_model_state_dict(model, state_dict["model"])
+    try:
+        from transformers import AutoTokenizer
+
+        align_special_tokens(model, AutoTokenizer.from_pretrained(hf_dir))
+    except (OSError, ValueError):  # no tokenizer files saved beside the config: keep the config's own ids
+        logger.warning("no tokenizer in %s: special token ids kept as the checkpoint's config has them", hf_dir)
     out = _write_hf_dir(
         model,
         None,

@@ -11,6 +11,7 @@ from torch import nn
 
 from prime_train.config.schema import ModelConfig
 from prime_train.engine.metrics import EngineConfigError
+from prime_train.vocab import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID
 
 logger = logging.getLogger("prime_train.engine")
 
@@ -94,7 +95,18 @@ def _random_init(cfg: ModelConfig, vocab_size: int):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[cfg.arch]
+    # the built-in byte tokenizer's special tokens (the config classes default to other ids: Llama's eos is 2);
+    # a model.tokenizer of one's own gets its ids written at export, from the tokenizer itself
+    token_ids = (
+        {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": PAD_TOKEN_ID}
+        if cfg.tokenizer is None
+        else {}
+    )
+    # a vocabulary too small for them (a bare model built for a test of its own) names no special tokens at all,
+    # rather than ids the embedding cannot hold
+    token_ids = {k: (v if v < vocab_size else None) for k, v in token_ids.items()}
     hf_config = config_class(
+        **token_ids,
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size or 4 * cfg.hidden_size,

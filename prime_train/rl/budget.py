@@ -1,9 +1,12 @@
 """Token budgets and RL gotchas, checked by lint and preflight before anything launches.
 
-A rollout request whose prompt + max_tokens exceeds the server's max_model_len is refused by vLLM; in
-a GRPO loop that shows as a trainer waiting at "0/8 rollouts" for hours. Here the environment's train
-prompts are tokenised with the run's tokenizer (a sample, 99th-percentile length) and the sum is
-compared with inference.max_model_len up front.
+A rollout whose prompt + max_tokens exceeds the server's max_model_len used to be refused by vLLM (up to
+0.11: in a GRPO loop, a trainer waiting at "0/8 rollouts" for hours); vLLM 0.30+ (and the embedded worker)
+instead clamps max_tokens to the room the prompt leaves, so those completions are silently cut short, and
+refuses only a prompt that leaves no room at all. Either way the budget is wrong: here the environment's
+train prompts are tokenised with the run's tokenizer (a sample, 99th-percentile length) and the sum is
+compared with inference.max_model_len up front. Lint also names the flags of inference.extra_args that the
+supported vLLM (0.30+) no longer has.
 
 Torch-free and fast: the byte tokenizer is counted as UTF-8 bytes, a local tokenizer.json is read with
 `tokenizers` (no transformers import), and nothing here runs unless run.job == "rl".
@@ -166,7 +169,8 @@ def check_token_budget(cfg: Config, tokenizer: Any = None, *, pending_ok: bool =
             (
                 "error",
                 f"{sum_text} exceeds inference.max_model_len ({limit}): raise inference.max_model_len or lower "
-                "rl.max_tokens",
+                "rl.max_tokens (vLLM 0.30+ cuts the longest prompts' completions short: it clamps max_tokens to the "
+                "room left, and refuses prompts that leave none)",
                 "rl.max_tokens",
             )
         ]
@@ -178,7 +182,7 @@ def check_token_budget(cfg: Config, tokenizer: Any = None, *, pending_ok: bool =
                 "warning",
                 f"{sum_text} leaves {slack} of inference.max_model_len ({limit}) free, under "
                 f"min({WARN_SLACK_TOKENS} tokens, {WARN_SLACK_FRACTION:.0%}) = {threshold:g}: longer prompts than "
-                "the sample will be refused; raise inference.max_model_len or lower rl.max_tokens",
+                "the sample get their completions cut short; raise inference.max_model_len or lower rl.max_tokens",
                 "inference.max_model_len",
             )
         ]
@@ -186,6 +190,20 @@ def check_token_budget(cfg: Config, tokenizer: Any = None, *, pending_ok: bool =
 
 
 # ---------------------------------------------------------------- gotchas
+
+
+def check_vllm_args(cfg: Config) -> list[Finding]:
+    """Flags in inference.extra_args that vLLM removed since 0.11: the supported vLLM (0.30+) refuses to start."""
+    if cfg.run.job != "rl" or cfg.job.command or cfg.inference.backend == "embedded":
+        return []
+    from prime_train.rl.vllm_server import SUPPORTED_FROM, gone_flags  # torch-free
+
+    since = ".".join(map(str, SUPPORTED_FROM))
+    return [
+        ("warning", f"inference.extra_args has {flag}, which vLLM no longer has ({why}); vLLM {since}+ stops at "
+                    "start with 'unrecognized arguments': remove it", "inference.extra_args")
+        for flag, why in gone_flags(cfg.inference.extra_args)
+    ]  # fmt: skip
 
 
 def _vllm_version() -> tuple[int, ...] | None:
@@ -266,6 +284,7 @@ def check_gotchas(
                     )
                 )
 
+    findings += check_vllm_args(cfg)
     env = os.environ if environ is None else environ
     installed = vllm_version if vllm_version is not None else _vllm_version()
     for name, since, why in DEAD_VLLM_VARIABLES:
@@ -290,7 +309,8 @@ def _key_path(key: str) -> tuple[str, ...]:
 
 
 def lint_problems(cfg: Config, sources: Sources) -> list[Problem]:
-    """The token-budget findings as lint Problems at their config keys (none unless run.job == 'rl')."""
+    """The token-budget and vLLM-flag findings as lint Problems at their config keys (none unless run.job == 'rl')."""
     if cfg.run.job != "rl":
         return []
-    return [sources.problem(_key_path(key), sev, msg) for sev, msg, key in check_token_budget(cfg, pending_ok=True)]
+    findings = check_token_budget(cfg, pending_ok=True) + check_vllm_args(cfg)
+    return [sources.problem(_key_path(key), sev, msg) for sev, msg, key in findings]

@@ -1,5 +1,14 @@
 """Clients of rollout workers (vLLM or the embedded worker) over their OpenAI-compatible HTTP.
 
+Both backends serve /health, /v1/models and /v1/completions alike; they differ in how new weights are
+loaded, and the client speaks each one's protocol (`backend`):
+
+- 'embedded' (rl/worker.py): POST /update_weights {"path", "step"}; GET /weights_step {"step"};
+- 'vllm' (vLLM's own dev-mode routes, rl/vllm_server.py): POST /pause?mode=wait, POST /collective_rpc
+  prime_train_reload_weights(weights_path) (vLLM's reload_weights, through our worker extension), POST
+  /reset_prefix_cache, POST /update_weight_version, POST /resume;
+  GET /weight_info {"weight_version"}.
+
 Every call has a timeout: a dead worker is a `WorkerUnavailable` within it, never a hang. A request that
 can never fit the worker's max_model_len is a `ContextLengthError` carrying the worker's own message.
 Standard library only (http.client), so the trainer needs no HTTP dependency.
@@ -7,6 +16,7 @@ Standard library only (http.client), so the trainer needs no HTTP dependency.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -14,7 +24,9 @@ import re
 import threading
 import time
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from prime_train.config.schema import Config
@@ -23,6 +35,17 @@ logger = logging.getLogger("prime_train.rl.client")
 
 _TOKEN_ID_RE = re.compile(r"^token_id:(\d+)$")
 DOWN_RECHECK_S = 5.0  # a worker that failed is health-checked again after this long, not on every call
+BACKENDS = ("embedded", "vllm")
+# A 400 whose message says the request cannot fit max_model_len, in the wordings vLLM has used: "maximum context
+# length" (OpenAI's and vLLM's prompt checks, 0.4 to 0.33), "cannot be greater than max_model_len" (0.30+:
+# max_tokens alone is longer than the context), "max_tokens must be at least 1, got 0" (0.30+: the prompt fills the
+# whole context, so clamping left no room for a single token; we never send max_tokens 0 ourselves)
+CONTEXT_LENGTH_MARKERS = (
+    "maximum context length",
+    "cannot be greater than max_model_len",
+    "max_tokens must be at least 1, got 0",
+)
+RESET_TRIES = 20  # vLLM's reset_prefix_cache answers false while blocks are still held; after a pause none should be
 
 
 def worker_url(cfg: Config, index: int) -> str:
@@ -58,9 +81,12 @@ class Completion:
 
 
 class WorkerClient:
-    """One worker at `base_url` (http://host:port)."""
+    """One worker at `base_url` (http://host:port), spoken to with `backend`'s weight protocol."""
 
-    def __init__(self, base_url: str, timeout_s: float):
+    def __init__(self, base_url: str, timeout_s: float, backend: str = "embedded"):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend = backend
         parsed = urllib.parse.urlsplit(base_url if "://" in base_url else f"http://{base_url}")
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ValueError(f"worker URL {base_url!r} must look like http://host:port")
@@ -103,7 +129,7 @@ class WorkerClient:
                 raise WorkerError(f"{self.base_url}{path}: answered {status} with no JSON", status)
             return obj
         message = _error_message(obj) or raw.decode("utf-8", "replace")[:500] or f"HTTP {status}"
-        if status == 400 and "maximum context length" in message:
+        if status == 400 and any(marker in message for marker in CONTEXT_LENGTH_MARKERS):
             raise ContextLengthError(message)
         if status == 503:
             raise WorkerUnavailable(f"{self.base_url}{path}: {message}")
@@ -164,15 +190,46 @@ class WorkerClient:
             raise WorkerError(f"{self.base_url}: prompt {short[0]} got {len(out[short[0]])} completions, not {n}", 200)
         return out
 
-    def update_weights(self, path: str, step: int) -> None:
-        """Make the worker load the safetensors in `path` as the weights of `step`."""
-        data = self._json("POST", "/update_weights", {"path": path, "step": step})
-        if data.get("step") != step:
-            raise WorkerError(f"{self.base_url}/update_weights answered {data!r}, expected step {step}", 200)
+    def update_weights(self, path: str, step: int) -> float:
+        """Make the worker serve the HF weights in directory `path` as the weights of `step`; returns the seconds
+        it took (for vLLM: generation paused, in-flight requests finished, weights reloaded, prefix cache reset)."""
+        t0 = time.perf_counter()
+        if self.backend == "embedded":
+            data = self._json("POST", "/update_weights", {"path": path, "step": step})
+            if data.get("step") != step:
+                raise WorkerError(f"{self.base_url}/update_weights answered {data!r}, expected step {step}", 200)
+            return time.perf_counter() - t0
+        if not any(Path(path).glob("*.safetensors")):
+            # vLLM's reload_weights takes a missing directory for a hub id and its engine dies of it: never send one
+            raise WorkerError(f"{path} holds no *.safetensors; not sent to {self.base_url} (reload_weights)", 400)
+        self._json("POST", "/pause?mode=wait")  # requests in flight finish on the old weights, new ones wait
+        try:
+            rpc = {"method": "prime_train_reload_weights", "kwargs": {"weights_path": path}}
+            self._json("POST", "/collective_rpc", rpc)
+            for _ in range(RESET_TRIES):
+                # KV blocks cached for a prompt prefix were computed by the old weights: reusing them mixes policies
+                if self._json("POST", "/reset_prefix_cache").get("success"):
+                    break
+                time.sleep(0.05)
+            else:
+                raise WorkerError(f"{self.base_url}/reset_prefix_cache kept answering false after a reload", 200)
+            self._json("POST", "/update_weight_version", {"new_version": str(step)})
+        finally:
+            # a worker that died mid-update cannot resume: whatever failed above is the error to report
+            with contextlib.suppress(WorkerUnavailable):
+                self._json("POST", "/resume")
+        return time.perf_counter() - t0
 
-    def weights_step(self) -> int:
-        """The step of the weights the worker serves (0 = initial)."""
-        return int(self._json("GET", "/weights_step")["step"])
+    def weights_step(self) -> int | None:
+        """The step of the weights the worker serves: 0 = initial on the embedded worker, None = the model vLLM
+        started with (no update since its start)."""
+        if self.backend == "embedded":
+            return int(self._json("GET", "/weights_step")["step"])
+        version = self._json("GET", "/weight_info").get("weight_version")
+        try:
+            return int(version) if version is not None else None
+        except (TypeError, ValueError):
+            return None  # a version someone else set: not one of our steps
 
 
 def _error_message(obj: Any) -> str | None:
@@ -208,17 +265,39 @@ def _completion(choice: dict) -> Completion:
     )
 
 
-class RolloutPool:
-    """Several workers: requests go round-robin; a failing worker is skipped and the request retried on another."""
+@dataclass
+class WeightLoad:
+    """What `RolloutPool.update_weights` did: seconds per worker URL that loaded, and the URLs that did not answer."""
 
-    def __init__(self, urls: list[str], timeout_s: float):
+    seconds: dict[str, float] = field(default_factory=dict)
+    unreachable: list[str] = field(default_factory=list)
+
+    @property
+    def wall_s(self) -> float:
+        """The slowest worker's load: the loads run at the same time."""
+        return max(self.seconds.values(), default=0.0)
+
+
+class RolloutPool:
+    """Several workers, used at once: the prompts of one call are split over the workers that answer.
+
+    Seeding does not depend on the split: with `seed` s, sample j of prompt i is drawn with seed s + i*n + j
+    (vLLM's own rule for the n samples of one seeded prompt), whichever worker serves it. A worker that fails
+    is skipped (its share is retried on another) and asked again after DOWN_RECHECK_S; a worker that serves
+    weights other than the newest `update_weights` gave (a restarted one) is given them before it is used.
+    """
+
+    def __init__(self, urls: list[str], timeout_s: float, backend: str = "embedded"):
         if not urls:
             raise ValueError("a RolloutPool needs at least one worker URL (inference.num_workers >= 1)")
-        self.clients = [WorkerClient(url, timeout_s) for url in urls]
+        self.clients = [WorkerClient(url, timeout_s, backend) for url in urls]
+        self.backend = backend
         self.timeout_s = timeout_s
         self._next = 0
         self._down_since: dict[int, float] = {}
         self._lock = threading.Lock()
+        self._weights: tuple[str, int] | None = None
+        self._weights_lock = threading.Lock()  # one load at a time: a stale step never overwrites a newer one
 
     def _order(self) -> list[int]:
         with self._lock:
@@ -244,8 +323,31 @@ class RolloutPool:
 
     def _mark_down(self, i: int, exc: Exception) -> None:
         with self._lock:
+            # once per outage: the concurrent requests of one step all fail on the same dead worker
+            first = i not in self._down_since
             self._down_since[i] = time.monotonic()
-        logger.warning("rollout worker %s failed (%s); trying another", self.clients[i].base_url, exc)
+        log = logger.warning if first else logger.debug
+        log("rollout worker %s failed (%s); trying another", self.clients[i].base_url, exc)
+
+    def _current(self, workers: list[int]) -> list[int]:
+        """The workers of `workers` that serve the newest weights, after loading them where they do not."""
+        with self._weights_lock:
+            if self._weights is None:
+                return workers
+            path, step = self._weights
+            ready = []
+            for i in workers:
+                client = self.clients[i]
+                try:
+                    served = client.weights_step()
+                    if served != step:
+                        seconds = client.update_weights(path, step)
+                        logger.info("rollout worker %s served step %s: loaded step %d (%.2f s)",
+                                    client.base_url, served, step, seconds)  # fmt: skip
+                    ready.append(i)
+                except WorkerUnavailable as exc:
+                    self._mark_down(i, exc)
+            return ready
 
     def complete(
         self,
@@ -257,20 +359,45 @@ class RolloutPool:
         top_p: float,
         seed: int | None = None,
     ) -> list[list[Completion]]:
-        """As WorkerClient.complete, on the next worker that answers; WorkerUnavailable when none does."""
+        """As WorkerClient.complete, split over every worker that answers, at once; WorkerUnavailable when none does.
+
+        The embedded worker gets its share as one request (it batches a request's sequences in order, so a share
+        samples the same tokens whatever else it serves); vLLM gets one request per prompt (one seed per request,
+        and its scheduler batches concurrent requests itself).
+        """
+        if not prompts:
+            return []
         order = self._order()
         # workers marked down are tried last, so one that came back is still used when all else fails
-        candidates = [i for i in order if self._usable(i)] or order
-        failures: list[str] = []
-        for i in candidates:
-            try:
-                return self.clients[i].complete(
-                    prompts, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed
-                )
-            except WorkerUnavailable as exc:
-                self._mark_down(i, exc)
-                failures.append(str(exc))
-        raise WorkerUnavailable(f"no rollout worker answered ({len(self.clients)} tried): " + "; ".join(failures))
+        workers = self._current([i for i in order if self._usable(i)]) or order
+        count = len(prompts)
+        if self.backend == "vllm":
+            units = [(p, p + 1, workers[p * len(workers) // count]) for p in range(count)]
+        else:
+            k = min(len(workers), count)
+            units = [(w * count // k, (w + 1) * count // k, workers[w]) for w in range(k)]
+        sampling = dict(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+        out: list[list[Completion]] = [[] for _ in prompts]
+
+        def run(start: int, stop: int, first: int) -> None:
+            unit_seed = None if seed is None else seed + start * n
+            failures: list[str] = []
+            for i in [first, *(w for w in order if w != first)]:
+                try:
+                    out[start:stop] = self.clients[i].complete(prompts[start:stop], seed=unit_seed, **sampling)
+                    with self._lock:
+                        self._down_since.pop(i, None)  # it answers: its next failure is a new outage
+                    return
+                except WorkerUnavailable as exc:
+                    self._mark_down(i, exc)
+                    failures.append(str(exc))
+            raise WorkerUnavailable(f"no rollout worker answered ({len(self.clients)} tried): " + "; ".join(failures))
+
+        with ThreadPoolExecutor(max_workers=len(units), thread_name_prefix="rollout") as pool:
+            futures = [pool.submit(run, *unit) for unit in units]
+            for future in futures:
+                future.result()  # the first failure, after every request has finished or failed
+        return out
 
     def health(self, timeout_s: float | None = None) -> list[bool]:
         """The /health answer of each worker, in order."""
@@ -296,13 +423,35 @@ class RolloutPool:
                 )
             time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
-    def update_weights(self, path: str, step: int) -> list[str]:
-        """Load `path` as `step` on every worker; returns the URLs that could not be reached (they load on restart)."""
-        unreachable = []
-        for i, client in enumerate(self.clients):
-            try:
-                client.update_weights(path, step)
-            except WorkerUnavailable as exc:
-                self._mark_down(i, exc)
-                unreachable.append(client.base_url)
-        return unreachable
+    def wait_all_healthy(self, timeout_s: float, poll_s: float = 0.5) -> int:
+        """Wait up to `timeout_s` for every worker to answer /health; returns how many do at the end (no error)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            healthy = self.health(timeout_s=min(5.0, max(0.5, deadline - time.monotonic())))
+            with self._lock:
+                for i, ok in enumerate(healthy):
+                    if ok:
+                        self._down_since.pop(i, None)
+            if all(healthy) or time.monotonic() >= deadline:
+                return sum(healthy)
+            time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+    def update_weights(self, path: str, step: int) -> WeightLoad:
+        """Load `path` as `step` on every worker at once; a worker that cannot be reached gets it when it answers
+        again (see `complete`)."""
+        result = WeightLoad()
+        with self._weights_lock:
+            self._weights = (path, step)
+
+            def load(i: int) -> None:
+                client = self.clients[i]
+                try:
+                    result.seconds[client.base_url] = client.update_weights(path, step)
+                except WorkerUnavailable as exc:
+                    self._mark_down(i, exc)
+                    result.unreachable.append(client.base_url)
+
+            with ThreadPoolExecutor(max_workers=len(self.clients), thread_name_prefix="weights") as pool:
+                for future in [pool.submit(load, i) for i in range(len(self.clients))]:
+                    future.result()
+        return result

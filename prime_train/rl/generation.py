@@ -42,13 +42,25 @@ def unavailable(message: str) -> RequestError:
     return RequestError(message, HTTPStatus.SERVICE_UNAVAILABLE, "ServiceUnavailable")
 
 
-def context_length_message(max_model_len: int, prompt_tokens: int, max_tokens: int) -> str:
-    """vLLM's refusal of a request that cannot fit, word for word (the supervisor's log scanner matches it)."""
+def prompt_too_long_message(max_model_len: int, prompt_tokens: int) -> str:
+    """vLLM 0.30+'s refusal of a prompt longer than the context, word for word (the client and logs match it)."""
     return (
-        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-        f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). "
-        "Please reduce the length of the messages or completion."
+        f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
+        f"{prompt_tokens} input tokens, which exceeds this limit even without any output tokens. "
+        "Please reduce the length of the input prompt."
     )
+
+
+def max_tokens_too_large_message(max_tokens: int, max_model_len: int) -> str:
+    """vLLM 0.30+'s refusal of a max_tokens longer than the whole context."""
+    return (
+        f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+        "Please request fewer output tokens."
+    )
+
+
+# vLLM 0.30+ when the prompt fills the whole context: max_tokens is clamped to the room left, 0, and refused
+NO_ROOM_MESSAGE = "max_tokens must be at least 1, got 0."
 
 
 # ---------------------------------------------------------------- requests and sequences
@@ -74,6 +86,7 @@ class Sequence:
     prompt_index: int
     sample_index: int
     prompt_ids: list[int]
+    max_tokens: int = 0  # the request's max_tokens, clamped to the room the context leaves after this prompt
     generator: Any = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -85,11 +98,12 @@ class Sequence:
 class Job:
     """One HTTP request's sequences; done when every sequence has finished or the job was cancelled."""
 
-    def __init__(self, prompts: list[list[int]], n: int, params: SamplingParams):
+    def __init__(self, prompts: list[list[int]], n: int, params: SamplingParams, limits: list[int] | None = None):
         self.prompts = prompts
         self.n = n
         self.params = params
-        self.sequences = [Sequence(self, i, j, ids) for i, ids in enumerate(prompts) for j in range(n)]
+        limits = limits or [params.max_tokens] * len(prompts)
+        self.sequences = [Sequence(self, i, j, ids, limits[i]) for i, ids in enumerate(prompts) for j in range(n)]
         self.remaining = len(self.sequences)
         self.done = threading.Event()
         self.cancelled = False
@@ -116,6 +130,7 @@ class Engine:
         self.batches = 0
         self.sequences_served = 0
         self.requests = 0
+        self.busy_s = 0.0
         self._pending: collections.deque[Sequence] = collections.deque()
         self._controls: collections.deque[tuple[Any, dict]] = collections.deque()
         self._cond = threading.Condition()
@@ -173,9 +188,10 @@ class Engine:
         with self._cond:
             return len(self._pending)
 
-    def counters(self) -> dict[str, int]:
-        """What GET /metrics reports; forward_passes counts model forwards (one per decoded position of a batch)."""
-        names = ("forward_passes", "batches", "sequences_served", "requests", "weights_step")
+    def counters(self) -> dict[str, float]:
+        """What GET /metrics reports; forward_passes counts model forwards (one per decoded position of a batch),
+        busy_s the seconds spent generating."""
+        names = ("forward_passes", "batches", "sequences_served", "requests", "weights_step", "busy_s")
         return {**{name: getattr(self, name) for name in names}, "queued_sequences": self.queued_sequences()}
 
     # -- the generation thread
@@ -228,7 +244,7 @@ class Engine:
         attention_mask = torch.tensor(masks, device=self.device)
         # left padding: each sequence's first real token sits at position 0, as it would alone
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        longest = max(s.job.params.max_tokens for s in batch)
+        longest = max(s.max_tokens for s in batch)
         cache = None
         active = [True] * len(batch)
         generated = 0
@@ -275,6 +291,7 @@ class Engine:
                     seq.job.done.set()
         self.batches += 1
         self.sequences_served += len(batch)
+        self.busy_s += time.perf_counter() - started
         logger.info("batch: %d sequences, %d tokens, %.2f s", len(batch), generated, time.perf_counter() - started)
 
     def _finished(self, seq: Sequence) -> bool:
@@ -289,7 +306,7 @@ class Engine:
             if cut >= 0:
                 seq.text, seq.finish_reason = text[:cut], "stop"
                 return True
-        if len(seq.token_ids) >= params.max_tokens:
+        if len(seq.token_ids) >= seq.max_tokens:
             seq.finish_reason = "length"
             return True
         return False
@@ -371,8 +388,11 @@ def _make_generator(seq: Sequence, device):
     if seed is None:
         value = random.getrandbits(63)
     else:
-        # each sample of each prompt gets its own stream, so batch composition cannot change the result
-        value = (seed * 1_000_003 + seq.prompt_index * 10_007 + seq.sample_index) % (1 << 63)
+        # each sample of each prompt gets its own stream, so batch composition cannot change the result. Sample j
+        # of a seeded prompt draws with seed + j, as vLLM's n samples do; prompt i of a request is seeded as if sent
+        # alone with seed + i*n (vLLM would give every prompt of a request the same seed), so a split of the
+        # prompts over several requests (RolloutPool) samples the same tokens
+        value = (seed + seq.prompt_index * seq.job.n + seq.sample_index) % (1 << 63)
     gen = torch.Generator(device=device)
     gen.manual_seed(value)
     return gen

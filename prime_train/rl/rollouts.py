@@ -1,10 +1,11 @@
 """The GRPO job's batch source: prompts in a resumable order, rollouts from the workers, group advantages.
 
 Torch-free. Rollouts for the next steps are requested in a background thread while the current
-step trains, at most rl.max_async_level steps ahead; each request carries a seed derived from the
-run seed and the prompt cursor, so a batch is the same whenever the same weights sample it (a
-resumed run replays the steps it lost exactly when rl.max_async_level = 0). The cursor's position
-is checkpointed with the rest of the train state.
+step trains, at most rl.max_async_level steps ahead. Each prompt's samples are seeded from the run seed
+and the prompt's place in the cursor's order (run.seed * 1_000_003 + (position + i) * rl.group_size + j
+for sample j of the batch's prompt i), whichever worker serves it, so a batch is the same whenever the
+same weights sample it (a resumed run replays the steps it lost exactly when rl.max_async_level = 0 and
+the embedded worker serves). The cursor's position is checkpointed with the rest of the train state.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prime_train.config.schema import Config
-from prime_train.rl.client import RolloutPool, WorkerUnavailable
+from prime_train.rl.client import ContextLengthError, RolloutPool, WorkerUnavailable
 from prime_train.rl.environments import Environment, Prompt
 
 logger = logging.getLogger("prime_train.rl")
@@ -45,6 +46,7 @@ class RolloutBatch:
     policy_step: int  # the weights the workers had when the batch was requested
     seconds: float
     end_position: int  # the prompt cursor just after this batch's prompts
+    clamped: int = 0  # completions cut short because prompt + rl.max_tokens did not fit inference.max_model_len
 
 
 class PromptCursor:
@@ -93,8 +95,8 @@ def group_advantages(rewards: list[float], group_size: int) -> list[float]:
 class RolloutSource:
     """Batches of scored samples for the GRPO step, from the workers in `pool`.
 
-    `policy_step()` tells which weights the workers serve now; `republish()` gives a worker that
-    came back the current weights. Checkpointed through state_dict/load_state_dict (the cursor).
+    `policy_step()` tells which weights the workers serve now (the pool gives a worker that came back
+    the current ones before using it). Checkpointed through state_dict/load_state_dict (the cursor).
     """
 
     def __init__(
@@ -106,14 +108,12 @@ class RolloutSource:
         rank: int,
         world_size: int,
         policy_step: Callable[[], int],
-        republish: Callable[[], None],
     ):
         self.cfg = cfg
         self.env = env
         self.pool = pool
         self.cursor = PromptCursor(env.prompts("train", TRAIN_PROMPTS, cfg.run.seed), cfg.run.seed, rank, world_size)
         self.policy_step = policy_step
-        self.republish = republish
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, cfg.rl.max_async_level))
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -130,7 +130,8 @@ class RolloutSource:
 
     def complete(self, texts: list[str], **sampling):
         """Ask the pool; when no worker answers, wait for one to come back (the supervisor restarts dead
-        workers), give it the current weights, and ask again. Bounded by inference.startup_timeout_s."""
+        workers) and ask again: the pool loads the current weights into it first. Bounded by
+        inference.startup_timeout_s."""
         for attempt in range(3):
             try:
                 return self.pool.complete(texts, **sampling)
@@ -139,29 +140,32 @@ class RolloutSource:
                     raise
                 logger.warning("no rollout worker answered (%s); waiting for one to come back", exc)
                 self.pool.wait_healthy(self.cfg.inference.startup_timeout_s)
-                self.republish()
         raise AssertionError("unreachable")
 
     def _rollout(self) -> RolloutBatch:
         rl = self.cfg.rl
         t0 = time.time()
         policy_step = self.policy_step()
-        # the batch's seed follows the cursor, so the same prompts under the same weights sample the same tokens
-        seed = self.cfg.run.seed * 1_000_003 + self.cursor.position
+        # the seeds follow the cursor, so the same prompts under the same weights sample the same tokens; prompt i
+        # gets seed + i * group_size from the pool, so consecutive batches never share a seed
+        seed = self.cfg.run.seed * 1_000_003 + self.cursor.position * rl.group_size
         prompts = self.cursor.take(rl.prompts_per_step)
         groups = self.complete(
             [p.text for p in prompts], n=rl.group_size, max_tokens=rl.max_tokens, temperature=rl.temperature,
             top_p=rl.top_p, seed=seed,
         )  # fmt: skip
         samples = []
+        clamped = 0
         for prompt, completions in zip(prompts, groups, strict=True):
             for c in completions:
+                # vLLM 0.30+ (and the embedded worker) clamp max_tokens to the room the prompt leaves: count it
+                clamped += c.finish_reason == "length" and len(c.token_ids) < rl.max_tokens
                 if c.token_ids:
                     reward = self.env.reward(prompt, c.text)
                     samples.append(Sample(list(c.prompt_token_ids), list(c.token_ids), list(c.logprobs), reward))
         for s, a in zip(samples, group_advantages([s.reward for s in samples], rl.group_size), strict=True):
             s.advantage = a
-        return RolloutBatch(samples, policy_step, time.time() - t0, self.cursor.position)
+        return RolloutBatch(samples, policy_step, time.time() - t0, self.cursor.position, clamped)
 
     def _produce(self) -> None:
         """Rollouts for the next steps while the current one trains: at most max_async_level ahead."""
@@ -187,6 +191,8 @@ class RolloutSource:
                 self._thread.start()
             batch = self._queue.get(timeout=self.cfg.inference.request_timeout_s * 4)
             if batch is None:
+                if isinstance(self._error, ContextLengthError):
+                    raise self._error  # a configuration problem: the trainer says so and exits 78
                 raise RuntimeError(f"rollouts failed: {self._error!r}") from self._error
         self._consumed = batch.end_position
         return batch

@@ -3,17 +3,26 @@
 Rollouts come from OpenAI-compatible workers the supervisor runs ([inference]; rl/workers.py),
 through the batch source in rl/rollouts.py; the step is a clipped policy-gradient loss on
 completion tokens with group-normalised advantages (rl/grpo.py); after every step the new weights
-are published to <run>/weights/step-N (renamed when whole) and the workers load them. The loop
-around the step (resume, heartbeat, stopping, saves, export, exit codes) is the shared one in
-engine/loop.py, the same as SFT's.
+are published to <run>/weights/step-N (renamed when whole) and every worker loads them (metrics
+`weight_reload_s`, `workers_reloaded`). The loop around the step (resume, heartbeat, stopping,
+saves, export, exit codes) is the shared one in engine/loop.py, the same as SFT's.
+
+`logprob_mismatch`, logged for each batch sampled by the weights the trainer holds when it trains on it
+(off_policy_steps = 0): the mean over the batch's completion tokens of |worker logprob - trainer logprob|
+of the sampled token, both log_softmax(logits / rl.temperature) (vLLM runs with processed logprobs). The
+two models have the same weights, so it measures the inference engine's numerical drift from the trainer,
+which turns into a spurious importance ratio in the loss. Off-policy batches are not measured: there the
+difference holds the policy's own change too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import shutil
 import time
+from typing import Any
 
 import torch
 
@@ -22,10 +31,11 @@ from prime_train.contract import Phase
 from prime_train.engine import parallel
 from prime_train.engine.loop import TrainingJob, main
 from prime_train.engine.metrics import EngineConfigError
-from prime_train.rl.client import RolloutPool, worker_url
+from prime_train.rl.client import ContextLengthError, RolloutPool, WeightLoad, worker_url
 from prime_train.rl.environments import load_environment
 from prime_train.rl.grpo import completion_logprobs, grpo_loss
 from prime_train.rl.rollouts import RolloutBatch, RolloutSource
+from prime_train.rl.workers import resolve_backend
 
 logger = logging.getLogger("prime_train.rl")
 
@@ -46,9 +56,14 @@ class GRPOJob(TrainingJob):
             raise EngineConfigError(f"rl.environment: {exc}") from None
         self.reference = None
         self.weights_step = 0
-        self._published: tuple[str, int] | None = None
+        self._last_load = WeightLoad()
         urls = [worker_url(cfg, i) for i in range(cfg.inference.num_workers)]
-        self.pool = RolloutPool(urls, cfg.inference.request_timeout_s)
+        try:
+            # the supervisor chose the backend from the GPUs it gave the trainer: this process sees the same ones
+            backend = resolve_backend(cfg, torch.cuda.device_count())
+        except ValueError as exc:
+            raise EngineConfigError(str(exc)) from None
+        self.pool = RolloutPool(urls, cfg.inference.request_timeout_s, backend)
         super().__init__(cfg)
         self.eval_prompts = self.env.prompts("eval", cfg.rl.eval_prompts, cfg.run.seed) if cfg.rl.eval_prompts else []
 
@@ -60,12 +75,35 @@ class GRPOJob(TrainingJob):
     def build_batch_source(self) -> RolloutSource:
         return RolloutSource(
             self.cfg, self.env, self.pool, rank=self.dist.rank, world_size=self.dist.world_size,
-            policy_step=lambda: self.weights_step, republish=self._republish,
+            policy_step=lambda: self.weights_step,
         )  # fmt: skip
+
+    def heartbeat(self, phase: Phase, **fields: Any) -> None:
+        """Every heartbeat also names the policy the workers were last told to load (and how that went), so the
+        supervisor records each one (a `weights_loaded` event) even when a save or export overwrites the step's."""
+        if self._last_load.seconds or self._last_load.unreachable:
+            fields.setdefault("weights_step", self.weights_step)
+            fields.setdefault("workers_reloaded", len(self._last_load.seconds))
+            fields.setdefault("weight_reload_s", self._last_load.wall_s)
+        super().heartbeat(phase, **fields)
 
     def before_training(self) -> None:
         """Wait for the workers and give them the trainer's weights (after a resume too)."""
-        self.pool.wait_healthy(self.cfg.inference.startup_timeout_s)
+        timeout = self.cfg.inference.startup_timeout_s
+        t0 = time.monotonic()
+        healthy = self.pool.wait_healthy(timeout)
+        workers = len(self.pool.clients)
+        if healthy < workers:
+            # workers started together come up within a similar time: give the rest as long again as the first
+            # took (at least 30 s), so the first steps are spread over all of them rather than all on the first
+            first_s = time.monotonic() - t0
+            grace = min(max(30.0, first_s), max(0.0, timeout - first_s))
+            healthy = self.pool.wait_all_healthy(grace)
+            if healthy < workers:
+                logger.warning(
+                    "%d of %d rollout workers answer after %.0f s; starting with those, the rest join when they answer",
+                    healthy, workers, time.monotonic() - t0,
+                )  # fmt: skip
         self.publish_weights()
 
     # ------------------------------------------------------------------ one step
@@ -75,7 +113,7 @@ class GRPOJob(TrainingJob):
         phase = self.phase
         self.heartbeat(Phase.ROLLOUT_WAIT)
         max_lag = self.cfg.rl.max_async_level
-        with self.timer("rollout_wait"):
+        with self.timer("rollout_wait"), _context_length_is_a_config_error():
             batch = self.batches.next_batch()
             lag = self.state.step - batch.policy_step
             while lag > max_lag:
@@ -93,7 +131,7 @@ class GRPOJob(TrainingJob):
         tokens = sum(len(s.completion_ids) for s in samples)
         with timer("communication"):
             total = max(1.0, float(parallel.all_reduce_sum(torch.tensor([float(tokens)]), dist)[0]))
-        loss_sum = kl_sum = clip_sum = 0.0
+        loss_sum = kl_sum = clip_sum = mismatch_sum = mismatch_tokens = 0.0
         mbs = cfg.train.micro_batch_size
         chunks = [samples[i : i + mbs] for i in range(0, len(samples), mbs)] or [[]]
         pad_id = self.tokenizer.pad_token_id
@@ -111,6 +149,10 @@ class GRPOJob(TrainingJob):
                     if self.reference is not None:
                         with torch.no_grad():
                             ref, _ = completion_logprobs(self.reference, chunk, dist.device, cfg.rl.temperature, pad_id)
+                    if lag == 0:  # the worker sampled with the weights the trainer holds: any difference is numerical
+                        with torch.no_grad():
+                            mismatch_sum += float(((new_logp - old.to(new_logp.device)).abs() * mask).sum())
+                            mismatch_tokens += float(mask.sum())
                     adv = torch.tensor([s.advantage for s in chunk], device=dist.device)
                     loss, kl, clipped = grpo_loss(new_logp, old, mask, adv, cfg.rl.clip_eps, ref, cfg.rl.kl_coef)
                 with timer("backward"):
@@ -127,7 +169,10 @@ class GRPOJob(TrainingJob):
         rewards = [s.reward for s in samples]
         with timer("communication"):
             reduced = parallel.all_reduce_sum(
-                torch.tensor([loss_sum, kl_sum, clip_sum, sum(rewards), float(len(rewards))], dtype=torch.float64),
+                torch.tensor(
+                    [loss_sum, kl_sum, clip_sum, sum(rewards), float(len(rewards)), mismatch_sum, mismatch_tokens],
+                    dtype=torch.float64,
+                ),
                 dist,
             )
         self.state.step += 1
@@ -136,7 +181,7 @@ class GRPOJob(TrainingJob):
         with timer("weight_sync"):
             self.publish_weights()
         n = max(1.0, float(reduced[4]))
-        return {
+        m = {
             "loss": float(reduced[0]) / total,
             "reward": float(reduced[3]) / n,
             "reward_std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
@@ -149,15 +194,25 @@ class GRPOJob(TrainingJob):
             "train_s": train_s,
             "step_time_s": batch.seconds + train_s,
             "off_policy_steps": lag,
+            "weight_reload_s": self._last_load.wall_s,
+            "workers_reloaded": len(self._last_load.seconds),
+            "clamped_completions": batch.clamped,
         }
+        if float(reduced[6]) > 0:
+            m["logprob_mismatch"] = float(reduced[5]) / float(reduced[6])
+        return m
 
     def log_fields(self, m: dict) -> list[str]:
-        return [
+        fields = [
             f"reward {m['reward']:.3f}",
             f"loss {m['loss']:.4f}",
             f"kl {m['kl']:.4f}",
             f"rollout {m['rollout_s']:.1f}s train {m['train_s']:.1f}s",
+            f"reload {m['weight_reload_s']:.2f}s x{m['workers_reloaded']}",
         ]
+        if "logprob_mismatch" in m:
+            fields.append(f"logprob mismatch {m['logprob_mismatch']:.2e}")
+        return fields
 
     # ------------------------------------------------------------------ weights for the workers
 
@@ -169,8 +224,13 @@ class GRPOJob(TrainingJob):
         out = self.run_dir.published_weights(self.state.step)
         export_hf(self.model, self.tokenizer, out, rank=self.dist.rank)
         if self.dist.is_rank0:
-            self._published = (str(out), self.state.step)
-            self.pool.update_weights(str(out), self.state.step)
+            self._last_load = self.pool.update_weights(str(out), self.state.step)
+            load = self._last_load
+            missed = f"; not reached: {', '.join(load.unreachable)}" if load.unreachable else ""
+            logger.info(
+                "weights of step %d loaded by %d worker(s) in %.3f s%s",
+                self.state.step, len(load.seconds), load.wall_s, missed,
+            )  # fmt: skip
             self._prune_published()
         self.weights_step = self.state.step
 
@@ -188,20 +248,16 @@ class GRPOJob(TrainingJob):
             if s not in keep:
                 shutil.rmtree(path, ignore_errors=True)
 
-    def _republish(self) -> None:
-        """A worker came back after a restart: give it the newest published weights."""
-        if self._published is not None:
-            self.pool.update_weights(*self._published)
-
     # ------------------------------------------------------------------ evaluation
 
     def evaluate(self) -> dict[str, float]:
         """Mean reward and pass rate (reward 1) of greedy completions on held-out prompts, through the workers."""
         if not self.eval_prompts or not self.dist.is_rank0:
             return {}
-        groups = self.batches.complete(
-            [p.text for p in self.eval_prompts], n=1, max_tokens=self.cfg.rl.max_tokens, temperature=0.0, top_p=1.0
-        )
+        with _context_length_is_a_config_error():
+            groups = self.batches.complete(
+                [p.text for p in self.eval_prompts], n=1, max_tokens=self.cfg.rl.max_tokens, temperature=0.0, top_p=1.0
+            )
         rewards = [self.env.reward(p, g[0].text) for p, g in zip(self.eval_prompts, groups, strict=True)]
         return {
             "eval_reward": sum(rewards) / len(rewards),
@@ -223,6 +279,18 @@ class GRPOJob(TrainingJob):
         self.batches.close()
         self.reference = None
         super().close()
+
+
+@contextlib.contextmanager
+def _context_length_is_a_config_error():
+    """A request the workers refuse as too long for their context can never succeed: exit 78 saying what to change."""
+    try:
+        yield
+    except ContextLengthError as exc:
+        raise EngineConfigError(
+            f"a rollout request does not fit inference.max_model_len: {exc} (raise inference.max_model_len, lower "
+            "rl.max_tokens, or drop over-long prompts from the environment)"
+        ) from None
 
 
 if __name__ == "__main__":

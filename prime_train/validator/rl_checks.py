@@ -1,4 +1,5 @@
-"""Preflight's RL checks: the token budget, the RL gotchas, and where the trainer and the workers go.
+"""Preflight's RL checks: the token budget, the RL gotchas, where the trainer and the workers go, and the
+vLLM environment the workers run from.
 
 rl/budget.py works out the findings from what it is given; this module gives it what only this
 machine knows (its GPUs, real or replayed, and the model's size) and turns the findings into
@@ -11,14 +12,16 @@ from prime_train.config.schema import Config
 from prime_train.launch import gpu_devices
 from prime_train.resilience.gpu import gpu_inventory, readings_of
 from prime_train.rl.budget import Finding, check_gotchas, check_token_budget
-from prime_train.rl.workers import GpuPlan, gpu_plan, resolve_backend
+from prime_train.rl.vllm_server import CPU_MIN_HEAD_SIZE, no_environment_problem
+from prime_train.rl.workers import GpuPlan, gpu_plan, resolve_backend, vllm_environment
 from prime_train.validator.checks import FAIL, PASS, WARN, CheckResult
 from prime_train.validator.model_shape import model_shape
 from prime_train.validator.param_count import count_parameters
 
 
 def rl_preflight_checks(cfg: Config) -> list[CheckResult]:
-    """The "gpu placement", "token budget" and "rl gotchas" checks; none unless run.job == 'rl'."""
+    """The "gpu placement", "token budget", "rl gotchas" and (vLLM workers) "vllm environment" checks; none unless
+    run.job == 'rl'."""
     if cfg.run.job != "rl" or cfg.job.command:
         return []
     devices = gpu_devices()
@@ -32,11 +35,37 @@ def rl_preflight_checks(cfg: Config) -> list[CheckResult]:
         num_params=count_parameters(hf) if hf is not None else None,
         colocated=plan.colocated if plan is not None else None,
     )
-    return [
+    checks = [
         placement,
         _as_check("token budget", check_token_budget(cfg), "prompt + rl.max_tokens fit inference.max_model_len"),
         _as_check("rl gotchas", gotchas, "no known RL gotcha"),
     ]
+    # a backend that cannot resolve already failed "gpu placement", saying why
+    if plan is not None and resolve_backend(cfg, len(plan.trainer)) == "vllm":
+        checks.append(check_vllm_environment(cfg, hf, cpu=not plan.trainer))
+    return checks
+
+
+def check_vllm_environment(cfg: Config, hf: dict | None, *, cpu: bool) -> CheckResult:
+    """The vLLM the workers would run (inference.python, or the installed venv): a supported version, and on
+    the CPU a model whose attention heads vLLM's CPU kernels take."""
+    env = vllm_environment(cfg)
+    if env is None:
+        return CheckResult("vllm environment", FAIL, no_environment_problem(), "prime-train inference install")
+    if env.problem:
+        return CheckResult("vllm environment", FAIL, env.problem, "inference.python")
+    message = env.describe()
+    if cpu and hf is not None:
+        heads = int(hf.get("num_attention_heads") or 0)
+        head_dim = int(hf.get("head_dim") or (int(hf.get("hidden_size") or 0) // heads if heads else 0))
+        if 0 < head_dim < CPU_MIN_HEAD_SIZE:
+            return CheckResult(
+                "vllm environment", FAIL,
+                f"{message}, but the model's head size is {head_dim} (hidden_size / num_attention_heads) and vLLM's "
+                f"CPU attention needs {CPU_MIN_HEAD_SIZE} or more: it would die at the first rollout",
+                "model.path (a model with larger heads), or inference.backend = 'embedded'",
+            )  # fmt: skip
+    return CheckResult("vllm environment", PASS, message)
 
 
 def check_gpu_placement(cfg: Config, devices: list[str]) -> tuple[CheckResult, GpuPlan | None]:
