@@ -9,7 +9,18 @@ import time
 
 import psutil
 import torch
-from enginetools import TINY, cli, env, final_weights, kill_group, run_train, start, tiny_overrides, wait_for
+from enginetools import (
+    TINY,
+    cli,
+    env,
+    final_weights,
+    kill_group,
+    metrics,
+    run_train,
+    start,
+    tiny_overrides,
+    wait_for,
+)
 
 from prime_train.contract import read_json
 from prime_train.resilience.events import read_events
@@ -63,6 +74,9 @@ def test_kill9_trainer_is_resumed_and_final_weights_equal_an_uninterrupted_run(t
     assert len(restarted) == 2 and restarted[1]["resume_from"] == 20
     assert read_json(run_dir / "supervisor.json")["state"] == "done"
     assert "crash" in out  # the summary table names the cause
+    assert "resuming from step 20" in out
+    # the steps after step-20 that the killed attempt recorded were trained again: each is recorded once
+    assert [m["step"] for m in metrics(run_dir)] == list(range(41))
     wa, wb = final_weights(tmp_path / "straight"), final_weights(run_dir)
     for key in wa:
         assert torch.equal(wa[key], wb[key]), key
@@ -188,7 +202,7 @@ def test_sigstopped_trainer_is_found_as_a_hang_and_the_run_resumes_to_the_end(tm
     assert read_json(run_dir / "progress.json")["step"] == 60
 
 
-OOM_ON_RANK_1 = '''
+OOM_ON_RANK_1 = """
 import os
 
 if os.environ.get("RANK") == "1":
@@ -211,7 +225,7 @@ if os.environ.get("RANK") == "1":
         return real_poll(self)
 
     Checkpointer.poll = poll
-'''
+"""
 
 
 def test_another_ranks_oom_is_found_in_its_torchrun_log_and_classified(tmp_path):

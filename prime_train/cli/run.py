@@ -39,11 +39,16 @@ def train(ctx: typer.Context, files: RunConfigFiles = None) -> None:
 
       prime-train train configs/tiny-sft.toml --distributed.nproc_per_node 2 --distributed.strategy fsdp
     """
+    from prime_train.contract import RunDirBusy
     from prime_train.launch import train_directly
 
     cfg = load_run_config(files, ctx.args)
     require_engine(cfg)
-    raise typer.Exit(train_directly(cfg))
+    try:
+        code = train_directly(cfg)
+    except RunDirBusy as exc:  # a second owner of one run directory: never retried, like a config error
+        raise CliError(exc, ExitCode.CONFIG) from None
+    raise typer.Exit(code)
 
 
 def run(
@@ -55,11 +60,22 @@ def run(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="With --spot: print the SkyPilot task, launch nothing.")
     ] = False,
+    fresh: Annotated[
+        bool,
+        typer.Option("--fresh", help="Start over: the run directory's old outputs move to previous/<time>/ first."),
+    ] = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Train a finished run on (after raising train.max_steps).")
+    ] = False,
 ) -> None:
     """Run a job under supervision: preflight, launch, watch, and resume after failures.
 
     Exit codes: 0 done, 1 failed (restarts exhausted or not retryable), 75 checkpointed and
     stopped on request, 78 configuration error.
+
+    Run again on the same run directory, a stopped or crashed run resumes from its newest
+    checkpoint; a finished one says so and launches nothing, unless --resume (train on, after
+    raising train.max_steps) or --fresh (start over; the old outputs are moved aside, not deleted).
 
     With --spot the job runs on cloud instances instead, as a SkyPilot managed job that runs
     `prime-train run` on each node and is recovered after preemptions (see `prime-train spot`).
@@ -81,28 +97,69 @@ def run(
         raise typer.Exit(run_spot(paths, overrides, dry_run))
     if dry_run:
         raise typer.BadParameter("--dry-run goes with --spot", param_hint="--dry-run")
+    if fresh and resume:
+        raise typer.BadParameter("--fresh starts over, --resume trains on: one or the other", param_hint="--fresh")
     cfg = load(paths or [default_config()], overrides)
     require_engine(cfg)
-    raise typer.Exit(_supervise(cfg, skip_preflight=skip_preflight, verbose_inference=verbose_vllm))
+    raise typer.Exit(
+        _supervise(cfg, skip_preflight=skip_preflight, verbose_inference=verbose_vllm, fresh=fresh, resume=resume)
+    )
 
 
-def _supervise(cfg: Config, *, skip_preflight: bool, verbose_inference: bool) -> int:
+def _supervise(cfg: Config, *, skip_preflight: bool, verbose_inference: bool, fresh: bool, resume: bool) -> int:
     """Preflight, then the supervisor with a live console until the run ends; its summary; the exit code."""
     import signal
+    import time
 
+    from prime_train.contract import RunDirBusy
     from prime_train.resilience.console import ConsoleObserver, final_results, summary_table
+    from prime_train.resilience.events import EventLog
+    from prime_train.resilience.rerun import RerunRefused, describe_set_aside, plan_rerun, set_aside
     from prime_train.resilience.supervisor import Supervisor, SupervisorOptions
     from prime_train.validator.preflight import preflight_command
 
+    console = output.console()
+    observer = ConsoleObserver(console)
+    sup = Supervisor(cfg, observer, SupervisorOptions(verbose_inference=verbose_inference))
+    try:
+        # before preflight: a second run into this directory is refused at once, and an orphaned job of a killed
+        # supervisor is ended before preflight counts its ports and GPU memory as taken
+        sup.claim()
+    except RunDirBusy as exc:
+        raise CliError(exc, ExitCode.CONFIG) from None
+    except OSError:
+        pass  # the run directory cannot be made: preflight says why (sup.run() claims again, or fails the same way)
+    # owned now: what the directory holds cannot change under the decision. A finished run is not run again unasked.
+    try:
+        rerun = plan_rerun(cfg, fresh=fresh, resume=resume)
+    except RerunRefused as exc:
+        _release(sup)
+        raise CliError(exc, ExitCode.CONFIG) from None
+    if rerun.message:
+        console.print(output.literal(rerun.message), highlight=False, soft_wrap=True)
+    if not rerun.launch:
+        _release(sup)
+        return ExitCode.OK
+    started = time.time()
     if not skip_preflight:
         code = preflight_command(cfg, as_json=False, quiet_pass=True)
         if code != ExitCode.OK:
             output.labelled("preflight failed", "fix the above, or pass --skip-preflight", style="red", stderr=False)
+            _release(sup)
             return code
-    console = output.console()
+    try:  # after preflight: a refused run moves nothing
+        moved = set_aside(sup.run_dir) if fresh else None
+    except OSError as exc:
+        _release(sup)
+        raise CliError(
+            f"--fresh: cannot move the old run aside in {sup.run_dir.root}: {exc}", ExitCode.FAILED
+        ) from None
+    if moved is not None:
+        console.print(output.literal(describe_set_aside(*moved)), highlight=False, soft_wrap=True)
+        sup.run_dir.create()
+        EventLog(sup.run_dir.events_path, sup.redactor).emit("run_set_aside", moved_to=str(moved[0]), moved=moved[1])
     console.print(output.literal("prime-train", "bold cyan") + output.literal(f": run directory {cfg.run_dir}"))
-    with ConsoleObserver(console) as observer:
-        sup = Supervisor(cfg, observer, SupervisorOptions(verbose_inference=verbose_inference))
+    with observer:
         interrupts = 0
 
         def on_signal(signum, frame):
@@ -117,9 +174,15 @@ def _supervise(cfg: Config, *, skip_preflight: bool, verbose_inference: bool) ->
         signal.signal(signal.SIGINT, on_signal)
         code = sup.run()
     console.print(summary_table(sup))
-    for line in final_results(sup.run_dir):
+    for line in final_results(sup.run_dir, written_since=started if sup.state == "done" else None):
         console.print(line, highlight=False)
     return code
+
+
+def _release(sup) -> None:
+    """Give the run directory back when `run` ends before the supervisor runs (it releases it itself after)."""
+    if sup.lock is not None:
+        sup.lock.release()
 
 
 def preflight(ctx: typer.Context, files: RunConfigFiles = None, as_json: JsonFlag = False) -> None:

@@ -1,0 +1,170 @@
+"""Running `prime-train run` again on a run directory: what it means, decided before anything launches.
+
+- A run that is not finished resumes from its newest whole checkpoint, as after a crash: that is the point of
+  re-running a stopped or preempted run.
+- A finished run is not trained again unasked: re-running the same command says where its result is and exits 0.
+  Finished means the embedded job's heartbeat says `done` (it writes that after the final export, under `run`
+  and `train` alike); for an external command, the supervisor's own record (supervisor.json) says `done`.
+- `--resume` continues a finished run: the one meaningful case is a raised `train.max_steps`. A finished engine
+  run already at its `train.max_steps` has nothing to continue, and is left alone.
+- `--fresh` starts over in the same directory: the old run's outputs are moved, never deleted, to
+  `previous/<UTC time>/` (checkpoints, metrics, heartbeat, final/, TensorBoard, the W&B id); events.jsonl and
+  logs/ stay, so the directory's history is whole and the new attempts are numbered after the old ones.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from prime_train.config.schema import Config
+from prime_train.contract import (
+    Phase,
+    RunDir,
+    fsync_dir,
+    list_checkpoints,
+    newest_checkpoint,
+    newest_external_checkpoint,
+    read_heartbeat,
+    read_json,
+)
+
+# The old run's outputs, moved aside by --fresh; what remains (events.jsonl, logs/, gpu.jsonl) is history.
+OLD_RUN_OUTPUTS = (
+    "checkpoints",
+    "weights",
+    "final",
+    "metrics.jsonl",
+    "progress.json",
+    "tensorboard",
+    "wandb_id.json",  # a fresh run is a new W&B run: W&B drops steps lower than a resumed run's last
+)
+PREVIOUS_DIR = "previous"
+
+
+class RerunRefused(Exception):
+    """--fresh cannot set the old run aside safely; the message says what to do instead."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A run directory whose job completed: the step it reached and where its exported model is."""
+
+    step: int | None
+    final_dir: Path | None
+
+
+@dataclass(frozen=True)
+class Rerun:
+    """What `prime-train run` does with an existing run directory: launch or not, and what to say first."""
+
+    launch: bool
+    message: str | None = None
+
+
+def finished_run(cfg: Config) -> Finished | None:
+    """The finished run in cfg's run directory, or None when there is none (never run, or stopped part way)."""
+    run_dir = RunDir(cfg.run_dir)
+    final = run_dir.final_dir if (run_dir.final_dir / "config.json").is_file() else None
+    if cfg.job.command:
+        state = read_json(run_dir.supervisor_path) or {}
+        if state.get("state") != "done":
+            return None
+        step = state.get("step")
+        return Finished(step if isinstance(step, int) else None, final)
+    hb = read_heartbeat(run_dir.progress_path)
+    if hb is None or hb.phase is not Phase.DONE:
+        return None
+    return Finished(hb.step, final)
+
+
+def plan_rerun(cfg: Config, *, fresh: bool, resume: bool) -> Rerun:
+    """Launch or not, given what the run directory holds and what was asked (--fresh, --resume, or neither)."""
+    if fresh:
+        _check_fresh(cfg)
+        return Rerun(True)
+    done = finished_run(cfg)
+    if done is None:
+        return Rerun(True)  # never run, or stopped part way: resume from the newest whole checkpoint, as ever
+    at = f"step {done.step}" if done.step is not None else "its last step"
+    where = f"; its model is in {done.final_dir}" if done.final_dir is not None else ""
+    said = f"run {cfg.run.name} is finished (at {at}){where}"
+    if cfg.job.command:
+        # an external job's step count is its own business: --resume starts it again with its resume_args
+        if resume:
+            return Rerun(True, f"{said}; --resume: starting the job again")
+        return Rerun(False, f"{said}. Nothing to do: --fresh starts over, --resume starts the job again")
+    target = cfg.train.max_steps
+    if done.step is None or target > done.step:
+        if resume:
+            return Rerun(True, f"{said}; --resume: training on to train.max_steps = {target}")
+        # a raised train.max_steps: likely meant, but training on is asked for, never implied by a re-run
+        return Rerun(
+            False,
+            f"{said}. This config asks for train.max_steps = {target}: --resume trains on to it, --fresh starts over",
+        )
+    if resume:
+        return Rerun(
+            False,
+            f"{said}; train.max_steps = {target} is not beyond it, so there is nothing to resume: "
+            "raise --train.max_steps to train on",
+        )
+    return Rerun(
+        False, f"{said}. Nothing to do: --fresh starts over; --resume trains on (with a higher train.max_steps)"
+    )
+
+
+def _check_fresh(cfg: Config) -> None:
+    """Refuse --fresh where old checkpoints outside the run directory would be resumed from all the same."""
+    if cfg.ckpt.remote and not cfg.job.command:
+        raise RerunRefused(
+            f"--fresh: ckpt.remote = {cfg.ckpt.remote!r} still holds the old run's checkpoints, and a run with none "
+            "here restores the newest from there; give the new run its own ckpt.remote prefix or run.name"
+        )
+    job = cfg.job
+    if (
+        job.command
+        and job.checkpoint_dir
+        and job.resume_args
+        and newest_external_checkpoint(Path(job.checkpoint_dir), job.checkpoint_pattern) is not None
+    ):
+        raise RerunRefused(
+            f"--fresh: job.checkpoint_dir = {job.checkpoint_dir!r} holds the job's own checkpoints, which "
+            "job.resume_args would resume from; move them away (prime-train does not touch that directory)"
+        )
+
+
+def set_aside(run_dir: RunDir, now: float | None = None) -> tuple[Path, list[str]] | None:
+    """Move the old run's outputs into previous/<UTC time>/; returns that folder and what moved (None: nothing).
+
+    Renames within the run directory: instant and free whatever the checkpoints weigh, and nothing is lost.
+    """
+    present = [name for name in OLD_RUN_OUTPUTS if os.path.lexists(run_dir.root / name)]
+    if not present:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+    dest = run_dir.root / PREVIOUS_DIR / stamp
+    n = 1
+    while dest.exists():  # two --fresh starts within one second
+        n += 1
+        dest = run_dir.root / PREVIOUS_DIR / f"{stamp}-{n}"
+    dest.mkdir(parents=True)
+    for name in present:
+        os.rename(run_dir.root / name, dest / name)
+    fsync_dir(dest)
+    fsync_dir(run_dir.root)
+    return dest, present
+
+
+def describe_set_aside(dest: Path, moved: list[str]) -> str:
+    """What --fresh moved, and what the old checkpoints weigh where they are now (the user decides to delete)."""
+    ckpts = list_checkpoints(dest / "checkpoints")
+    note = ""
+    if ckpts:
+        size = sum(f.stat().st_size for c in ckpts for f in c.path.rglob("*") if f.is_file())
+        newest = newest_checkpoint(dest / "checkpoints")
+        assert newest is not None
+        note = f" ({len(ckpts)} checkpoint(s) up to step-{newest.step}, {size / 1e9:.2f} GB: delete them when unneeded)"
+    return f"--fresh: starting over; the old run's {', '.join(moved)} moved to {dest}{note}"

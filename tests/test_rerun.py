@@ -1,0 +1,142 @@
+"""`prime-train run` again on a run directory: a finished run is left alone unless asked, --resume trains on from
+the newest checkpoint with one metrics row per step, --fresh sets the old run aside (resilience/rerun.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from enginetools import TINY, WIDE, cli, env, run_cli, tiny_overrides
+
+from prime_train.config.schema import Config
+from prime_train.contract import RunDir, read_json
+from prime_train.engine.metrics import rewind_metrics
+from prime_train.resilience.events import read_events
+from prime_train.resilience.rerun import RerunRefused, plan_rerun
+
+# a checkpoint at step 3 only: the last step is exported, not checkpointed (ckpt.resumable_final_save is off)
+SHORT = {"train.max_steps": 6, "ckpt.interval": 3}
+
+
+def run_again(tmp_path: Path, *flags: str, **overrides) -> subprocess.CompletedProcess[str]:
+    argv = cli("run", str(TINY), *tiny_overrides(tmp_path, "again", **{**SHORT, **overrides}), *flags)
+    return subprocess.run(argv, env={**env(), **WIDE}, capture_output=True, text=True, timeout=600)
+
+
+def steps_recorded(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def attempts_started(run_dir: Path) -> list[dict]:
+    return [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "attempt_started"]
+
+
+def test_finished_run_is_left_alone_and_resume_trains_on_from_its_checkpoint_with_one_row_per_step(tmp_path):
+    run_dir = tmp_path / "again"
+    first = run_again(tmp_path)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-2000:]
+    weights = {p.name: p.stat().st_mtime_ns for p in (run_dir / "final").iterdir()}
+    metrics_before = (run_dir / "metrics.jsonl").read_bytes()
+
+    # the same command again: says it is finished and where its model is, launches nothing
+    again = run_again(tmp_path)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
+    assert "is finished (at step 6)" in again.stdout and str(run_dir / "final") in again.stdout
+    assert len(attempts_started(run_dir)) == 1
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics_before
+    assert {p.name: p.stat().st_mtime_ns for p in (run_dir / "final").iterdir()} == weights
+
+    # a raised train.max_steps is not trained on unasked either
+    raised = run_again(tmp_path, **{"train.max_steps": 8})
+    assert raised.returncode == 0 and "--resume trains on" in raised.stdout
+    assert len(attempts_started(run_dir)) == 1
+
+    # --resume: from step-3, the newest checkpoint, said so; the steps after it are trained again, recorded once
+    resumed = run_again(tmp_path, "--resume", **{"train.max_steps": 8})
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-2000:]
+    assert "resuming from step 3" in resumed.stdout
+    assert "3 → 8" in resumed.stdout  # the summary table: this attempt's steps
+    started = attempts_started(run_dir)
+    assert [(e["attempt"], e["resume_from"]) for e in started] == [(1, 0), (2, 3)]
+    assert steps_recorded(run_dir) == list(range(9))
+    assert read_json(run_dir / "progress.json")["step"] == 8
+
+
+def test_fresh_moves_the_old_run_aside_and_starts_from_step_0_in_a_new_attempt(tmp_path):
+    # a finished run's directory, as the engine leaves it (its checkpoint is never loaded: it moves first)
+    run_dir = tmp_path / "again"
+    (run_dir / "checkpoints" / "step-3").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step-3" / "shard").write_bytes(b"x" * 1000)
+    (run_dir / "final").mkdir()
+    (run_dir / "final" / "config.json").write_text("{}")
+    old_metrics = "".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in range(7))
+    (run_dir / "metrics.jsonl").write_text(old_metrics)
+    (run_dir / "progress.json").write_text(json.dumps({"step": 6, "phase": "done"}))
+    (run_dir / "logs" / "attempt-1").mkdir(parents=True)
+    (run_dir / "events.jsonl").write_text(json.dumps({"time": 1.0, "event": "run_started"}) + "\n")
+
+    result = run_again(tmp_path, "--fresh", **{"train.max_steps": 4})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    previous = list((run_dir / "previous").iterdir())
+    assert len(previous) == 1 and str(previous[0]) in result.stdout
+    assert (previous[0] / "checkpoints" / "step-3" / "shard").read_bytes() == b"x" * 1000  # never deleted
+    assert (previous[0] / "metrics.jsonl").read_text() == old_metrics
+    assert (previous[0] / "final" / "config.json").is_file()
+    started = attempts_started(run_dir)
+    assert [(e["attempt"], e["resume_from"]) for e in started] == [(2, 0)]  # numbered after the old attempt
+    assert "resuming" not in result.stdout
+    assert steps_recorded(run_dir) == list(range(5))
+    assert any(e["event"] == "run_set_aside" for e in read_events(run_dir / "events.jsonl"))
+
+
+def test_fresh_and_resume_together_are_refused():
+    result = run_cli("run", "--fresh", "--resume")
+    assert result.returncode == 2 and "one or the other" in result.stderr
+
+
+def _config(tmp_path: Path, **sections) -> Config:
+    return Config.model_validate({"run": {"name": "r", "output_dir": str(tmp_path)}, **sections})
+
+
+def test_unfinished_run_resumes_without_being_asked(tmp_path):
+    cfg = _config(tmp_path)
+    RunDir(cfg.run_dir).create()
+    (Path(cfg.run_dir) / "progress.json").write_text(json.dumps({"step": 150, "phase": "stopped"}))
+    assert plan_rerun(cfg, fresh=False, resume=False).launch
+
+
+def test_finished_external_job_is_read_from_the_supervisors_record(tmp_path):
+    cfg = _config(tmp_path, job={"command": [sys.executable, "-c", "pass"]})
+    RunDir(cfg.run_dir).create()
+    (Path(cfg.run_dir) / "supervisor.json").write_text(json.dumps({"state": "done", "step": 42, "final": True}))
+    plan = plan_rerun(cfg, fresh=False, resume=False)
+    assert not plan.launch and "at step 42" in (plan.message or "")
+    assert plan_rerun(cfg, fresh=False, resume=True).launch
+
+
+def test_resume_of_a_run_already_at_max_steps_launches_nothing(tmp_path):
+    cfg = _config(tmp_path, train={"max_steps": 300})
+    RunDir(cfg.run_dir).create()
+    (Path(cfg.run_dir) / "progress.json").write_text(json.dumps({"step": 300, "phase": "done"}))
+    plan = plan_rerun(cfg, fresh=False, resume=True)
+    assert not plan.launch and "raise --train.max_steps" in (plan.message or "")
+
+
+def test_fresh_is_refused_while_the_bucket_holds_the_old_checkpoints(tmp_path):
+    cfg = _config(tmp_path, ckpt={"remote": "s3://bucket/runs/r"})
+    with pytest.raises(RerunRefused, match=r"ckpt\.remote"):
+        plan_rerun(cfg, fresh=True, resume=False)
+
+
+def test_rewind_keeps_rows_up_to_the_resumed_step_byte_for_byte(tmp_path):
+    run_dir = RunDir(tmp_path)
+    rows = [f'{{"step": {s}, "loss": {s / 3}}}\n' for s in range(6)]
+    run_dir.metrics_path.write_text("".join(rows) + '{"step": 6, "lo')  # a torn last line
+    assert rewind_metrics(run_dir, 3) == 3
+    assert run_dir.metrics_path.read_text() == "".join(rows[:4])
+    assert rewind_metrics(run_dir, 3) == 0
+    # a start from step 0 writes its baseline again: nothing of an earlier run stays
+    assert rewind_metrics(run_dir, 0) == 4 and run_dir.metrics_path.read_text() == ""
