@@ -1,0 +1,141 @@
+"""Causal-LM cross-entropy fused with the output projection, chunked over tokens.
+
+The plain path (`lm_head` then `F.cross_entropy` on the logits) keeps a tokens x vocab logits tensor, its fp32
+copy and the softmax for backward: at 8k tokens and a 128k vocabulary that is 4 GB per copy. Here the projection
+and the loss run one chunk of tokens at a time and the gradients of the hidden states and of the weight are
+computed in the same pass, so nothing of size tokens x vocab outlives a chunk: peak extra memory is about
+chunk_size x vocab x 4 bytes (x2 while a chunk's gradient is formed), whatever the number of tokens. The
+matmul FLOPs equal the plain path's (logits forward, then the two gradient matmuls), none are recomputed.
+
+When to use it: when tokens x vocab x 4 bytes is large against the memory left for activations (big vocabularies:
+Llama 3's 128k, Qwen's 152k; long sequences). At a tiny vocabulary the plain path is as good and simpler.
+
+Labels are already shifted (label t is the target of position t) and use the HF convention: `ignore_index`
+(-100) marks positions without a loss. The mean is over a token count the caller may pass in: the engine counts
+labelled tokens on the host before copying the batch, so dividing by them needs no device-to-host sync.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    # what autocast would give F.linear here: the autocast dtype when it is on, else the tensors' own
+    if torch.is_autocast_enabled(hidden.device.type):
+        return torch.get_autocast_dtype(hidden.device.type)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def _chunk_loss_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed CE of one chunk, and what its gradient needs: fp32 logits, log-sum-exp, the ignore mask."""
+    logits = (hidden @ weight.T).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    valid = labels != ignore_index
+    safe = torch.where(valid, labels, 0)
+    target = logits.gather(1, safe[:, None]).squeeze(1)
+    return torch.where(valid, lse - target, 0.0).sum(), logits, lse, safe
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """sum_t CE(hidden_t @ weight.T, label_t) * scale, with both gradients formed chunk by chunk in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, scale, chunk_size: int, ignore_index: int):
+        dtype = _matmul_dtype(hidden, weight)
+        with torch.autocast(hidden.device.type, enabled=False):
+            h_all, w = hidden.to(dtype), weight.to(dtype)
+            grad_hidden = torch.empty_like(hidden)
+            # the weight's gradient sums over every chunk: accumulate it in fp32 whatever the compute dtype
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            for start in range(0, hidden.shape[0], chunk_size):
+                h = h_all[start : start + chunk_size]
+                y = labels[start : start + chunk_size]
+                part, logits, lse, safe = _chunk_loss_sum(h, w, y, ignore_index)
+                total = total + part
+                # d CE / d logits = softmax - onehot(label), zero on ignored rows, times the mean's scale
+                grad_logits = torch.exp(logits - lse[:, None])
+                grad_logits.scatter_add_(1, safe[:, None], torch.full_like(lse[:, None], -1.0))
+                grad_logits = grad_logits * torch.where(y != ignore_index, scale, 0.0)[:, None]
+                grad_logits = grad_logits.to(dtype)
+                grad_hidden[start : start + chunk_size] = (grad_logits @ w).to(hidden.dtype)
+                grad_weight += (grad_logits.T @ h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return total * scale
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_output, grad_weight * grad_output, None, None, None, None
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    num_items: torch.Tensor | int | None = None,
+    reduction: Literal["mean", "sum"] = "mean",
+    chunk_size: int = 1024,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """Cross-entropy of `hidden @ weight.T` against `labels`, never holding more than one chunk of logits.
+
+    hidden: (..., H) final hidden states; weight: (V, H) the output projection; labels: (...) shifted targets.
+    reduction "mean" divides the sum by `num_items` (the labelled-token count, a host int or a device tensor; for a
+    micro-batch of a larger batch pass the whole batch's count) or, when it is None, by this call's own count,
+    computed on the device. "sum" returns the sum. The result is an fp32 scalar.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, not {chunk_size}")
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1)
+    if reduction == "sum":
+        scale = torch.ones((), dtype=torch.float32, device=hidden.device)
+    elif num_items is None:
+        scale = 1.0 / (labels != ignore_index).sum().clamp(min=1).float()
+    else:
+        scale = 1.0 / torch.as_tensor(num_items, dtype=torch.float32, device=hidden.device)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _FusedLinearCrossEntropy.apply(hidden, weight, labels, scale, chunk_size, ignore_index)
+    # evaluation: the loss alone, still one chunk of logits at a time
+    dtype = _matmul_dtype(hidden, weight)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    with torch.autocast(hidden.device.type, enabled=False):
+        for start in range(0, hidden.shape[0], chunk_size):
+            part, *_ = _chunk_loss_sum(
+                hidden[start : start + chunk_size].to(dtype),
+                weight.to(dtype),
+                labels[start : start + chunk_size],
+                ignore_index,
+            )
+            total = total + part
+    return total * scale
+
+
+def reference_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    num_items: torch.Tensor | int | None = None,
+    reduction: Literal["mean", "sum"] = "mean",
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """The unchunked loss chunked_cross_entropy must equal: full logits, then F.cross_entropy."""
+    logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight).float()
+    total = F.cross_entropy(logits, labels.reshape(-1), ignore_index=ignore_index, reduction="sum")
+    if reduction == "sum":
+        return total
+    count = (labels != ignore_index).sum().clamp(min=1) if num_items is None else num_items
+    return total / count
