@@ -229,7 +229,12 @@ def test_sigterm_during_start_up_is_a_stop_and_no_earlier_final_is_announced(tmp
         kill_group(proc)
     assert proc.returncode == 75, out[-4000:]
     assert "crash" not in out and not events(run_dir, "failure"), out[-4000:]
-    assert "before the attempt's first step: nothing new to checkpoint; the next run resumes from step-2" in out
+    # on a loaded machine the signal can land after the resumed trainer's first step; either way it is a stop
+    # that names where the next run resumes, never a crash
+    assert (
+        "before the attempt's first step: nothing new to checkpoint; the next run resumes from step-2" in out
+        or re.search(r"stopped \(SIGTERM\) at step \d+; the next run resumes from step-\d+", out)
+    ), out[-4000:]
     assert "model (HF format)" not in out, "final/ is from the earlier run, not this one"
     assert events(run_dir, "run_stopped")
 
