@@ -403,16 +403,21 @@ class RolloutPool:
         """The /health answer of each worker, in order."""
         return [c.health(timeout_s) for c in self.clients]
 
+    def _probe(self, deadline: float) -> list[bool]:
+        """One /health round (each probe bounded, so a wait overshoots its deadline by at most one round); a worker
+        that answers is marked up."""
+        healthy = self.health(timeout_s=min(5.0, max(0.5, deadline - time.monotonic())))
+        with self._lock:
+            for i, ok in enumerate(healthy):
+                if ok:
+                    self._down_since.pop(i, None)
+        return healthy
+
     def wait_healthy(self, timeout_s: float, poll_s: float = 0.5) -> int:
         """Wait until at least one worker answers /health; returns how many do. WorkerUnavailable after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while True:
-            # each probe is bounded too, so the whole wait overshoots timeout_s by at most one probe round
-            healthy = self.health(timeout_s=min(5.0, max(0.5, deadline - time.monotonic())))
-            with self._lock:
-                for i, ok in enumerate(healthy):
-                    if ok:
-                        self._down_since.pop(i, None)
+            healthy = self._probe(deadline)
             if any(healthy):
                 return sum(healthy)
             if time.monotonic() >= deadline:
@@ -427,11 +432,7 @@ class RolloutPool:
         """Wait up to `timeout_s` for every worker to answer /health; returns how many do at the end (no error)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            healthy = self.health(timeout_s=min(5.0, max(0.5, deadline - time.monotonic())))
-            with self._lock:
-                for i, ok in enumerate(healthy):
-                    if ok:
-                        self._down_since.pop(i, None)
+            healthy = self._probe(deadline)
             if all(healthy) or time.monotonic() >= deadline:
                 return sum(healthy)
             time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
