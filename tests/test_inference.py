@@ -64,14 +64,14 @@ def tiny_config(root: Path, name: str, port: int, **inference) -> Config:
 class Worker:
     """A worker subprocess with its log file."""
 
-    def __init__(self, cfg: Config, log: Path):
+    def __init__(self, cfg: Config, log: Path, **env_extra: str):
         self.cfg = cfg
         self.url = f"http://127.0.0.1:{cfg.inference.base_port}"
         self.log = log
         config_path = Path(cfg.run_dir) / "config.toml"
         config_path.parent.mkdir(parents=True, exist_ok=True)
         config_path.write_text(dump_toml(cfg))
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env_extra)
         self._log_file = open(log, "w")  # noqa: SIM115 - the worker writes it until stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "prime_train.rl.worker", "--config", str(config_path), "--index", "0"],
@@ -441,6 +441,29 @@ def test_two_workers_share_a_step_at_once_and_sample_what_one_would(tmp_path):
     finally:
         for w in workers:
             w.stop()
+
+
+def test_a_worker_stops_cleanly_when_its_supervisor_is_killed(tmp_path):
+    import psutil
+
+    from prime_train.contract import ENV_SUPERVISOR
+
+    stand_in = subprocess.Popen(["sleep", "600"])  # a real process plays `prime-train run`
+    token = f"{stand_in.pid}:{psutil.Process(stand_in.pid).create_time()!r}"
+    w = Worker(tiny_config(tmp_path, "orphan", free_port()), tmp_path / "orphan.log", **{ENV_SUPERVISOR: token})
+    try:
+        w.wait_healthy()
+        time.sleep(1.5)
+        assert w.proc.poll() is None, "its supervisor is alive: it keeps serving"
+        killed = time.monotonic()
+        stand_in.kill()
+        stand_in.wait()
+        assert w.proc.wait(timeout=30) == 0, w.log.read_text()
+        assert time.monotonic() - killed < 10
+        assert f"supervisor (pid {stand_in.pid}) is gone" in w.log.read_text()
+    finally:
+        stand_in.kill()
+        w.stop()
 
 
 def test_config_error_exits_78(tmp_path):

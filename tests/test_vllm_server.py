@@ -9,7 +9,10 @@ what an installed vLLM of that version looks like to it.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -176,3 +179,103 @@ def test_inference_python_may_be_a_command_that_runs_the_interpreter(tmp_path):
     assert probe_vllm("no-such-program-here python").problem.startswith(
         "inference.python = no-such-program-here python: no such program no-such-program-here"
     )
+
+
+# ---------------------------------------------------------------- the lifeline (kill -9 of `prime-train run`)
+
+# Plays the launcher's last two moves: start the lifeline, then exec the server. The "server" is a Python that
+# prints a line and sleeps, ignoring SIGTERM when asked (a vLLM stuck in shutdown), as vLLM replaces the
+# launcher with exec in the same pid and process group.
+LAUNCHER = """
+import os, sys
+sys.path.insert(0, {src!r})
+from prime_train.rl import vllm_server
+vllm_server.start_lifeline(sys.argv[1], grace_s=float(sys.argv[2]), poll_s=0.1)
+server = "import signal, sys, time\\n"
+if sys.argv[3] == "stubborn":
+    server += "signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n"
+server += "print('serving', flush=True)\\ntime.sleep(float(sys.argv[1]))\\n"
+os.execv(sys.executable, [sys.executable, "-c", server, sys.argv[4]])
+"""
+
+
+def _launch(stand_in: subprocess.Popen, grace_s: float, mode: str, serve_s: float = 600) -> subprocess.Popen:
+    import psutil
+
+    token = f"{stand_in.pid}:{psutil.Process(stand_in.pid).create_time()!r}"
+    src = str(Path(__file__).resolve().parents[1])
+    code = LAUNCHER.format(src=src)
+    server = subprocess.Popen(
+        [sys.executable, "-c", code, token, str(grace_s), mode, str(serve_s)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # as the supervisor starts every child
+    )
+    assert server.stdout is not None and server.stdout.readline().strip() == "serving"
+    return server
+
+
+def _group_gone(pgid: int) -> bool:
+    import psutil
+
+    return not [p for p in psutil.process_iter(["pid"]) if _pgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+@pytest.mark.parametrize("mode", ["obliging", "stubborn"])
+def test_the_vllm_server_stops_when_its_supervisor_is_killed_and_a_stubborn_one_is_killed_after_the_grace(mode):
+    import time
+
+    stand_in = subprocess.Popen(["sleep", "600"])  # a real process plays `prime-train run`
+    server = _launch(stand_in, grace_s=1.0, mode=mode)
+    try:
+        time.sleep(1.0)
+        assert server.poll() is None, "the supervisor is alive: the server keeps serving"
+        killed = time.monotonic()
+        stand_in.kill()
+        stand_in.wait()
+        server.wait(timeout=15)
+        took = time.monotonic() - killed
+        # SIGTERM ends an obliging server; a stubborn one is SIGKILLed with its group after grace_s
+        assert server.returncode == (-signal.SIGTERM if mode == "obliging" else -signal.SIGKILL)
+        assert took < (3 if mode == "obliging" else 5), took
+        deadline = time.monotonic() + 5
+        while not _group_gone(server.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _group_gone(server.pid), "the lifeline itself is gone with its server"
+    finally:
+        stand_in.kill()
+        _kill_group(server)
+
+
+def test_the_lifeline_holds_no_log_pipe_and_ends_with_a_server_that_exits_on_its_own():
+    import time
+
+    stand_in = subprocess.Popen(["sleep", "600"])
+    server = _launch(stand_in, grace_s=1.0, mode="obliging", serve_s=1.0)
+    try:
+        assert server.stdout is not None
+        started = time.monotonic()
+        assert server.stdout.read() == ""  # EOF: only the server held the pipe's write end
+        assert time.monotonic() - started < 5
+        assert server.wait(timeout=5) == 0
+        deadline = time.monotonic() + 5
+        while not _group_gone(server.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _group_gone(server.pid), "the lifeline exits once its server has"
+        assert stand_in.poll() is None, "a supervisor that lives on is never touched"
+    finally:
+        stand_in.kill()
+        _kill_group(server)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()

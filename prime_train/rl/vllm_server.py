@@ -413,20 +413,116 @@ def _probe() -> dict[str, Any]:
     return info
 
 
-def _config_exit_code() -> int:
+def _contract():
+    """prime_train.contract, imported, or loaded by path where prime-train is not installed (vLLM's environment)."""
     try:
-        from prime_train.contract import ExitCode
-    except ImportError:  # run by path in vLLM's environment, where prime-train is not installed
+        from prime_train import contract
+    except ImportError:
         import importlib.util
 
         path = Path(__file__).resolve().parents[1] / "contract.py"
         spec = importlib.util.spec_from_file_location("_prime_train_contract", path)
         assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-        spec.loader.exec_module(module)
-        return int(module.ExitCode.CONFIG)
-    return int(ExitCode.CONFIG)
+        contract = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = contract  # dataclasses look their module up while the class is built
+        spec.loader.exec_module(contract)
+    return contract
+
+
+def _config_exit_code() -> int:
+    return int(_contract().ExitCode.CONFIG)
+
+
+# ---------------------------------------------------------------- the lifeline
+
+# After SIGTERM, how long vLLM gets to stop its engine processes before the whole group is killed
+LIFELINE_GRACE_S = 20.0
+LIFELINE_POLL_S = 1.0
+
+
+def _start_time(pid: int) -> float | None:
+    """When `pid` started, as psutil's create_time() gives it on Linux (boot time + start ticks), from /proc
+    (this file runs where psutil may not be installed); None when the process is gone or is a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2 :].split()  # the name in parentheses may hold spaces
+        if fields[0] in ("Z", "X"):
+            return None
+        boot = next(
+            int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+        )
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def start_lifeline(
+    token: str | None, *, grace_s: float = LIFELINE_GRACE_S, poll_s: float = LIFELINE_POLL_S
+) -> int | None:
+    """Watch the supervisor named by PRIME_TRAIN_SUPERVISOR ("<pid>:<create time>") from a detached process, and
+    stop this process (the vLLM server once it has exec'd) when the supervisor is gone: SIGTERM, then after
+    `grace_s` SIGKILL to its whole process group (vLLM's engine processes are in it).
+
+    The trainer watches from a thread (engine/lifeline.py); vLLM replaces this process with exec, so a thread
+    cannot survive and the watch runs in a grandchild instead: double-forked, so vLLM never has an unknown
+    child to reap; its stdio on /dev/null, so it never holds the log pipe the supervisor reads to its end; in
+    the server's process group, so the supervisor's own teardown ends it too. Linux only (vLLM serves on
+    Linux). Returns the watcher's pid, or None when nothing is watched.
+    """
+    pid, _, started = (token or "").partition(":")
+    try:
+        sup_pid, sup_started = int(pid), float(started)
+    except ValueError:
+        return None
+    if not sys.platform.startswith("linux"):
+        return None
+    server_pid = os.getpid()
+    read_end, write_end = os.pipe()
+    first = os.fork()
+    if first:
+        os.close(write_end)
+        os.waitpid(first, 0)  # the middle process exits at once
+        with os.fdopen(read_end, "rb") as r:
+            watcher = r.read().decode()
+        return int(watcher) if watcher else None
+    # middle process: fork the watcher, tell the server its pid, exit so init adopts it
+    os.close(read_end)
+    try:
+        watcher = os.fork()
+        if watcher:
+            os.write(write_end, str(watcher).encode())
+            os._exit(0)
+        os.close(write_end)
+        _watch(server_pid, sup_pid, sup_started, grace_s, poll_s)
+    finally:
+        os._exit(0)
+
+
+def _watch(server_pid: int, sup_pid: int, sup_started: float, grace_s: float, poll_s: float) -> None:
+    import signal
+    import time
+
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.closerange(3, 1 << 16)
+    server_started = _start_time(server_pid)
+    while True:
+        time.sleep(poll_s)
+        if server_started is None or _start_time(server_pid) != server_started:
+            return  # the server is gone (or its pid reused): nothing to watch over
+        sup = _start_time(sup_pid)
+        if sup is None or abs(sup - sup_started) >= 1.0:
+            break
+    try:
+        os.kill(server_pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and _start_time(server_pid) == server_started:
+            time.sleep(0.2)
+        if _start_time(server_pid) == server_started:
+            os.killpg(os.getpgid(server_pid), signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def main(argv: list[str]) -> int:
@@ -446,6 +542,8 @@ def main(argv: list[str]) -> int:
     if note:
         print(f"warning: {note}", file=sys.stderr, flush=True)
     print(f"prime-train: starting {info['distribution']} {info['version']} ({info['entry']})", flush=True)
+    # vLLM never outlives the supervisor: a kill -9 of `prime-train run` would leave it holding the GPU
+    start_lifeline(os.environ.get(_contract().ENV_SUPERVISOR))
     # exec: the supervisor's pid, process group and log stay the server's own
     os.execv(sys.executable, [sys.executable, "-m", info["entry"], *argv])
     return 1  # not reached

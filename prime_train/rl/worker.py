@@ -33,6 +33,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prime_train.contract import ExitCode
+from prime_train.engine.lifeline import watch_supervisor
 from prime_train.rl.generation import (
     NO_ROOM_MESSAGE,
     Engine,
@@ -471,6 +472,9 @@ def run(config_path: str, index: int) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _on_signal)
+
+    # a worker never outlives `prime-train run`: after a kill -9 of it, the next run would find the port taken
+    watch_supervisor(lambda reason: stop.set())  # the lifeline logs the reason
     try:
         return serve(cfg, index, stop_event=stop)
     except EngineConfigError as exc:
