@@ -96,12 +96,18 @@ def plan_engine_launch(
     if nnodes == 1:
         argv.append("--standalone")
     else:
+        # The static rendezvous, not c10d: c10d ignores --node-rank and numbers nodes by arrival, so global rank 0
+        # (metrics, the final export, the checkpoint's rename) could land on any node (pytorch/pytorch#150660).
+        # Static gives rank = node_rank * nproc + local_rank: rank 0 is on node 0, where the user looks. Nothing is
+        # lost: the supervisors restart a failed attempt, never torchrun's elastic restarts (--max-restarts=0).
         argv += [
             f"--nnodes={nnodes}",
             f"--node-rank={node_rank(cfg)}",
-            "--rdzv-backend=c10d",
+            "--rdzv-backend=static",
             f"--rdzv-endpoint={rendezvous_endpoint(cfg)}",
             f"--rdzv-id={os.environ.get('SKYPILOT_TASK_ID', cfg.run.name)}",
+            f"--rdzv-conf=timeout={int(cfg.distributed.join_timeout_s)}",
+            "--max-restarts=0",
         ]
     # only local rank 0 reaches the console; every rank's output still lands in log_dir when given
     argv.append("--local-ranks-filter=0")

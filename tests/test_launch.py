@@ -43,7 +43,7 @@ def test_multi_node_rendezvous_comes_from_skypilot_environment(monkeypatch):
     assert "--standalone" not in plan.argv
     assert "--nnodes=2" in plan.argv
     assert "--node-rank=1" in plan.argv
-    assert "--rdzv-backend=c10d" in plan.argv
+    assert "--rdzv-backend=static" in plan.argv
     assert "--rdzv-endpoint=10.0.0.7:29511" in plan.argv
     assert "--rdzv-id=sky-task-42" in plan.argv
     assert plan.world_size == 16
@@ -56,6 +56,50 @@ def test_config_rendezvous_wins_over_skypilot(monkeypatch):
     )
     plan = plan_engine_launch(cfg, "c.toml")
     assert "--rdzv-endpoint=head:1234" in plan.argv and "--node-rank=0" in plan.argv
+
+
+# What each rank reports: its global rank, and the node it was started on (the NODE variable its torchrun got)
+REPORT_RANK = (
+    "import json, os, sys, torch.distributed as dist\n"
+    "dist.init_process_group('gloo')\n"
+    "out = {'rank': dist.get_rank(), 'node': int(os.environ['NODE']), 'local': int(os.environ['LOCAL_RANK'])}\n"
+    "dist.barrier()\n"
+    "print('RANK ' + json.dumps(out), flush=True)\n"
+    "dist.destroy_process_group()\n"
+)
+
+
+def test_global_rank_0_is_on_node_0_whichever_node_arrives_first(tmp_path):
+    """Two nodes on one machine (two torchruns on 127.0.0.1), node 1 started well before node 0: c10d would have
+    made node 1 hold rank 0; the plan's rendezvous numbers ranks by node rank."""
+    import os
+    import subprocess
+
+    from enginetools import free_port
+
+    script = tmp_path / "report_rank.py"
+    script.write_text(REPORT_RANK)
+    port = free_port()
+    procs = []
+    for node in (1, 0):
+        cfg = Config.model_validate(
+            {"distributed": {"nproc_per_node": 2, "nnodes": 2, "node_rank": node, "join_timeout_s": 60,
+                             "rdzv_endpoint": f"127.0.0.1:{port}"}}
+        )  # fmt: skip
+        argv = plan_engine_launch(cfg, "c.toml").argv
+        argv = [a for a in argv[: argv.index("-m", 2)] if a != "--local-ranks-filter=0"] + [str(script)]
+        env = dict(os.environ, NODE=str(node), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        if node == 1:
+            time.sleep(3)  # node 1 is first at the rendezvous
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    import json
+
+    seen = [json.loads(line[5:]) for out in outputs for line in out.splitlines() if line.startswith("RANK ")]
+    assert sorted(r["rank"] for r in seen) == [0, 1, 2, 3], outputs
+    for r in seen:
+        assert r["rank"] == r["node"] * 2 + r["local"], seen
 
 
 def test_gpu_count_follows_cuda_visible_devices(monkeypatch):

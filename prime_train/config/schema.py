@@ -235,8 +235,15 @@ class DistributedConfig(Section):
     nproc_per_node: int | None = Field(
         None, ge=1, le=1024, description="Processes per node; unset: one per visible GPU, or 1 on CPU."
     )
-    nnodes: int = Field(1, ge=1, description="Nodes in the job (torchrun c10d rendezvous).")
-    node_rank: int | None = Field(None, ge=0, description="This node's rank; unset: SKYPILOT_NODE_RANK or 0.")
+    nnodes: int = Field(
+        1, ge=1, description="Nodes in the job: one `prime-train run` a node, meeting at torchrun's rendezvous."
+    )
+    node_rank: int | None = Field(
+        None, ge=0, description="This node's rank (node 0 holds global rank 0); unset: SKYPILOT_NODE_RANK or 0."
+    )
+    join_timeout_s: float = Field(
+        600.0, gt=0, description="With several nodes: how long a node waits at the rendezvous for the others."
+    )
     rdzv_endpoint: str | None = Field(
         None, description="host:port of the rendezvous; unset: first of SKYPILOT_NODE_IPS, or localhost."
     )
