@@ -76,3 +76,82 @@ def watch_supervisor(on_gone: Callable[[str], None], poll_s: float = POLL_S) -> 
     thread = threading.Thread(target=watch, name="supervisor-lifeline", daemon=True)
     thread.start()
     return thread
+
+
+# ---------------------------------------------------------------- the other nodes
+
+# How long a rank on another node may go without a beat before it is taken for gone. A beat comes from a thread
+# once a second whatever the main thread does (a compile, a save, a hung collective all keep beating), so silence
+# means the process or its machine is gone, never that it is slow. 15 s: many times a beat, a fraction of the
+# collective timeout (10 min) a survivor would otherwise wait in.
+PEER_TIMEOUT_S = 15.0
+BEAT_S = 1.0
+PEER_PREFIX = "prime_train/beat/"
+
+
+def watch_peers(
+    on_lost: Callable[[str], None],
+    *,
+    node: int,
+    nnodes: int,
+    host: str,
+    port: int,
+    timeout_s: float = PEER_TIMEOUT_S,
+    beat_s: float = BEAT_S,
+) -> threading.Thread:
+    """Beat for `node` and watch the other nodes' beats in the rendezvous store at host:port (a TCPStore: the one
+    torchrun's agent on node 0 serves); call `on_lost(reason)` once, from a daemon thread, when a node has been
+    silent for `timeout_s` or the store itself is gone (node 0's agent ended). One watcher a node (its local rank
+    0): a rank that exits makes torchrun end the node's other ranks.
+
+    Why: a trainer that dies on one node leaves the ranks of the others blocked in their next collective until its
+    timeout (10 minutes by default, NCCL's or gloo's) with nothing to tell them apart from a slow step. A beat
+    counter in the store (an add, so no clock is compared across machines) tells them within `timeout_s`; two
+    requests a beat whatever the node count (an add, and one multi_get of every node's counter). The watch has a
+    store client of its own, so it never waits behind the main thread's collectives.
+    """
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    keys = [f"{PEER_PREFIX}{n}" for n in range(nnodes)]
+    reason = ""
+    # connected before the thread starts: a watch that returned is a watch in place
+    try:
+        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(5.0, 5 * beat_s)))
+        for key in keys:
+            store.add(key, 0)  # every counter exists, so multi_get never waits for a node that has not beaten yet
+    except Exception as exc:  # any failure to reach the store means node 0's agent is gone
+        store = None
+        reason = f"the job's rendezvous store at {host}:{port} cannot be reached ({_first_line(exc)})"
+
+    def watch() -> None:
+        if store is None:
+            on_lost(reason)
+            return
+        seen: dict[int, tuple[bytes, float]] = {}
+        while True:
+            now = time.monotonic()
+            try:
+                store.add(keys[node], 1)
+                counts = store.multi_get(keys)
+            except Exception as exc:  # the store closed: its host (node 0's agent) is gone
+                on_lost(f"the job's rendezvous store at {host}:{port} is gone ({_first_line(exc)})")
+                return
+            for n, count in enumerate(counts):
+                if n not in seen or seen[n][0] != count:
+                    seen[n] = (count, now)
+            silent = [n for n in range(nnodes) if n != node and now - seen[n][1] > timeout_s]
+            if silent:
+                on_lost(f"node {silent[0]} has been silent for {timeout_s:.0f} s: its trainer or its machine is gone")
+                return
+            time.sleep(beat_s)
+
+    thread = threading.Thread(target=watch, name="peer-lifeline", daemon=True)
+    thread.start()
+    return thread
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
