@@ -303,9 +303,9 @@ def test_lint_and_config_diff_take_json_and_still_the_old_format_flag(two_config
     [["lint"], ["lint", "--format", "yaml", str(DDP)], ["config", "diff", str(DDP)], ["no-such-command"]],
     ids=["lint-without-files", "lint-unknown-format", "diff-one-file", "unknown-command"],
 )
-def test_usage_mistakes_exit_two_with_a_message_not_a_traceback(args):
+def test_usage_mistakes_exit_with_the_bad_input_code_and_a_message_not_a_traceback(args):
     result = invoke(*args)
-    assert result.exit_code == 2
+    assert result.exit_code == ExitCode.CONFIG
     assert "Traceback" not in result.output
     assert "Error" in result.output or "error" in result.output
 
@@ -322,3 +322,13 @@ def test_url_values_in_overrides_keep_their_double_slash(tmp_path):
     assert result.returncode == 0, result.stderr
     assert 'remote = "s3://bucket/runs/x"' in result.stdout
     assert 'remote_endpoint_url = "http://127.0.0.1:9000"' in result.stdout
+
+
+def test_config_diff_piped_at_80_columns_shows_whole_keys_and_whole_headers():
+    result = CliRunner().invoke(
+        app, ["config", "diff", str(REPO / "configs" / "tiny-sft.toml"), str(DDP)], env={"COLUMNS": "80"}
+    )
+    assert result.exit_code == ExitCode.FAILED, result.output
+    assert "│ data.datasets[0].task" in result.stdout and "…" not in result.stdout, result.stdout
+    table = [line for line in result.stdout.splitlines() if line[:1] in "┏┃┡│└"]
+    assert max(len(line) for line in table) <= 80

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from prime_train.contract import ExitCode
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "tests" / "data" / "model_configs"
 
@@ -31,7 +33,7 @@ def test_verify_model_json_and_exit_codes(tmp_path):
     assert vl.returncode == 1 and json.loads(vl.stdout)["multimodal"] is True
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     missing = cli("verify-model", "no-such-org/no-such-model", env=env)
-    assert missing.returncode == 2 and "path" in missing.stderr
+    assert missing.returncode == ExitCode.CONFIG and "path" in missing.stderr  # bad input
 
 
 def test_models_list_shows_the_registry():
@@ -97,12 +99,12 @@ def test_run_spot_dry_run_prints_a_task_without_skypilot(tmp_path):
     assert lambda_spot.returncode == 78 and "lambda" in lambda_spot.stderr
 
 
-def test_monitor_without_skypilot_exits_2_and_says_how_to_install(tmp_path):
+def test_monitor_without_skypilot_exits_with_the_bad_input_code_and_says_how_to_install(tmp_path):
     env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "xdg")}
     env.pop("PRIME_TRAIN_SKY_PYTHON", None)
     env.pop("GITHUB_ACTIONS", None)
     result = cli("monitor", "configs/examples/spot.toml", env=env, cwd=REPO)
-    assert result.returncode == 2 and "spot install" in result.stderr
+    assert result.returncode == ExitCode.CONFIG and "spot install" in result.stderr
 
 
 def _cuda() -> bool:

@@ -4,6 +4,7 @@ one line and a saved traceback, and brackets in paths and messages are printed a
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 import textwrap
@@ -48,7 +49,7 @@ def test_init_names_an_existing_file_with_brackets_as_written(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     (tmp_path / "run[x].toml").write_text("keep me\n")
     result = invoke("init", "-o", "run[x].toml")
-    assert result.exit_code == ExitCode.FAILED
+    assert result.exit_code == ExitCode.CONFIG
     assert "error: run[x].toml exists; pass --force to overwrite it" in result.stderr
     assert (tmp_path / "run[x].toml").read_text() == "keep me\n"
 
@@ -79,7 +80,7 @@ def test_status_shows_a_failure_message_with_brackets_as_written(tmp_path):
 def test_a_file_the_user_names_that_cannot_be_written_is_an_error_not_a_traceback(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = invoke("init", "-o", "no-such-dir/run.toml", "--yes")
-    assert result.exit_code == ExitCode.FAILED
+    assert result.exit_code == ExitCode.CONFIG  # bad input: a path the user named
     assert result.stderr.strip().splitlines()[-1] == "error: no-such-dir/run.toml: No such file or directory"
     assert result.exception is None or isinstance(result.exception, SystemExit)
 
@@ -130,6 +131,7 @@ def _user_errors() -> list[tuple[BaseException, int]]:
     from prime_train.integrations.monitor import MonitorConfigError
     from prime_train.integrations.skypilot import SkyPilotError, SkyPilotNotFound
     from prime_train.resilience.profile import ProfileFailed
+    from prime_train.resilience.status import NoLogs, NotARunDir
     from prime_train.validator.cost import CostInputError
     from prime_train.validator.memory import MemoryInputError
     from prime_train.validator.models import ModelConfigNotFound
@@ -137,13 +139,15 @@ def _user_errors() -> list[tuple[BaseException, int]]:
     return [
         (MemoryInputError("unknown GPU 'Z80'"), ExitCode.CONFIG),
         (CostInputError("mfu = 2: must be a fraction"), ExitCode.CONFIG),
-        (ModelConfigNotFound("no config.json"), 2),
-        (SkyPilotNotFound("spot install first"), 2),
+        (ModelConfigNotFound("no config.json"), ExitCode.CONFIG),
+        (SkyPilotNotFound("spot install first"), ExitCode.CONFIG),
         (SkyPilotError("launch failed"), ExitCode.FAILED),
-        (MonitorConfigError("no bucket"), 2),
+        (MonitorConfigError("no bucket"), ExitCode.CONFIG),
+        (NotARunDir("runs/x holds no run"), ExitCode.CONFIG),
+        (NoLogs("no logs at runs/x/logs/latest"), ExitCode.CONFIG),
         (ProfileFailed("preflight failed", ExitCode.PREEMPTED), ExitCode.PREEMPTED),
         (CliError("bad answer", 2), 2),
-        (FileNotFoundError(2, "No such file or directory", "x.toml"), ExitCode.FAILED),
+        (FileNotFoundError(2, "No such file or directory", "x.toml"), ExitCode.CONFIG),
     ]
 
 
@@ -170,3 +174,172 @@ def test_the_cli_writes_no_exit_code_as_a_number():
             if isinstance(node, ast.Constant) and type(node.value) is int and node.value in (75, 78):
                 found.append(f"{path.name}:{node.lineno}")
     assert not found, found
+
+
+# ---------------------------------------------------------------- one convention for every command
+
+
+def _leaves():
+    """(command path, click command) of every leaf command, as `prime-train` builds them."""
+    import typer.main
+
+    def walk(command, path=()):
+        subs = getattr(command, "commands", None)
+        if subs:
+            for name, sub in subs.items():
+                yield from walk(sub, (*path, name))
+        else:
+            yield path, command
+
+    return list(walk(typer.main.get_command(app)))
+
+
+# commands whose stdout is a stream that is not theirs: the engine's own output, SkyPilot's log stream
+STREAMING = {("train",), ("spot", "logs")}
+
+
+def test_every_command_takes_json_and_lint_keeps_format_only_as_a_hidden_alias():
+    missing = [" ".join(p) for p, c in _leaves() if p not in STREAMING and "--json" not in _opts(c)]
+    assert not missing, f"without --json: {missing}"
+    assert "--format" not in invoke("lint", "--help").stdout
+
+
+def _opts(command) -> set[str]:
+    return {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
+
+
+def test_the_deprecated_format_flag_still_works_and_says_so_on_stderr():
+    config = str(REPO / "configs" / "tiny-sft.toml")
+    old, new = invoke("lint", "--format", "json", config), invoke("lint", "--json", config)
+    assert (old.exit_code, old.stdout) == (new.exit_code, new.stdout) == (0, "[]\n")
+    assert "--format json is deprecated" in old.stderr and "use --json" in old.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["status", "no-such-run", "--json"],
+        ["verify-model", "./no-such-model", "--json"],
+        ["memory", "no-such.toml", "--json"],
+        ["config", "diff", "no-such.toml", "no-such.toml", "--json"],
+        ["logs", "no-such-run", "--json"],
+        ["lint", "--json"],
+        ["status", "--json", "--no-such-flag"],
+    ],
+    ids=["status", "verify-model", "memory", "config-diff", "logs", "usage-missing-argument", "usage-unknown-flag"],
+)
+def test_an_error_with_json_is_one_json_document_on_stdout_and_the_bad_input_code(args):
+    result = invoke(*args)
+    assert result.exit_code == ExitCode.CONFIG, result.output
+    document = json.loads(result.stdout)
+    assert document["ok"] is False and document["exit_code"] == ExitCode.CONFIG and document["error"]
+
+
+def test_a_misspelled_flag_on_run_gets_did_you_mean():
+    result = invoke("run", "--skpi-preflight")
+    assert result.exit_code == ExitCode.CONFIG
+    assert "no such option: --skpi-preflight; did you mean --skip-preflight?" in result.stderr
+
+
+def test_an_override_value_that_looks_like_a_flag_is_still_a_value(tmp_path):
+    result = invoke("config", "show", "--train.lr", "-1e-3", "--run.name", "-x")
+    assert result.exit_code == ExitCode.CONFIG  # a negative lr is refused by the schema, not taken for a flag
+    assert "`train.lr`: input should be greater than 0" in result.stderr and "no such option" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "near"),
+    [
+        (["lint", "configs/tiny-sf.toml"], "did you mean configs/tiny-sft.toml"),
+        (["config", "show", "confgs/tiny-sft.toml"], "did you mean configs/tiny-sft.toml"),
+        (["diagnose", "tests/data/log"], "did you mean tests/data/logs"),
+    ],
+    ids=["a-file", "a-directory-on-the-way", "diagnose"],
+)
+def test_an_error_about_a_missing_file_suggests_the_names_near_it(args, near, monkeypatch):
+    monkeypatch.chdir(REPO)
+    result = invoke(*args)
+    assert result.exit_code == ExitCode.CONFIG, result.output
+    assert near in result.stderr, result.stderr
+
+
+def test_quiet_and_verbose_are_taken_after_the_command_too():
+    config = str(REPO / "configs" / "tiny-sft.toml")
+    assert invoke("lint", config).stdout == "ok: 1 file(s), no problems\n"
+    for args in (["lint", config, "-q"], ["-q", "lint", config], ["lint", "--quiet", config]):
+        result = invoke(*args)
+        assert (result.exit_code, result.stdout) == (0, ""), (args, result.output)
+
+
+def test_verbose_prints_a_bugs_traceback_as_well(tmp_path, monkeypatch):
+    import tempfile
+
+    import prime_train.validator.lint as lint
+
+    def broken(*args, **kwargs):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(lint, "lint_files", broken)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    result = invoke("lint", str(REPO / "configs" / "tiny-sft.toml"), "-v")
+    assert result.exit_code == ExitCode.FAILED
+    assert "Traceback (most recent call last)" in result.stderr and "KeyError: 'boom'" in result.stderr
+
+
+def test_the_readme_exit_code_table_is_the_one_in_the_code():
+    from prime_train.cli.errors import EXIT_CODES
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    for code, meaning in EXIT_CODES.items():
+        assert f"| {code} | {meaning} |" in readme, code
+
+
+# ---------------------------------------------------------------- brackets in every help screen and error
+
+
+def test_every_help_screen_and_usage_error_keeps_bracketed_text():
+    for path, _ in _leaves():
+        # the help texts themselves: tests/test_cli.py::test_help_shows_bracketed_words_as_written
+        bad = invoke(*path, "--no-such[engine]")
+        assert "--no-such[engine]" in bad.output, (path, bad.output)
+
+
+def test_error_messages_keep_brackets_in_paths_and_values(tmp_path):
+    weird = tmp_path / "runs[x]"
+    for args in (["status", str(weird)], ["logs", str(weird)], ["diagnose", str(weird)], ["lint", str(weird)]):
+        result = invoke(*args)
+        assert result.exit_code == ExitCode.CONFIG, args
+        assert str(weird) in result.stderr, (args, result.stderr)
+
+
+def test_the_run_summary_keeps_a_run_name_with_brackets():
+    from rich.console import Console
+
+    from prime_train.config.schema import Config
+    from prime_train.resilience.console import summary_table
+
+    class Sup:  # the two things summary_table reads of a Supervisor, as data
+        cfg = Config.model_validate({"run": {"name": "sft[v2]"}})
+        state = "done"
+        attempts: tuple = ()
+
+        def mean_step_time(self):
+            return None
+
+    console = Console(width=80, record=True, color_system=None)
+    console.print(summary_table(Sup()))
+    assert "run sft[v2]: done" in console.export_text()
+
+
+def test_a_model_path_with_brackets_is_shown_as_written_by_verify_model_and_memory(tmp_path):
+    import shutil
+
+    model = tmp_path / "[x]"
+    shutil.copytree(REPO / "tests" / "data" / "model_configs" / "Qwen2.5-7B-Instruct", model)
+    verified = invoke("verify-model", str(model), "--job", "sft")
+    assert verified.exit_code == 0, verified.output
+    assert "[x]: usable for sft" in verified.stdout and f"local directory {model}" in verified.stdout
+    assert "yes (since 0.3.0)  [shipped table" in verified.stdout  # where the vLLM verdict comes from, in brackets
+    memory = invoke("memory", "--model", str(model))
+    assert memory.exit_code == 0, memory.output
+    assert f"{model}/config.json: 7.616B params" in memory.stdout

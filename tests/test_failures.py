@@ -39,3 +39,51 @@ def test_new_transient_kinds_are_retried_with_backoff(kind):
 def test_failure_dict_names_the_kind_and_whether_it_is_retried():
     d = Failure(K.DEVICE_ASSERT, "assert", exit_code=1).to_dict()
     assert d["kind"] == "device_assert" and d["retryable"] is False
+
+
+# ---------------------------------------------------------------- how a child's exit is judged (resilience/verdict.py)
+
+
+def _judge(returncode: int, *, stop_requested: bool = False, role: str = "job", tail: list[str] | None = None):
+    import time
+
+    from prime_train.resilience.process import ProcessSpec
+    from prime_train.resilience.verdict import exit_verdict
+
+    spec = ProcessSpec(role, ["job"], role=role)
+    return exit_verdict(
+        spec, returncode, returncode, None, time.time(), tail or [], [], stop_requested=stop_requested, preempted=False
+    )
+
+
+@pytest.mark.parametrize("returncode", [-15, -2, 143, 130], ids=["SIGTERM", "SIGINT", "shell-SIGTERM", "shell-SIGINT"])
+@pytest.mark.parametrize("stop_requested", [True, False], ids=["forwarded", "sent-by-someone-else"])
+def test_a_job_ended_by_sigterm_or_ctrl_c_is_a_stop_not_a_crash(returncode, stop_requested):
+    assert _judge(returncode, stop_requested=stop_requested) is None
+
+
+def test_the_stop_signal_is_named_as_a_person_knows_it():
+    from prime_train.resilience.verdict import stop_signal
+
+    assert [stop_signal(c) for c in (-2, 130, -15, 143, -9, 1)] == [
+        "Ctrl-C",
+        "Ctrl-C",
+        "SIGTERM",
+        "SIGTERM",
+        None,
+        None,
+    ]
+
+
+def test_an_inference_worker_killed_without_a_stop_request_is_still_a_dead_worker():
+    failure = _judge(-15, role="inference")
+    assert failure is not None and failure.kind is K.INFERENCE_DIED
+
+
+def test_a_crash_without_output_says_how_it_ended_and_points_at_no_excerpt_that_is_not_there():
+    failure = _judge(1)
+    assert failure is not None and failure.kind is K.CRASH
+    assert failure.message == "exited with code 1 without writing any output"
+    assert "above" not in failure.hint and "prime-train logs" in failure.hint
+    killed = _judge(-6)
+    assert killed is not None and killed.message == "killed by SIGABRT before it wrote any output"

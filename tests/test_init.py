@@ -68,7 +68,7 @@ def test_gpu_choices_follow_the_hardware(tmp_path):
 def test_an_existing_file_is_not_overwritten_without_force(tmp_path):
     (tmp_path / "run.toml").write_text("keep me\n")
     result = init(tmp_path, "-o", "run.toml")
-    assert result.returncode == 1 and "--force" in result.stderr
+    assert result.returncode == 78 and "--force" in result.stderr
     assert (tmp_path / "run.toml").read_text() == "keep me\n"
     assert init(tmp_path, "-o", "run.toml", "--force").returncode == 0
     assert (tmp_path / "run.toml").read_text() != "keep me\n"

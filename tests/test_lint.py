@@ -20,6 +20,7 @@ from enginetools import run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from prime_train.cli.errors import BAD_INPUT
 from prime_train.config.loader import COMMAND_LINE, to_toml_dict
 from prime_train.config.schema import Config
 from prime_train.validator.lint import has_errors, lint_files
@@ -166,18 +167,18 @@ def test_cli_exit_code_and_text_for_a_bad_config(case: Expectation, tmp_path):
     result = run_cli("lint", str(case.path), cwd=tmp_path)
     output = result.stdout + result.stderr
     assert "Traceback" not in output
-    assert result.returncode == (1 if case.severity == "error" else 0), output
+    assert result.returncode == (BAD_INPUT if case.severity == "error" else 0), output
     assert f"{case.path}:{case.line}:" in result.stderr
     assert f"{case.severity}: " in result.stderr
     assert case.message in result.stderr
     strict = run_cli("lint", "--strict", str(case.path), cwd=tmp_path)
-    assert strict.returncode == 1
+    assert strict.returncode == BAD_INPUT
 
 
 def test_cli_lints_the_whole_corpus_in_one_call_as_json(tmp_path):
-    result = run_cli("lint", "--format", "json", *[str(c.path) for c in BAD_CASES], cwd=tmp_path)
+    result = run_cli("lint", "--json", *[str(c.path) for c in BAD_CASES], cwd=tmp_path)
     assert "Traceback" not in result.stdout + result.stderr
-    assert result.returncode == 1
+    assert result.returncode == BAD_INPUT
     reported = json.loads(result.stdout)
     by_file = {}
     for p in reported:
@@ -194,8 +195,8 @@ def test_cli_lints_the_whole_corpus_in_one_call_as_json(tmp_path):
 def test_json_format_is_a_list_of_problems_with_exactly_the_documented_keys(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('[train]\nlerning_rate = 3e-4\nscheduler = "cosin"\n')
-    result = run_cli("lint", "--format", "json", str(bad), cwd=tmp_path)
-    assert result.returncode == 1
+    result = run_cli("lint", "--json", str(bad), cwd=tmp_path)
+    assert result.returncode == BAD_INPUT
     problems = json.loads(result.stdout)
     assert isinstance(problems, list)
     assert len(problems) == 2
@@ -208,7 +209,7 @@ def test_json_format_is_a_list_of_problems_with_exactly_the_documented_keys(tmp_
 
 
 def test_json_format_of_a_clean_config_is_an_empty_list(tmp_path):
-    result = run_cli("lint", "--format", "json", str(EXAMPLES / "ddp-2proc-cpu.toml"), cwd=tmp_path)
+    result = run_cli("lint", "--json", str(EXAMPLES / "ddp-2proc-cpu.toml"), cwd=tmp_path)
     assert result.returncode == 0
     assert json.loads(result.stdout) == []
 
@@ -239,7 +240,7 @@ def test_cli_merge_flag_lints_files_as_one_config(batch_split):
     assert apart.returncode == 0, apart.stderr
     assert "2 file(s), no problems" in apart.stdout
     merged = run_cli("lint", "--merge", str(base), str(overlay), cwd=base.parent)
-    assert merged.returncode == 1
+    assert merged.returncode == BAD_INPUT
     assert f"{base}:3:1: error: train.global_batch_size (48)" in merged.stderr
 
 
@@ -269,10 +270,10 @@ def test_cli_overrides_after_files_change_the_verdict(tmp_path):
     clean = str(EXAMPLES / "ddp-2proc-cpu.toml")
     assert run_cli("lint", "--strict", clean, "--train.max_steps", "400", cwd=tmp_path).returncode == 0
     warned = run_cli("lint", "--strict", clean, "--train.max_steps", "20", cwd=tmp_path)
-    assert warned.returncode == 1
+    assert warned.returncode == BAD_INPUT
     assert "no evaluation will run" in warned.stderr
     unknown = run_cli("lint", clean, "--trian.max_steps", "20", cwd=tmp_path)
-    assert unknown.returncode == 1
+    assert unknown.returncode == BAD_INPUT
     assert "unknown section [trian]; did you mean [train]?" in unknown.stderr
 
 
@@ -588,3 +589,43 @@ def test_job_program_is_looked_up_as_the_job_will_start_it(tmp_path, monkeypatch
     assert job_problems(command=["train.sh"], env={"PATH": str(script.parent)}) == []
     assert "not a program on PATH (job.env's PATH)" in job_problems(command=["sh"], env={"PATH": str(tmp_path)})[0]
     assert "`~` is not expanded" in job_problems(command=["sh"], cwd="~/no-such-dir-for-prime-train")[0]
+
+
+# ---------------------------------------------------------------- every problem in one pass
+
+
+def test_lint_reports_schema_and_cross_field_errors_in_one_pass(tmp_path, monkeypatch):
+    # the story: three schema mistakes hid micro_batch_size > global_batch_size until they were fixed
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(
+        '[train]\nlr = -1.0\nmax_steps = "ten"\nscheduler = "cosin"\nmicro_batch_size = 64\nglobal_batch_size = 32\n'
+        "[data]\nseq_len = 4\n"
+    )
+    problems, loaded = lint_files([str(cfg)])
+    assert loaded is None
+    assert [(p.line, p.key) for p in problems] == [
+        (2, "train.lr"), (3, "train.max_steps"), (4, "train.scheduler"), (6, "train.global_batch_size"),
+        (8, "data.seq_len"),
+    ]  # fmt: skip
+    result = run_cli("lint", str(cfg), cwd=tmp_path)
+    assert result.returncode == BAD_INPUT and len(result.stderr.strip().splitlines()) == 5, result.stderr
+
+
+def test_a_table_rule_hidden_behind_a_field_error_of_the_same_table_is_reported_with_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "run.toml"
+    # pydantic runs a dataset's "exactly one source" rule only once the dataset's own fields are valid
+    cfg.write_text('[[data.datasets]]\ntask = "reverse-text"\npath = "x.jsonl"\nnum_examples = 0\n')
+    problems, _ = lint_files([str(cfg)])
+    assert [p.key for p in problems] == ["data.datasets[0]", "data.datasets[0].num_examples"], problems
+    assert "exactly one of `task`, `path` or `hub` (got task, path)" in problems[0].message
+
+
+def test_a_check_about_a_rejected_value_is_left_out_not_judged_against_its_default(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "run.toml"
+    # global_batch_size is rejected; against its default (32) micro_batch_size 48 would look wrong, but nobody wrote 32
+    cfg.write_text('[train]\nglobal_batch_size = "96"\nmicro_batch_size = 48\n')
+    problems, _ = lint_files([str(cfg)])
+    assert [p.key for p in problems] == ["train.global_batch_size"], [p.message for p in problems]

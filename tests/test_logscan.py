@@ -1067,7 +1067,7 @@ def test_diagnose_exit_codes_for_clean_warning_fatal_and_missing(tmp_path, capsy
     out = capsys.readouterr().out
     assert "verdict: nccl_timeout, root cause at" in out and "gloo_timeout.log:6" in out
     missing = tmp_path / "no-such-run"
-    assert diagnose_command([str(LOGS / CLEAN_LOG), str(missing)], as_json=False) == 2
+    assert diagnose_command([str(LOGS / CLEAN_LOG), str(missing)], as_json=False) == 78
     assert str(missing) in capsys.readouterr().err
 
 
@@ -1096,7 +1096,7 @@ def test_diagnose_json_in_a_subprocess_gives_verdicts_per_file_and_the_findings(
     shutil.copy(LOGS / "cuda_oom_torchrun.log", run / "logs" / "attempt-1" / "trainer.log")
     code = (
         "import sys; from prime_train.resilience.diagnose import diagnose_command; "
-        f"sys.exit(diagnose_command([{str(run)!r}], True))"
+        f"sys.exit(diagnose_command([{str(run)!r}], True, all_attempts=False))"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "80"}

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -278,11 +279,33 @@ def test_disk_passes_warns_and_fails_against_free_space(tmp_path):
 # ---------------------------------------------------------------- output directory
 
 
-def test_output_dir_is_created_and_left_without_the_probe_file(tmp_path):
+def test_output_dir_check_leaves_no_run_directory_behind(tmp_path):
+    # an empty run directory left by a check would read as a run that never started (`status`, `run` again)
     cfg = make_config(tmp_path, run={"name": "exp1"})
     result = check_output_dir(cfg)
-    assert result.status == PASS
-    assert (tmp_path / "runs" / "exp1").is_dir() and list((tmp_path / "runs" / "exp1").iterdir()) == []
+    assert result.status == PASS and "is writable" in result.message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_dir_check_of_an_existing_run_leaves_it_as_it_was(tmp_path):
+    run = tmp_path / "runs" / "exp1"
+    run.mkdir(parents=True)
+    (run / "events.jsonl").write_text("{}\n")
+    assert check_output_dir(make_config(tmp_path, run={"name": "exp1"})).status == PASS
+    assert [p.name for p in run.iterdir()] == ["events.jsonl"]
+
+
+def test_preflight_command_creates_no_run_directory(tmp_path):
+    from typer.testing import CliRunner
+
+    from prime_train.cli import app
+
+    config = Path(preflight.__file__).resolve().parents[1] / "configs" / "tiny-sft.toml"
+    out = tmp_path / "runs"
+    result = CliRunner().invoke(app, ["preflight", str(config), "--run.output_dir", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    assert "output_dir" in {c["name"] for c in json.loads(result.stdout)}
+    assert not out.exists(), "preflight checks the machine; it must not change it"
 
 
 def test_unwritable_output_dir_fails_naming_the_key(tmp_path):

@@ -94,7 +94,7 @@ def test_fresh_moves_the_old_run_aside_and_starts_from_step_0_in_a_new_attempt(t
 
 def test_fresh_and_resume_together_are_refused():
     result = run_cli("run", "--fresh", "--resume")
-    assert result.returncode == 2 and "one or the other" in result.stderr
+    assert result.returncode == 78 and "one or the other" in result.stderr
 
 
 def _config(tmp_path: Path, **sections) -> Config:

@@ -130,3 +130,145 @@ def test_a_missing_or_unreadable_events_file_reads_as_no_events(tmp_path):
     assert read_events(tmp_path / "absent.jsonl") == []
     (tmp_path / "dir.jsonl").mkdir()
     assert read_events(tmp_path / "dir.jsonl") == []
+
+
+# ---------------------------------------------------------------- every attempt counts; what is not a run
+
+
+def test_status_of_a_recovered_external_job_keeps_its_failure_checkpoints_and_unknown_total(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.create()
+    ckpts = tmp_path / "ckpts"
+    for name in ("step-4", "step-8", "step-12.tmp", "notes"):
+        (ckpts / name).mkdir(parents=True)
+    run.config_path.write_text(f'[job]\ncommand = ["python", "train.py"]\ncheckpoint_dir = "{ckpts}"\n')
+    # the last attempt succeeded, so supervisor.json has no failure; events.jsonl has attempt 1's
+    run.supervisor_path.write_text('{"state": "done", "attempt": 2, "restarts": 1, "last_failure": null}')
+    failure = {"event": "failure", "time": 1.0, "attempt": 1, "kind": "out_of_memory", "message": "CUDA OOM"}
+    run.events_path.write_text(json.dumps(failure) + "\n")
+    run.progress_path.write_text('{"step": 10, "phase": "step", "time": 1.0}')
+    _, state = status_both_ways(run.root)
+    assert state["last_failure"]["kind"] == "out_of_memory" and state["last_failure"]["attempt"] == 1
+    assert state["checkpoints"] == [4, 8]
+    assert state["step"] == 10 and state["max_steps"] is None
+
+
+@pytest.mark.parametrize("what", ["empty", "missing", "parent-of-runs"])
+def test_status_of_a_directory_that_holds_no_run_is_bad_input_naming_the_runs_near_it(tmp_path, what):
+    runs = tmp_path / "runs"
+    RunDir(runs / "tiny-sft").create()
+    given = {"empty": runs / "tiny-sf", "missing": runs / "tiny-sf", "parent-of-runs": runs}[what]
+    if what == "empty":
+        given.mkdir()
+    result = invoke("status", str(given))
+    assert result.exit_code == 78, result.output
+    assert result.stdout == "" and isinstance(result.exception, SystemExit | None)
+    assert "a run directory is <output_dir>/<run.name>" in result.stderr
+    assert f"did you mean {runs / 'tiny-sft'}?" in result.stderr
+    as_json = invoke("status", str(given), "--json")
+    assert as_json.exit_code == 78 and json.loads(as_json.stdout)["ok"] is False
+
+
+def invoke(*args: str):
+    """The CLI in-process (fast), on a wide colourless terminal."""
+    from enginetools import WIDE
+    from typer.testing import CliRunner
+
+    from prime_train.cli import app
+
+    return CliRunner().invoke(app, list(args), env=WIDE)
+
+
+def _run_with_a_log(tmp_path: Path) -> RunDir:
+    run = RunDir(tmp_path / "run")
+    run.create()
+    run.attempt_logs(1).mkdir()
+    (run.attempt_logs(1) / "job.log").write_text("step 1\n")
+    (run.logs_dir / "latest").symlink_to("attempt-1")
+    return run
+
+
+def test_logs_follow_of_a_finished_run_prints_the_log_and_exits(tmp_path):
+    run = _run_with_a_log(tmp_path)
+    run.supervisor_path.write_text('{"state": "done", "pid": 1}')  # no .lock holder: nobody owns the run
+    result = run_cli("logs", str(run.root), "-f", timeout=20)
+    assert result.returncode == 0 and result.stdout == "step 1\n", result.stderr
+
+
+def test_logs_follow_takes_a_lock_naming_a_reused_pid_for_no_owner(tmp_path):
+    import os
+
+    run = _run_with_a_log(tmp_path)
+    # a live process (this one), but started long after the lock was taken: the owner is gone, its pid reused
+    run.lock_path.write_text(json.dumps({"pid": os.getpid(), "since": 1_000_000.0, "command": "prime-train run"}))
+    result = run_cli("logs", str(run.root), "-f", timeout=20)
+    assert result.returncode == 0 and result.stdout == "step 1\n", result.stderr
+
+
+def test_logs_follow_prints_new_lines_until_the_owner_of_the_run_exits(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from enginetools import cli
+
+    run = _run_with_a_log(tmp_path)
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    follower = None
+    try:
+        run.lock_path.write_text(json.dumps({"pid": owner.pid, "since": time.time(), "command": "prime-train run"}))
+        follower = subprocess.Popen([*cli("logs", str(run.root), "-f")], stdout=subprocess.PIPE, text=True)
+        time.sleep(2)
+        with open(run.attempt_logs(1) / "job.log", "a") as log:
+            log.write("step 2\n")
+        time.sleep(1)
+        assert follower.poll() is None, "the owner is alive: logs -f keeps following"
+        owner.kill()
+        owner.wait()
+        out, _ = follower.communicate(timeout=20)
+    finally:
+        owner.kill()
+        if follower is not None and follower.poll() is None:
+            follower.kill()
+    assert follower.returncode == 0 and out == "step 1\nstep 2\n"
+
+
+def test_logs_of_a_process_that_has_none_names_the_near_one(tmp_path):
+    run = _run_with_a_log(tmp_path)
+    result = invoke("logs", str(run.root), "-p", "jbo")
+    assert result.exit_code == 78 and "did you mean 'job'?" in result.stderr, result.output
+
+
+# ---------------------------------------------------------------- tables at 80 columns, piped
+
+
+NARROW = {"COLUMNS": "80", "NO_COLOR": "1"}
+
+
+def test_status_piped_at_80_columns_rounds_the_loss_to_4_significant_digits(tmp_path):
+    from typer.testing import CliRunner
+
+    from prime_train.cli import app
+
+    run = RunDir(tmp_path / "run")
+    run.create()
+    run.progress_path.write_text('{"step": 7, "phase": "step", "time": 1.0, "loss": 2.345678912, "max_steps": 10}')
+    result = CliRunner().invoke(app, ["status", str(run.root)], env=NARROW)
+    assert result.exit_code == 0, result.output
+    assert "│ loss            │ 2.346" in result.stdout, result.stdout
+    assert max(len(line) for line in result.stdout.splitlines()) <= 80
+
+
+def test_diagnose_piped_at_80_columns_wraps_no_header(tmp_path):
+    from typer.testing import CliRunner
+
+    from prime_train.cli import app
+
+    log = tmp_path / "trainer.log"
+    log.write_text("step 1\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    result = CliRunner().invoke(app, ["diagnose", str(log)], env=NARROW)
+    assert result.exit_code == 1, result.output
+    header = next(line for line in result.stdout.splitlines() if "where" in line)
+    assert "process" in header and "kind" in header, result.stdout
+    table = [line for line in result.stdout.splitlines() if line[:1] in "┏┃┡│└"]
+    assert table and max(len(line) for line in table) <= 80

@@ -234,7 +234,7 @@ def test_logs_and_status_read_a_supervised_run_and_the_status_line_shows_progres
     assert logs.returncode == 0 and logs.stdout.splitlines() == ["step 8 loss 0.1250", "done"]
     wrong = subprocess.run([sys.executable, "-m", "prime_train", "logs", run, "-p", "nope"],
                            capture_output=True, text=True)  # fmt: skip
-    assert wrong.returncode == 2 and "job" in wrong.stderr
+    assert wrong.returncode == 78 and "job" in wrong.stderr
     status = subprocess.run([sys.executable, "-m", "prime_train", "status", run], capture_output=True, text=True)
     assert status.returncode == 0 and "done" in status.stdout
     line = status_line({"attempt": 2, "restarts": 1, "step": 40, "max_steps": 100, "loss": 1.25,

@@ -455,7 +455,7 @@ def test_an_unreachable_hub_is_called_offline_at_once_not_a_missing_config(tmp_p
     error says offline / hub unreachable and what to do, in the JSON too; not "has no config.json on the hub"."""
     run, seconds = _verify_cli(tmp_path, "Qwen/Qwen2.5-0.5B-Instruct", "--json",
                                endpoint=f"http://127.0.0.1:{_closed_port()}")  # fmt: skip
-    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.returncode == 78, run.stdout + run.stderr
     error = json.loads(run.stdout)["error"]
     assert error.startswith("offline / hub unreachable: 127.0.0.1:") and "has no config.json" not in error
     assert "pass a local model directory" in error.lower() and "hf download Qwen/Qwen2.5-0.5B-Instruct" in error
@@ -489,7 +489,7 @@ def test_a_hub_that_accepts_but_never_answers_is_unreachable_after_one_probe(tmp
         listener.close()
         for conn in accepted:
             conn.close()
-    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.returncode == 78, run.stdout + run.stderr
     assert "offline / hub unreachable" in run.stderr and f"no answer within {PROBE_TIMEOUT_S:g} s" in run.stderr
     assert len(accepted) == 1, "one probe, no download attempts"
     assert seconds < PROBE_TIMEOUT_S + 8

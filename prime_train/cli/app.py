@@ -17,7 +17,7 @@ import typer
 from typer.core import TyperGroup
 
 from prime_train import __version__
-from prime_train.cli import ckpt, config, errors, inference, init, plan, run, spot, watch
+from prime_train.cli import ckpt, config, errors, inference, init, output, plan, run, spot, watch
 from prime_train.cli.common import OVERRIDES
 
 
@@ -28,6 +28,14 @@ class PrimeTrainGroup(TyperGroup):
         super().__init__(**attrs)
         # typer builds the whole tree (fresh objects) before the root, so one walk escapes each help text once
         _escape_help(self)
+
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        # the root: one invocation begins (its output mode, -q/-v moved in front of the command to be parsed here)
+        args = output.start(list(args)) if parent is None else args
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except errors.USAGE_ERRORS as exc:
+            raise errors.usage(exc) from None
 
     def invoke(self, ctx: typer.Context) -> Any:
         try:
@@ -72,8 +80,20 @@ def _root(
     version: Annotated[
         Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = None,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="Results and problems only: no notes (any command, any position).")
+    ] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="More detail: a bug's traceback on stderr too (any command).")
+    ] = False,
 ) -> None:
-    """Keeps LLM training jobs alive and says why they die."""
+    """Keeps LLM training jobs alive and says why they die.
+
+    Every command takes --json (one JSON document on stdout, errors too), -q and -v. Exit codes: 0 done,
+    1 the outcome is bad (a failed run, a fatal finding, configs that differ), 75 stopped with a checkpoint,
+    78 bad input (a config, flag, argument or path to fix; never retried).
+    """
+    output.MODE.quiet, output.MODE.verbose = quiet, verbose
 
 
 # Commands that take config files also take `--section.key value` overrides (OVERRIDES).

@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 
 from prime_train.cli import output
-from prime_train.cli.errors import CliError
+from prime_train.cli.common import JsonFlag
+from prime_train.cli.errors import BAD_INPUT, CliError
 
 ckpt_app = typer.Typer(help="Work with checkpoints.", no_args_is_help=True)
 
@@ -17,10 +18,11 @@ ckpt_app = typer.Typer(help="Work with checkpoints.", no_args_is_help=True)
 def ckpt_to_hf(
     step_dir: Annotated[Path, typer.Argument(help="A whole DCP checkpoint: <run>/checkpoints/step-N.")],
     out: Annotated[Path, typer.Argument(help="Output directory for the HF model (safetensors, config, tokenizer).")],
+    as_json: JsonFlag = False,
 ) -> None:
     """Convert a DCP checkpoint to HF format, loadable by transformers and vLLM.
 
-    Exit 0 when written, 1 when the checkpoint is missing or not one prime-train wrote.
+    Exit 0 when written, 78 (bad input) when the checkpoint is missing or not one prime-train wrote.
 
     Examples:
 
@@ -31,5 +33,5 @@ def ckpt_to_hf(
     try:
         dcp_to_hf(step_dir, out)
     except (FileNotFoundError, ValueError) as exc:  # what the user pointed at is not a checkpoint
-        raise CliError(exc) from None
-    output.success("wrote", out, sep=" ")
+        raise CliError(exc, BAD_INPUT) from None
+    output.done(as_json, {"checkpoint": str(step_dir), "out": str(out)}, str(out), label="wrote")

@@ -27,12 +27,55 @@ ENGINE_MODULES = ("torch", "transformers", "safetensors")
 
 
 def split_overrides(files: list[str] | None, extra: list[str]) -> tuple[list[str], list[str]]:
-    """(config files, overrides): everything from the first `--` token on is `--section.key value` overrides."""
+    """(config files, overrides): everything from the first `--` token on is `--section.key value` overrides.
+
+    A flag that is neither an option of the command nor an override (`--skpi-preflight`) is a usage mistake
+    with the command's nearest options suggested, as click suggests them for commands without overrides."""
     tokens = [str(f) for f in files or []] + list(extra)
+    reject_unknown_flags(tokens)
     for i, token in enumerate(tokens):
         if token.startswith("--"):
             return tokens[:i], tokens[i:]
     return tokens, []
+
+
+def reject_unknown_flags(tokens: list[str]) -> None:
+    """Raise click's NoSuchOption, with "did you mean", for a token that looks like a flag of the running command
+    but is none: an override always names a section and a key (`--train.lr`), a flag never has a dot."""
+    import difflib
+
+    ctx = click_context()
+    if ctx is None:
+        return
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        name = token.split("=", 1)[0]
+        if token.startswith("--") and "." in name:  # an override; its value follows unless written with =
+            i += 1 if "=" in token else 2
+            continue
+        if token.startswith("-") and token != "-" and not _is_number(token):
+            known = [o for p in ctx.command.params for o in (*p.opts, *p.secondary_opts) if o.startswith("-")]
+            near = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
+            hint = f"; did you mean {' or '.join(near)}?" if near else f"; see `{ctx.command_path} --help`"
+            no_such = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+            raise no_such(f"no such option: {name}{hint} (overrides name a section and a key: --train.lr 3e-4)", ctx)
+        i += 1
+
+
+def click_context():
+    """The running command's click context, or None outside a command."""
+    from typer import _click  # typer carries its own click: its context is the one commands run in
+
+    return _click.globals.get_current_context(silent=True)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def default_config() -> str:

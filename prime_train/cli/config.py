@@ -10,6 +10,8 @@ import typer
 
 from prime_train.cli import output
 from prime_train.cli.common import OVERRIDES, JsonFlag, load, split_overrides
+from prime_train.cli.errors import BAD_INPUT
+from prime_train.contract import ExitCode
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -18,9 +20,13 @@ config_app = typer.Typer(help="Show and compare resolved run configs.", no_args_
 
 
 def _json_or_format(as_json: bool, fmt: str | None, human: str) -> bool:
-    """Whether to print JSON: `--json`, or the older `--format json` (hidden, kept for existing scripts)."""
-    if fmt is not None and fmt not in (human, "json"):
+    """Whether to print JSON: `--json`, or the older `--format json` (hidden, deprecated, kept for existing scripts)."""
+    if fmt is None:
+        return as_json
+    if fmt not in (human, "json"):
         raise typer.BadParameter(f"--format is {human} or json (or use --json)", param_hint="--format")
+    # on stderr: stdout stays the one JSON document the script reads
+    output.warning(f"--format {fmt} is deprecated and will be removed: use {'--json' if fmt == 'json' else 'no flag'}")
     return as_json or fmt == "json"
 
 
@@ -30,11 +36,13 @@ def lint(
     merge: Annotated[bool, typer.Option("--merge", help="Lint the files as one config merged in order.")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Warnings fail too.")] = False,
     as_json: JsonFlag = False,
-    fmt: Annotated[Optional[str], typer.Option("--format", hidden=True, help="text or json; use --json.")] = None,
+    fmt: Annotated[
+        Optional[str], typer.Option("--format", hidden=True, help="Deprecated: text or json; use --json.")
+    ] = None,
 ) -> None:
     """Check run configs: every mistake with file:line:col, the key and what to do.
 
-    Exit 0 when clean, 1 when there are errors (or warnings with --strict).
+    Exit 0 when clean, 78 (bad input) when there are errors (or warnings with --strict).
 
     Examples:
 
@@ -61,15 +69,16 @@ def lint(
         output.problems(problems)
         if not problems:
             output.success("ok", f"{len(paths)} file(s), no problems")
-    raise typer.Exit(1 if has_errors(problems, strict) else 0)
+    raise typer.Exit(BAD_INPUT if has_errors(problems, strict) else ExitCode.OK)
 
 
 @config_app.command("show", context_settings=OVERRIDES)
 def config_show(
     ctx: typer.Context,
     files: Annotated[Optional[list[str]], typer.Argument(help="Config files merged in order.")] = None,
+    as_json: JsonFlag = False,
 ) -> None:
-    """Print the resolved config (defaults, files and overrides merged) as TOML.
+    """Print the resolved config (defaults, files and overrides merged) as TOML (or JSON).
 
     Examples:
 
@@ -77,9 +86,12 @@ def config_show(
 
       prime-train config show base.toml overlay.toml --train.lr 3e-4
     """
-    from prime_train.config.loader import dump_toml
+    from prime_train.config.loader import dump_toml, to_toml_dict
 
     cfg = load(*split_overrides(files, ctx.args))
+    if as_json:
+        output.print_json(to_toml_dict(cfg))
+        return
     sys.stdout.write(dump_toml(cfg))
 
 
@@ -88,7 +100,9 @@ def config_diff(
     a: Annotated[Path, typer.Argument(help="First config.")],
     b: Annotated[Path, typer.Argument(help="Second config.")],
     as_json: JsonFlag = False,
-    fmt: Annotated[Optional[str], typer.Option("--format", hidden=True, help="table or json; use --json.")] = None,
+    fmt: Annotated[
+        Optional[str], typer.Option("--format", hidden=True, help="Deprecated: table or json; use --json.")
+    ] = None,
 ) -> None:
     """Show what differs between two resolved configs: changed, added and removed fields.
 
@@ -106,7 +120,7 @@ def config_diff(
     as_json = _json_or_format(as_json, fmt, "table")
     changes = diff(to_toml_dict(load([str(a)], [])), to_toml_dict(load([str(b)], [])))
     output.emit([c.__dict__ for c in changes], as_json, lambda console: _render_diff(changes, a, b, console))
-    raise typer.Exit(1 if changes else 0)
+    raise typer.Exit(ExitCode.FAILED if changes else ExitCode.OK)
 
 
 def _render_diff(changes: list, a: Path, b: Path, console: Console) -> None:
@@ -115,11 +129,12 @@ def _render_diff(changes: list, a: Path, b: Path, console: Console) -> None:
     if not changes:
         output.success("same", "no differences")
         return
-    table = Table(title=output.literal(f"{a} → {b}"))
-    table.add_column("key", style="bold")
-    table.add_column(output.literal(a))
-    table.add_column(output.literal(b))
-    table.add_column("")
+    table = Table(title=output.literal(f"A: {a}\nB: {b}"), title_justify="left")
+    # short headers (the paths are in the title): at 80 columns a path header would be cut, a key must not be
+    table.add_column("key", style="bold", overflow="fold")
+    table.add_column("A", overflow="fold")
+    table.add_column("B", overflow="fold")
+    table.add_column("", no_wrap=True)
     style = {"changed": "yellow", "added": "green", "removed": "red"}
     for c in changes:
         old = "" if c.kind == "added" else repr(c.old)

@@ -10,6 +10,10 @@ prime_train/cli/app.py, around every command) turns
 - a missing or unreadable file the user named into `error: <path>: <reason>`;
 
 and anything else, a bug, into one line that says where the traceback was written, exit 1.
+
+With `--json` (or lint's deprecated `--format json`) an error is also one JSON document on stdout,
+`{"ok": false, "error": "<message>", "exit_code": N}`, so a script reading stdout learns why.
+The exit codes of every command are in one table, `EXIT_CODES`, below (README.md shows it).
 """
 
 from __future__ import annotations
@@ -25,15 +29,31 @@ import typer
 from prime_train.cli import output
 from prime_train.contract import ExitCode
 
-# click's own exceptions: a usage mistake (printed by click, exit 2), --help's exit, Ctrl-C's abort. Recent typer
-# carries its own copy of click, so they are found through typer's names.
+# click's own exceptions: a usage mistake (printed by click, with BAD_INPUT set by `usage`), --help's exit, Ctrl-C's
+# abort. Recent typer carries its own copy of click, so they are found through typer's names.
 CLICK_EXCEPTIONS = (
     typer.Exit,
     typer.Abort,
     *(cls for cls in typer.BadParameter.__mro__ if cls.__name__ == "ClickException"),
 )
-# click's code for a usage mistake; our commands also end with it for an argument that names nothing usable
-USAGE = 2
+USAGE_ERRORS = tuple(cls for cls in typer.BadParameter.__mro__ if cls.__name__ == "UsageError")
+# Bad input (a config, a flag, an argument or a path the user must fix) ends every command with one code, and that
+# code is 78, the run directory contract's "configuration error, never retried" (ExitCode.CONFIG): `run` and `train`
+# must end a bad config with it (the supervisor gives up on it; SkyPilot recovers only spot.recover_on_exit_codes),
+# so every other command's bad input (click's usage mistakes included, 2 by click's default) ends with it too.
+BAD_INPUT = int(ExitCode.CONFIG)
+
+# The exit codes of every command, in one place: README.md's CLI section shows this table (tests/test_cli_errors.py).
+EXIT_CODES: dict[int, str] = {
+    int(ExitCode.OK): "done: the run finished, the check passed, nothing fatal found, the configs are the same",
+    int(ExitCode.FAILED): "the outcome is bad: the run failed (restarts exhausted or not retryable); diagnose "
+    "found a fatal failure; verify-model: not usable; config diff: the configs differ; a bug in prime-train "
+    "(the message names the file with its traceback)",
+    int(ExitCode.PREEMPTED): "stopped on request with a checkpoint (Ctrl-C, SIGTERM, a spot notice): "
+    "`prime-train run` again resumes",
+    BAD_INPUT: "bad input, never retried: a config that does not lint or pass preflight, a mistyped flag or "
+    "argument, a file or run directory that does not exist, a tool that must be installed first",
+}
 
 
 class CliError(Exception):
@@ -50,10 +70,12 @@ class CliError(Exception):
 # module is split.
 USER_ERRORS: dict[str, int | None] = {
     "MemoryInputError": ExitCode.CONFIG,  # validator/memory.py: sizes, GPU names, strategies; cost's prices too
-    "ModelConfigNotFound": USAGE,  # validator/models.py: no config.json where the model argument points
-    "SkyPilotNotFound": USAGE,  # integrations/skypilot.py: `prime-train spot install` first
+    "ModelConfigNotFound": BAD_INPUT,  # validator/models.py: no config.json where the model argument points
+    "SkyPilotNotFound": BAD_INPUT,  # integrations/skypilot.py: `prime-train spot install` first
     "SkyPilotError": ExitCode.FAILED,
-    "MonitorConfigError": USAGE,  # integrations/monitor.py
+    "MonitorConfigError": BAD_INPUT,  # integrations/monitor.py
+    "NotARunDir": BAD_INPUT,  # resilience/status.py: status or logs of a directory that holds no run
+    "NoLogs": BAD_INPUT,  # resilience/status.py: logs of an attempt or a process that has none
     "ProfileFailed": None,  # resilience/profile.py: preflight failed, or the profiled job wrote no summary
 }
 # An OSError about a file the user named (it has a filename) is theirs to fix; one without one is ours.
@@ -69,30 +91,53 @@ def user_error_code(exc: BaseException) -> int | None:
             code = USER_ERRORS[cls.__name__]
             return int(code if code is not None else getattr(exc, "code", ExitCode.FAILED))
     if isinstance(exc, USER_OS_ERRORS) and exc.filename is not None:
-        return ExitCode.FAILED
+        return BAD_INPUT
     return None
 
 
 def _message(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.filename is not None:
-        return f"{exc.filename}: {exc.strerror or exc}"
+        message = f"{exc.filename}: {exc.strerror or exc}"
+        if isinstance(exc, FileNotFoundError):
+            from prime_train.config.loader import near_paths
+
+            near = near_paths(str(exc.filename))
+            message += f"; did you mean {' or '.join(near)}?" if near else ""
+        return message
     return str(exc) or type(exc).__name__
+
+
+def usage(exc: Exception) -> Exception:
+    """A usage mistake click found (an unknown flag, a missing argument): bad input's exit code, and with --json
+    the same message as a JSON document on stdout; click prints it for people."""
+    exc.exit_code = BAD_INPUT  # type: ignore[attr-defined]
+    output.failure_json(exc.format_message(), BAD_INPUT)  # type: ignore[attr-defined]
+    return exc
 
 
 def handle(exc: Exception) -> NoReturn:
     """Print `exc` for the user and exit with its code; click's own exceptions (usage, exit, abort) pass through."""
     if isinstance(exc, CLICK_EXCEPTIONS):
+        if isinstance(exc, USAGE_ERRORS):
+            raise usage(exc)
         raise exc
     from prime_train.config.loader import ConfigError
 
     if isinstance(exc, ConfigError):
         output.problems(exc.problems)
-        raise typer.Exit(ExitCode.CONFIG) from None
+        found = [p for p in exc.problems if p.severity == "error"]
+        output.failure_json(
+            f"the config has {len(found)} error(s)", BAD_INPUT, problems=[p.to_dict() for p in exc.problems]
+        )
+        raise typer.Exit(BAD_INPUT) from None
     code = user_error_code(exc)
     if code is not None:
         output.error(_message(exc))
+        output.failure_json(_message(exc), code)
         raise typer.Exit(code) from None
-    output.error(f"unexpected {type(exc).__name__}: {_message(exc)}; {_save_traceback(exc)}")
+    message = f"unexpected {type(exc).__name__}: {_message(exc)}; {_save_traceback(exc)}"
+    output.error(message)
+    output.failure_json(message, ExitCode.FAILED)
     raise typer.Exit(ExitCode.FAILED) from None
 
 
@@ -101,6 +146,8 @@ def _save_traceback(exc: BaseException) -> str:
     from prime_train.resilience.redact import redact_argv
 
     text = "".join(traceback.format_exception(exc))
+    if output.MODE.verbose:  # -v: the traceback here too, not only in the file
+        sys.stderr.write(text)
     try:
         fd, path = tempfile.mkstemp(prefix="prime-train-error-", suffix=".txt")
         with os.fdopen(fd, "w", encoding="utf-8") as f:  # a bug report gets attached: no secret from the command line

@@ -13,7 +13,7 @@ import typer
 
 from prime_train.cli import output
 from prime_train.cli.common import JsonFlag
-from prime_train.cli.errors import USAGE, CliError
+from prime_train.cli.errors import BAD_INPUT, CliError
 from prime_train.contract import ExitCode
 
 inference_app = typer.Typer(help="The vLLM environment RL rollout workers run from: install, check.")
@@ -36,6 +36,7 @@ def inference_install(
     cpu: Annotated[
         Optional[bool], typer.Option("--cpu/--cuda", help="Install the CPU or the CUDA build; default: as detected.")
     ] = None,
+    as_json: JsonFlag = False,
 ) -> None:
     """Install vLLM in a venv of its own (it pins its own torch) and serve RL rollouts from it from then on.
 
@@ -59,7 +60,7 @@ def inference_install(
     if env.problem:
         raise CliError(f"the install finished but cannot serve: {env.problem}")
     hint = "" if prefix is None else f"; set inference.python = {env.python!r} in your config"
-    output.say(f"{env.describe()}{hint}")
+    output.done(as_json, {"python": env.python, "describe": env.describe()}, f"{env.describe()}{hint}")
 
 
 @inference_app.command("check")
@@ -81,7 +82,7 @@ def inference_check(
 
     found = find_vllm_python(python)
     if found is None:
-        raise CliError("no vLLM environment: `prime-train inference install`, or pass --python", USAGE)
+        raise CliError("no vLLM environment: `prime-train inference install`, or pass --python", BAD_INPUT)
     env = probe_vllm(found)
     info = {
         "python": env.python,

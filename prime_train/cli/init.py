@@ -13,7 +13,8 @@ from typing import Annotated, Optional, TypeVar
 import typer
 
 from prime_train.cli import output
-from prime_train.cli.errors import USAGE, CliError
+from prime_train.cli.common import JsonFlag
+from prime_train.cli.errors import BAD_INPUT, CliError
 from prime_train.contract import ExitCode
 
 T = TypeVar("T")
@@ -36,6 +37,7 @@ def init(
     dataset: Annotated[Optional[str], typer.Option(help="SFT/pretrain data: a local file, directory or glob.")] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Save without asking.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+    as_json: JsonFlag = False,
 ) -> None:
     """Write a lint-clean run config by answering a few questions (job, model, hardware).
 
@@ -51,7 +53,7 @@ def init(
 
     from prime_train.validator.wizard import Answers, build_config, check_text
 
-    interactive = sys.stdin.isatty() and not yes
+    interactive = sys.stdin.isatty() and not yes and not as_json  # a script reading JSON answers nothing
     a = Answers()
 
     def ask(value: T | None, prompt: str, default: T) -> T:
@@ -71,13 +73,14 @@ def init(
     try:
         text = build_config(a)
     except ValueError as exc:  # an answer that names nothing usable: the message says which and why
-        raise CliError(exc, USAGE) from None
+        raise CliError(exc, BAD_INPUT) from None
     with tempfile.TemporaryDirectory() as tmp:
         problems = check_text(text, Path(tmp) / output_path.name)
     for p in problems:
         p.file = str(output_path)
 
-    _show(text)
+    if not as_json:  # with --json the config is in the document
+        _show(text)
     for note in a.notes:
         output.note(note)
     if problems:
@@ -85,11 +88,14 @@ def init(
         if any(p.severity == "error" for p in problems):
             raise CliError("not saved: the generated config does not lint (a bug: please report it)")
     if output_path.exists() and not force:
-        raise CliError(f"{output_path} exists; pass --force to overwrite it")
+        raise CliError(f"{output_path} exists; pass --force to overwrite it", BAD_INPUT)
     if interactive and not typer.confirm(f"Save to {output_path}?", default=True):
         raise typer.Exit(ExitCode.FAILED)
     output_path.write_text(text)
-    output.success("saved", f"{output_path}; next: prime-train preflight {output_path}", sep=" ")
+    output.done(
+        as_json, {"saved": str(output_path), "config": text, "notes": list(a.notes)},
+        f"{output_path}; next: prime-train preflight {output_path}", label="saved",
+    )  # fmt: skip
 
 
 def _show(text: str) -> None:

@@ -11,9 +11,11 @@ Rich is imported inside the functions: `prime-train --help` and `lint` stay fast
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -21,6 +23,36 @@ if TYPE_CHECKING:
     from rich.text import Text
 
     from prime_train.config.loader import Problem
+
+
+@dataclass
+class Mode:
+    """How this invocation prints: `--json` (errors too become JSON on stdout), `-q` (results and problems only),
+    `-v` (a bug's traceback on stderr too). Set once per invocation by the root command group."""
+
+    json: bool = False
+    quiet: bool = False
+    verbose: bool = False
+
+
+MODE = Mode()
+# -q/-v are options of the root group; written after a command (`prime-train run cfg.toml -q`) they are moved
+# in front of it, so every command takes them without declaring them
+HOISTED = {"-q": "quiet", "--quiet": "quiet", "-v": "verbose", "--verbose": "verbose"}
+
+
+def start(args: list[str]) -> list[str]:
+    """Begin one invocation: reset the mode, note whether JSON was asked for, and move -q/-v to the front."""
+    global MODE
+    end = args.index("--") if "--" in args else len(args)
+    head, tail = args[:end], args[end:]
+    MODE = Mode(json="--json" in head or "--format=json" in head or _pair(head, "--format", "json"))
+    hoisted = [a for a in head if a in HOISTED]
+    return hoisted + [a for a in head if a not in HOISTED] + tail
+
+
+def _pair(args: list[str], flag: str, value: str) -> bool:
+    return any(a == flag and b == value for a, b in itertools.pairwise(args))
 
 
 def console(*, stderr: bool = False) -> Console:
@@ -56,18 +88,38 @@ def warning(message: object) -> None:
 
 
 def note(message: object) -> None:
-    """`note: <message>` on stderr."""
-    labelled("note", message, style="yellow", stderr=True)
+    """`note: <message>` on stderr (not with -q)."""
+    if not MODE.quiet:
+        labelled("note", message, style="yellow", stderr=True)
 
 
 def success(label: str, message: object, *, sep: str = ": ") -> None:
-    """A green `<label>` and the outcome on stdout, e.g. `ok: 2 file(s), no problems`, `saved run.toml`."""
-    labelled(label, message, style="green", stderr=False, sep=sep)
+    """A green `<label>` and the outcome on stdout (`ok: 2 file(s), no problems`, `saved run.toml`); not with -q."""
+    if not MODE.quiet:
+        labelled(label, message, style="green", stderr=False, sep=sep)
 
 
 def say(message: object, *, stderr: bool = False) -> None:
-    """One plain line, printed as is."""
-    console(stderr=stderr).print(literal(message))
+    """One plain line, printed as is; a line on stderr is commentary, left out with -q."""
+    if not (stderr and MODE.quiet):
+        console(stderr=stderr).print(literal(message))
+
+
+def done(as_json: bool, data: dict[str, Any], line: str, *, label: str = "") -> None:
+    """The result of a command that acts (installs, converts, saves): `{"ok": true, ...}` with --json, else `line`
+    (after a green `label` when given)."""
+    if as_json:
+        print_json({"ok": True, **data})
+    elif label:
+        success(label, line, sep=" ")
+    else:
+        say(line)
+
+
+def failure_json(message: str, code: int, **extra: Any) -> None:
+    """With --json, an error as one JSON document on stdout: a script reading stdout learns why, not just the code."""
+    if MODE.json:
+        print_json({"ok": False, "error": message, "exit_code": int(code), **extra})
 
 
 def document(text: str) -> None:

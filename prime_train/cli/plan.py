@@ -13,7 +13,7 @@ import typer
 
 from prime_train.cli import output
 from prime_train.cli.common import JsonFlag, RunConfigFiles, load_run_config, require_engine, split_overrides
-from prime_train.cli.errors import USAGE, CliError
+from prime_train.cli.errors import BAD_INPUT, CliError
 from prime_train.contract import ExitCode
 
 models_app = typer.Typer(help="The tested-model registry shipped with prime-train.", no_args_is_help=True)
@@ -27,7 +27,7 @@ def verify_model(
     """Can this model be used, before you pay: architecture, vLLM support, size, memory, tool calling.
 
     Reads config.json (and tokenizer_config.json) from a directory, the HF cache, or the hub when
-    online. Exit 0 when usable for the job, 1 when not, 2 when its config cannot be found.
+    online. Exit 0 when usable for the job, 1 when not, 78 (bad input) when its config cannot be found.
 
     Examples:
 
@@ -35,18 +35,13 @@ def verify_model(
 
       prime-train verify-model runs/tiny-sft/final --job sft --json
     """
-    from prime_train.validator.models import ModelConfigNotFound, render_report
+    from prime_train.validator.models import render_report
     from prime_train.validator.models import verify_model as verify
 
-    try:
+    try:  # ModelConfigNotFound is bad input, printed (as JSON too with --json) by the error handler
         report = verify(model, job=job)
-    except ModelConfigNotFound as exc:
-        if not as_json:
-            raise
-        output.print_json({"ok": False, "error": str(exc)})  # a script reading the JSON learns why, too
-        raise typer.Exit(USAGE) from None
     except ValueError as exc:  # a job or a model name that names nothing
-        raise CliError(exc, USAGE) from None
+        raise CliError(exc, BAD_INPUT) from None
     output.emit(report, as_json, lambda console: render_report(report, console))
     raise typer.Exit(ExitCode.OK if report.ok else ExitCode.FAILED)
 

@@ -67,6 +67,9 @@ def run(
     resume: Annotated[
         bool, typer.Option("--resume", help="Train a finished run on (after raising train.max_steps).")
     ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="The outcome as one JSON document on stdout; the live view goes to stderr.")
+    ] = False,
 ) -> None:
     """Run a job under supervision: preflight, launch, watch, and resume after failures.
 
@@ -102,11 +105,20 @@ def run(
     cfg = load(paths or [default_config()], overrides)
     require_engine(cfg)
     raise typer.Exit(
-        _supervise(cfg, skip_preflight=skip_preflight, verbose_inference=verbose_vllm, fresh=fresh, resume=resume)
+        _supervise(
+            cfg,
+            skip_preflight=skip_preflight,
+            verbose_inference=verbose_vllm,
+            fresh=fresh,
+            resume=resume,
+            as_json=as_json,
+        )
     )
 
 
-def _supervise(cfg: Config, *, skip_preflight: bool, verbose_inference: bool, fresh: bool, resume: bool) -> int:
+def _supervise(
+    cfg: Config, *, skip_preflight: bool, verbose_inference: bool, fresh: bool, resume: bool, as_json: bool = False
+) -> int:
     """Preflight, then the supervisor with a live console until the run ends; its summary; the exit code."""
     import signal
     import time
@@ -118,7 +130,7 @@ def _supervise(cfg: Config, *, skip_preflight: bool, verbose_inference: bool, fr
     from prime_train.resilience.supervisor import Supervisor, SupervisorOptions
     from prime_train.validator.preflight import preflight_command
 
-    console = output.console()
+    console = output.console(stderr=as_json)  # with --json, stdout is the outcome document alone
     observer = ConsoleObserver(console)
     sup = Supervisor(cfg, observer, SupervisorOptions(verbose_inference=verbose_inference))
     try:
@@ -139,12 +151,15 @@ def _supervise(cfg: Config, *, skip_preflight: bool, verbose_inference: bool, fr
         console.print(output.literal(rerun.message), highlight=False, soft_wrap=True)
     if not rerun.launch:
         _release(sup)
+        if as_json:
+            output.print_json({"ok": True, "launched": False, "run_dir": str(cfg.run_dir), "message": rerun.message})
         return ExitCode.OK
     started = time.time()
     if not skip_preflight:
-        code = preflight_command(cfg, as_json=False, quiet_pass=True)
+        code = preflight_command(cfg, as_json=False, quiet_pass=True, stderr=as_json)
         if code != ExitCode.OK:
-            output.labelled("preflight failed", "fix the above, or pass --skip-preflight", style="red", stderr=False)
+            output.labelled("preflight failed", "fix the above, or pass --skip-preflight", style="red", stderr=as_json)
+            output.failure_json("preflight failed: fix what it says, or pass --skip-preflight", code)
             _release(sup)
             return code
     try:  # after preflight: a refused run moves nothing
@@ -168,15 +183,36 @@ def _supervise(cfg: Config, *, skip_preflight: bool, verbose_inference: bool, fr
             interrupts += 1
             if interrupts > 1 and signum == signal.SIGINT:
                 raise KeyboardInterrupt
-            sup.request_stop(signal.Signals(signum).name)
+            sup.request_stop("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
         code = sup.run()
     console.print(summary_table(sup))
-    for line in final_results(sup.run_dir, written_since=started if sup.state == "done" else None):
-        console.print(line, highlight=False)
+    results = final_results(sup.run_dir, written_since=started if sup.state == "done" else None)
+    for line in results:
+        console.print(output.literal(line), highlight=False)
+    if as_json:
+        output.print_json(_outcome(sup, code, results))
     return code
+
+
+def _outcome(sup, code: int, results: list[str]) -> dict:
+    """`run --json`'s document: how the run ended, each attempt, and the final figures."""
+    attempts = [
+        {
+            "attempt": a.number,
+            "exit_code": a.exit_code,
+            "first_step": a.resumed_from if a.resumed_from is not None else a.first_step,
+            "last_step": a.last_step,
+            "failure": sup.redactor.value(a.failure.to_dict()) if a.failure else None,  # log lines may hold secrets
+        }
+        for a in sup.attempts
+    ]
+    return {
+        "ok": code == ExitCode.OK, "exit_code": int(code), "state": sup.state, "run_dir": str(sup.run_dir.root),
+        "attempts": attempts, "results": results,
+    }  # fmt: skip
 
 
 def _release(sup) -> None:

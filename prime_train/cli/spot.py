@@ -1,8 +1,8 @@
 """`run --spot`, `prime-train spot install|status|logs|cancel` and `prime-train monitor`: runs as SkyPilot managed jobs.
 
-SkyPilot's failures (`SkyPilotError`: exit 1; not installed, `SkyPilotNotFound`: exit 2) and the monitor's
-(`MonitorConfigError`: exit 2) reach the user through the CLI's error handler (prime_train/cli/errors.py); a config
-that cannot become a managed job (`SpotConfigError`: no [spot] table, nothing to install) exits 78.
+SkyPilot's failures (`SkyPilotError`: exit 1; not installed, `SkyPilotNotFound`: exit 78, bad input) and the
+monitor's (`MonitorConfigError`: exit 78) reach the user through the CLI's error handler (prime_train/cli/errors.py);
+a config that cannot become a managed job (`SpotConfigError`: no [spot] table, nothing to install) exits 78.
 `prime-train spot recovery-gate` is the generated task's, run on the nodes around `prime-train run`.
 """
 
@@ -15,7 +15,7 @@ import typer
 
 from prime_train.cli import output
 from prime_train.cli.common import OVERRIDES, JsonFlag, RunConfigFiles, load, split_overrides
-from prime_train.cli.errors import USAGE, CliError
+from prime_train.cli.errors import BAD_INPUT, CliError
 from prime_train.contract import ExitCode
 
 spot_app = typer.Typer(help="SkyPilot managed jobs started by `run --spot`: install, status, logs, cancel.")
@@ -47,7 +47,7 @@ def run_spot(paths: list[str], overrides: list[str], dry_run: bool) -> int:
     python = skypilot.find_sky_python(required=False)
     if python is None:
         if not dry_run:
-            raise CliError("SkyPilot is not installed: `prime-train spot install` (it gets its own venv)", USAGE)
+            raise CliError("SkyPilot is not installed: `prime-train spot install` (it gets its own venv)", BAD_INPUT)
         output.document(skypilot.render_yaml(task))
         output.note("not checked against SkyPilot's schema: `prime-train spot install` first")
         return ExitCode.OK
@@ -84,6 +84,7 @@ def _sky_python() -> str:
 def spot_install(
     version: Annotated[str, typer.Option(help="pip requirement of SkyPilot.")] = "skypilot==0.14.1",
     prefix: Annotated[Optional[Path], typer.Option(help="Venv directory; default: the managed one.")] = None,
+    as_json: JsonFlag = False,
 ) -> None:
     """Install SkyPilot in a venv of its own (it pins click<8.2, which wandb refuses) and use it from then on.
 
@@ -95,7 +96,8 @@ def spot_install(
     """
     from prime_train.integrations.skypilot import install_skypilot
 
-    output.say(f"SkyPilot installed: {install_skypilot(prefix, version)}")
+    python = install_skypilot(prefix, version)
+    output.done(as_json, {"python": str(python)}, f"SkyPilot installed: {python}")
 
 
 @spot_app.command("status")
@@ -148,7 +150,7 @@ def spot_logs_cmd(
 
 
 @spot_app.command("cancel")
-def spot_cancel_cmd(files: SpotFiles = None, name: SpotName = None) -> None:
+def spot_cancel_cmd(files: SpotFiles = None, name: SpotName = None, as_json: JsonFlag = False) -> None:
     """Cancel the managed job (SkyPilot tears its instances down; the bucket keeps the checkpoints).
 
     Examples:
@@ -161,7 +163,8 @@ def spot_cancel_cmd(files: SpotFiles = None, name: SpotName = None) -> None:
 
     job = _job_name(files, name)
     cancelled = spot_cancel(job, _sky_python())
-    output.say(f"{job}: {'cancelled' if cancelled else 'nothing in progress'}")
+    line = f"{job}: {'cancelled' if cancelled else 'nothing in progress'}"
+    output.done(as_json, {"job": job, "cancelled": bool(cancelled)}, line)
 
 
 @spot_app.command("recovery-gate", context_settings=OVERRIDES)
@@ -171,6 +174,7 @@ def spot_recovery_gate(
     exited: Annotated[
         Optional[int], typer.Option(help="`prime-train run` exited with this code: count it, then exit with it.")
     ] = None,
+    as_json: JsonFlag = False,
 ) -> None:
     """On the nodes of a managed job: stop a job SkyPilot would recover forever (spot.max_recoveries).
 
@@ -198,6 +202,8 @@ def spot_recovery_gate(
             why = "no ckpt.remote to count them in" if task_id else "not on a SkyPilot node (no SKYPILOT_TASK_ID)"
             output.note(f"recoveries are not counted: {why}; SkyPilot recovers exit codes "
                         f"{sorted(cfg.spot.recover_on_exit_codes)} without limit")  # fmt: skip
+        if as_json:
+            output.print_json({"ok": True, "exit_code": passed, "counted": False})
         raise typer.Exit(passed)
     try:
         store = CheckpointStore(cfg.ckpt.remote, endpoint_url=cfg.ckpt.remote_endpoint_url)
@@ -210,7 +216,10 @@ def spot_recovery_gate(
         raise typer.Exit(passed) from None
     if why is not None:
         output.error(why)
+        output.failure_json(why, ExitCode.FAILED)
         raise typer.Exit(ExitCode.FAILED)
+    if as_json:
+        output.print_json({"ok": True, "exit_code": passed})
     raise typer.Exit(passed)
 
 
@@ -224,8 +233,8 @@ def monitor(
 
     Decided on wall-clock time: a checkpoint being saved is not a stall, and W&B's own lag is not
     one either. With --resume a dead run is relaunched (it resumes from the bucket's newest
-    checkpoint). Exit codes: 0 healthy or finished, 2 unknown or configuration error, 3 stalled,
-    4 dead. `.github/workflows/training-monitor.yml` runs this on a schedule.
+    checkpoint). Exit codes: 0 healthy or finished, 2 unknown, 3 stalled, 4 dead, 78 a configuration
+    error. `.github/workflows/training-monitor.yml` runs this on a schedule.
 
     Examples:
 

@@ -12,7 +12,6 @@ import typer
 
 from prime_train.cli import output
 from prime_train.cli.common import JsonFlag
-from prime_train.cli.errors import USAGE, CliError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -26,16 +25,18 @@ def status(
 ) -> None:
     """Show a running or finished run: state, step, attempts, last failure, recent events.
 
+    Every attempt counts: a failure the run recovered from is still its last failure, and an external
+    job's checkpoints are read from its job.checkpoint_dir. Exit 78 for a directory that holds no run.
+
     Examples:
 
       prime-train status runs/tiny-sft
 
       prime-train status runs/tiny-sft --json
     """
-    from prime_train.resilience.status import run_status
+    from prime_train.resilience.status import check_run_dir, run_status
 
-    if not run_dir.is_dir():
-        raise CliError(f"{run_dir} is not a run directory", USAGE)
+    check_run_dir(run_dir)  # a directory that holds no run is bad input, named with the runs near it
     state = run_status(run_dir)
     output.emit(json_safe(state) if as_json else state, as_json, lambda console: render_status(state, console))
 
@@ -49,6 +50,17 @@ def json_safe(value: object) -> object:
     if isinstance(value, list | tuple):
         return [json_safe(v) for v in value]
     return value
+
+
+def _cell(key: str, value: object) -> str:
+    """A status value for the table: the loss to 4 significant digits, an unknown as "-", checkpoints as a list."""
+    if value is None:
+        return "-"
+    if key == "loss" and isinstance(value, float):
+        return f"{value:.4g}"
+    if key == "checkpoints" and isinstance(value, list):
+        return ", ".join(map(str, value)) or "none"
+    return str(value)
 
 
 def _clock(stamp: object) -> str:
@@ -67,8 +79,10 @@ def render_status(s: dict, console: Console) -> None:
 
     literal = output.literal
     table = Table(show_header=False, title=literal(s["run_dir"]))
+    table.add_column(no_wrap=True)
+    table.add_column(overflow="fold")
     for key in STATUS_FIELDS:
-        table.add_row(key, literal(s[key] if s[key] is not None else "-"))
+        table.add_row(key, literal(_cell(key, s[key])))
     if s["last_failure"]:
         failure = s["last_failure"]
         kind, message = failure.get("kind"), failure.get("message")
@@ -85,7 +99,8 @@ def logs(
     process: Annotated[str, typer.Option("--process", "-p", help="trainer, job, inference-0, …")] = "",
     attempt: Annotated[Optional[int], typer.Option("--attempt", help="Attempt number; default the latest.")] = None,
     lines: Annotated[int, typer.Option("--lines", "-n", help="Last N lines; 0 for all.")] = 100,
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until the run ends.")] = False,
+    as_json: JsonFlag = False,
 ) -> None:
     """Print a run's process logs (the latest attempt unless --attempt), exactly as the processes wrote them.
 
@@ -99,18 +114,30 @@ def logs(
 
       prime-train logs runs/tiny-sft --process trainer --attempt 1 -n 0
     """
-    from prime_train.resilience.status import logs_command
+    from prime_train.resilience.status import logs_command, run_logs, tail
 
+    if as_json:
+        if follow:
+            raise typer.BadParameter("--json prints one document: it does not --follow", param_hint="--json")
+        files = run_logs(run_dir, process, attempt)
+        tails = [{"file": str(f), "lines": [line.rstrip("\n") for line in tail(f, lines)]} for f in files]
+        output.print_json({"files": tails})
+        return
     raise typer.Exit(logs_command(run_dir, process, attempt, lines, follow))
 
 
 def diagnose(
     paths: Annotated[list[Path], typer.Argument(help="Run directories or log files (any trainer's).")],
+    latest: Annotated[
+        bool, typer.Option("--latest", help="Of a run directory, only the latest attempt (default: every attempt).")
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Find known failures in logs: OOM, NCCL timeouts, vLLM errors, tracebacks — with what to do.
 
-    Exit 0 when nothing fatal is found, 1 when something is.
+    A run directory is read attempt by attempt (a failure the run recovered from is still found, and
+    named with its attempt). Exit 0 when nothing fatal is found, 1 when something is, 78 for a path
+    that does not exist.
 
     Examples:
 
@@ -120,4 +147,4 @@ def diagnose(
     """
     from prime_train.resilience.diagnose import diagnose_command
 
-    raise typer.Exit(diagnose_command([str(p) for p in paths], as_json))
+    raise typer.Exit(diagnose_command([str(p) for p in paths], as_json, all_attempts=not latest))

@@ -217,7 +217,9 @@ def read_toml(path: str | Path) -> tuple[dict[str, Any], dict[KeyPath, Position]
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError([Problem(name, 0, 0, "", "error", f"config file {name} does not exist")]) from None
+        near = near_paths(name)
+        hint = f"; did you mean {' or '.join(near)}?" if near else ""
+        raise ConfigError([Problem(name, 0, 0, "", "error", f"config file {name} does not exist{hint}")]) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError([Problem(name, 0, 0, "", "error", f"cannot read {name}: {exc}")]) from None
     try:
@@ -240,6 +242,27 @@ def read_toml(path: str | Path) -> tuple[dict[str, Any], dict[KeyPath, Position]
             [Problem(name, line, col, "", "error", f"TOML syntax error: {detail}; fix the syntax on this line")]
         ) from None
     return data, scan_positions(text, name)
+
+
+def near_paths(path: str, limit: int = 3) -> list[str]:
+    """Existing paths whose names are close to a missing `path`'s, in the nearest directory that exists
+    (`configs/tiny-sf.toml` -> `configs/tiny-sft.toml`), written as `path` was (relative stays relative)."""
+    given = Path(path)
+    missing, rest = given, Path()
+    while not missing.parent.is_dir() and missing.parent != missing.parent.parent:
+        # the first missing part is the one to match; what follows it must then exist below the match
+        missing, rest = missing.parent, Path(missing.name) / rest
+    parent = missing.parent
+    try:
+        names = [entry.name for entry in parent.iterdir()]
+    except OSError:
+        return []
+    near = []
+    for name in difflib.get_close_matches(missing.name, names, n=limit, cutoff=0.6):
+        candidate = parent / name / rest if str(rest) != "." else parent / name
+        if candidate.exists():
+            near.append(str(candidate))
+    return near
 
 
 def merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
@@ -520,15 +543,93 @@ def validation_problems(exc: ValidationError, sources: Sources) -> list[Problem]
 
 
 def validate(data: dict[str, Any], sources: Sources) -> Config:
-    """Build a Config from merged raw data or raise ConfigError with positioned problems."""
+    """Build a Config from merged raw data or raise ConfigError with every positioned problem (see validate_all)."""
+    cfg, problems, _ = validate_all(data, sources)
+    if cfg is None or problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+# Rounds of validate_all: each drops what the last one rejected; a config rarely needs more than two or three.
+MAX_VALIDATION_ROUNDS = 8
+
+
+def validate_all(data: dict[str, Any], sources: Sources) -> tuple[Config | None, list[Problem], dict[KeyPath, str]]:
+    """Every schema problem of `data` in one pass: (the config with the rejected values replaced by defaults, or None
+    when none can be built; the problems, sorted; the key paths that were dropped, with the kind of error each had).
+
+    pydantic checks a section's cross-field rules (and the whole config's) only once its fields are valid, so one
+    validation shows the first layer of mistakes and hides the rest. Each round drops what the last rejected and
+    validates again; a problem of a later round that names a dropped key is left out (it would be about a default
+    nobody wrote). The config returned lets lint's own cross-field checks run on what is left."""
     if not isinstance(data, dict):
-        raise ConfigError([sources.problem((), "error", "a config is a TOML table of sections")])
-    try:
-        # strict: TOML has real numbers and booleans, so `max_steps = true` or `compile = 1` is a mistake to
-        # report, not a value to convert
-        return Config.model_validate(data, strict=True)
-    except ValidationError as exc:
-        raise ConfigError(sorted(validation_problems(exc, sources), key=Problem.sort_key)) from None
+        return None, [sources.problem((), "error", "a config is a TOML table of sections")], {}
+    problems: list[Problem] = []
+    seen: set[tuple[str, str]] = set()
+    dropped: dict[KeyPath, str] = {}
+    current = copy.deepcopy(data)
+    for _ in range(MAX_VALIDATION_ROUNDS):
+        try:
+            # strict: TOML has real numbers and booleans, so `max_steps = true` or `compile = 1` is a mistake to
+            # report, not a value to convert
+            cfg = Config.model_validate(current, strict=True)
+        except ValidationError as exc:
+            for problem in validation_problems(exc, sources):
+                if (problem.key, problem.message) not in seen and not names_dropped(problem, dropped):
+                    seen.add((problem.key, problem.message))
+                    problems.append(problem)
+            progressed = False
+            for err in exc.errors(include_url=False):
+                target = _droppable(tuple(err["loc"]), err["type"])
+                if target and _drop(current, target):
+                    dropped[target] = err["type"]
+                    progressed = True
+            if not progressed:
+                return None, sorted(problems, key=Problem.sort_key), dropped
+            continue
+        return cfg, sorted(problems, key=Problem.sort_key), dropped
+    return None, sorted(problems, key=Problem.sort_key), dropped
+
+
+def names_dropped(problem: Problem, dropped: dict[KeyPath, str]) -> bool:
+    """Whether `problem` may be about a key validate_all dropped (its key or a key its message names), rather than
+    about what the user wrote: a rule of the table that lost an unknown key (a typo of a key the rule wants), or
+    one whose message names the dropped field."""
+    for path, kind in dropped.items():
+        key = dotted(path)
+        if problem.key == key or problem.key.startswith((key + ".", key + "[")):
+            return True
+        if re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", problem.message):
+            return True
+        holds_it = not problem.key or key.startswith((problem.key + ".", problem.key + "["))
+        if holds_it and (kind == "extra_forbidden" or re.search(rf"\b{re.escape(str(path[-1]))}\b", problem.message)):
+            return True
+    return False
+
+
+def _droppable(loc: KeyPath, kind: str) -> KeyPath | None:
+    """What to drop so the next round gets past the error at `loc`: the key, a whole list it is in (items shift),
+    or the table a missing key or a table-wide rule belongs to; None for the whole config's own rules."""
+    if kind == "missing":
+        loc = loc[:-1]
+    if loc and isinstance(loc[-1], int):  # a whole item: removing it would shift the others, so the list goes
+        loc = loc[: next(i for i, part in enumerate(loc) if isinstance(part, int))]
+    # a dict field's key (job.env.X) or a value inside one: drop the field
+    for n in range(1, len(loc)):
+        if typing.get_origin(_unwrap(leaf_annotation(loc[:n]))) is dict:
+            return loc[:n]
+    return loc or None
+
+
+def _drop(data: dict[str, Any], path: KeyPath) -> bool:
+    """Remove `path` from the raw data; False when it is not there (nothing changed)."""
+    node: Any = data
+    for part in path[:-1]:
+        node = _child(node, part)
+    if isinstance(node, dict) and path[-1] in node:
+        del node[path[-1]]
+        return True
+    return False
 
 
 def load_config(paths: list[str | Path], overrides: list[str] | None = None) -> Config:

@@ -83,9 +83,10 @@ class ConsoleObserver(Observer):
     def _finding(self, f: Finding) -> None:
         colour = "red" if f.severity == "fatal" else "yellow"
         where = f"{f.process or '?'}:{f.line}"
-        self.console.print(f"[{colour}]{f.severity}[/{colour}] [bold]{where}[/bold] ", end="")
+        # Text, never markup: process names, log lines and hints may hold "[rank0]" or "[engine]"
+        self.console.print(Text.assemble((f.severity, colour), " ", (where, "bold"), " "), end="")
         self.console.print(f.text, markup=False, highlight=False)
-        self.console.print(f"  [dim]→ {f.hint}[/dim]", highlight=False)
+        self.console.print(Text(f"  → {f.hint}", style="dim"), highlight=False)
 
     def _message(self, m: str) -> None:
         # messages carry log lines: "[inference-0] …" must print as text, not be read as rich markup
@@ -94,9 +95,9 @@ class ConsoleObserver(Observer):
 
 def summary_table(sup: Supervisor) -> Table:
     """One row per attempt: how long, from which step to which, how it ended and what its failure cost."""
-    table = Table(title=f"run {sup.cfg.run.name}: {sup.state}")
+    table = Table(title=Text(f"run {sup.cfg.run.name}: {sup.state}"))
     for col in ("attempt", "duration", "steps", "exit", "cause", "time lost"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=True)  # short cells: a header or a "2 → 6" broken in two reads wrong
     step_time = sup.mean_step_time()
     for a in sup.attempts:
         duration = (a.ended or time.time()) - a.started

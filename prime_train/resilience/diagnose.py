@@ -1,26 +1,39 @@
 """`prime-train diagnose PATH... [--json]`: the log-surfacing library run over logs after the fact.
 
-Works on a run directory (its newest attempt, or every attempt) or on any log files or
-directories, a prime-rl or torchtitan output directory say. Each file gets a verdict: its root
-cause (the earliest finding of the most causal kind, see logscan.root_cause) and what followed
-from it; the whole gets one the same way. Exit code: 0 nothing fatal found, 1 a fatal finding,
-2 a path that does not exist.
+Works on a run directory (every attempt: a failure the run recovered from is still its story; or the
+latest one alone) or on any log files or directories, a prime-rl or torchtitan output directory say.
+Each file gets a verdict: its root cause (the earliest finding of the most causal kind, see
+logscan.root_cause) and what followed from it, with the attempt it belongs to; the whole gets one the
+same way. Exit code: 0 nothing fatal found, 1 a fatal finding, 78 (bad input) a path that does not exist.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from prime_train.config.loader import near_paths
+from prime_train.contract import ExitCode
 from prime_train.resilience.logscan import FATAL, LOG_SUFFIXES, Finding, log_files, root_cause, scan_log
 from prime_train.resilience.redact import Redactor
 
-EXIT_CLEAN, EXIT_FATAL, EXIT_BAD_PATH = 0, 1, 2
+EXIT_CLEAN, EXIT_FATAL, EXIT_BAD_PATH = int(ExitCode.OK), int(ExitCode.FAILED), int(ExitCode.CONFIG)
+_ATTEMPT_DIR = re.compile(r"^attempt-(\d+)$")
+
+
+def attempt_of(path: str) -> int | None:
+    """The attempt a log file belongs to: the N of the `attempt-N` directory it lies in, if any."""
+    for part in reversed(os.path.normpath(path).split(os.sep)[:-1]):
+        m = _ATTEMPT_DIR.match(part)
+        if m:
+            return int(m.group(1))
+    return None
 
 
 @dataclass
@@ -43,11 +56,16 @@ class FileVerdict:
             f.kind for f in self.findings if f.severity == FATAL and f.kind and cause and f.kind != cause.kind
         )
 
+    @property
+    def attempt(self) -> int | None:
+        return attempt_of(self.file)
+
     def to_dict(self) -> dict[str, Any]:
         cause = self.root_cause
         return {
             "file": self.file,
             "process": self.process,
+            "attempt": self.attempt,
             "kind": cause.kind if cause else None,
             "root_cause": cause.to_dict() if cause else None,
             "consequences": dict(self.consequences()),
@@ -56,7 +74,9 @@ class FileVerdict:
 
 
 def _where(f: Finding) -> str:
-    return f"{_shown_path(f.file)}:{f.line}" + (f" ({f.process})" if f.process else "")
+    attempt = attempt_of(f.file or "")
+    who = [w for w in (f.process, f"attempt {attempt}" if attempt is not None else None) if w]
+    return f"{_shown_path(f.file)}:{f.line}" + (f" ({', '.join(who)})" if who else "")
 
 
 def _then(consequences: Counter[str]) -> str:
@@ -87,6 +107,10 @@ def _verdict(verdicts: list[FileVerdict], paths: Sequence[str]) -> str:
     elsewhere = [f"{_shown_path(v.file)}: {c.kind}" for v, c in causes if v is not home]
     if elsewhere:
         out += f"\n  also failing: {'; '.join(elsewhere)}"
+    attempts = sorted({a for v in verdicts if (a := v.attempt) is not None})
+    failed = {v.attempt for v, _ in causes}
+    if len(attempts) > 1 and attempts[-1] not in failed:
+        out += f"\n  the latest attempt ({attempts[-1]}) shows no fatal failure: the run went on after it"
     return out
 
 
@@ -111,7 +135,7 @@ def _print_table(verdicts: list[FileVerdict]) -> None:
         table = Table(expand=True, show_lines=True)
         # the log line and, under it, what to do, get most of the width
         table.add_column("where", ratio=2, overflow="fold")
-        table.add_column("process", ratio=1, overflow="fold")
+        table.add_column("process", no_wrap=True)  # short names; a header broken in two reads wrong
         table.add_column("kind", no_wrap=True)
         table.add_column("line → what to do", ratio=5, overflow="fold")
         for f in findings:
@@ -137,7 +161,7 @@ def _print_table(verdicts: list[FileVerdict]) -> None:
             console.print(Text(f"{_shown_path(v.file)}: {cause.kind} at line {cause.line}{after}"))
 
 
-def diagnose_command(paths: list[str], as_json: bool, all_attempts: bool = False) -> int:
+def diagnose_command(paths: list[str], as_json: bool, all_attempts: bool = True) -> int:
     """Print what the known-failure library finds in `paths`, a verdict per file and one for all; returns the exit code.
 
     With `as_json`, stdout is one JSON object: {"verdict": {...}, "files": [per-file verdicts], "findings": [...],
@@ -147,10 +171,12 @@ def diagnose_command(paths: list[str], as_json: bool, all_attempts: bool = False
     missing = [p for p in paths if not os.path.lexists(p)]
     if not paths or missing:
         what = ", ".join(missing) if missing else "(none given)"
-        print(
-            f"prime-train diagnose: no such file or directory: {what}; give a run directory (runs/<name>) or log files",
-            file=sys.stderr,
-        )
+        near = [n for p in missing for n in near_paths(p)]
+        message = f"no such file or directory: {what} (give a run directory, runs/<name>, or log files)"
+        message += f"; did you mean {' or '.join(near)}?" if near else ""
+        print(f"error: {message}", file=sys.stderr)
+        if as_json:  # stdout stays JSON for a script, errors too
+            print(json.dumps({"ok": False, "error": message, "exit_code": EXIT_BAD_PATH}, indent=2))
         return EXIT_BAD_PATH
     redactor = Redactor.from_environment()
     skipped: list[str] = []

@@ -46,7 +46,8 @@ RETRYABLE = {
 }
 
 HINTS = {
-    FailureKind.CRASH: "see the log excerpt above; the run resumes from the newest whole checkpoint",
+    FailureKind.CRASH: "its output is in logs/attempt-<n>/ (`prime-train logs RUN_DIR`); the run resumes from the "
+    "newest whole checkpoint",
     FailureKind.OUT_OF_MEMORY: "lower train.micro_batch_size or data.seq_len, "
     "or turn on model.activation_checkpointing",
     FailureKind.HOST_OUT_OF_MEMORY: "the machine ran out of RAM (not GPU memory): lower data.num_workers or "

@@ -1,16 +1,23 @@
-"""`prime-train status` and `prime-train logs`: read a run directory, running or finished."""
+"""`prime-train status` and `prime-train logs`: read a run directory, running or finished.
+
+Every attempt counts: the last failure is the newest one of any attempt (a run that recovered keeps it), an
+external job's checkpoints are read where its config says it writes them, and a step total comes from the
+heartbeat alone (unknown when the job does not say it: never a default the job never saw).
+"""
 
 from __future__ import annotations
 
+import difflib
 import math
+import re
 import time
+import tomllib
 from collections import deque
 from pathlib import Path
 
 import psutil
-from rich.console import Console
 
-from prime_train.contract import RunDir, list_checkpoints, read_heartbeat, read_json
+from prime_train.contract import RunDir, list_checkpoints, read_heartbeat, read_json, read_lock_holder
 from prime_train.resilience.events import read_events
 from prime_train.resilience.redact import Redactor
 
@@ -21,6 +28,16 @@ def _alive(pid: object) -> bool:
     try:
         return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except (psutil.Error, OverflowError):
+        return False
+
+
+def _started_after(pid: object, since: object) -> bool:
+    """Whether process `pid` started after `since`: then it is not the one that took the lock, its pid was reused."""
+    if not isinstance(since, int | float) or not _is_int(pid):
+        return False
+    try:
+        return psutil.Process(pid).create_time() > since + 1.0  # create_time is rounded to the clock tick
+    except (psutil.Error, OverflowError, ValueError):
         return False
 
 
@@ -41,13 +58,96 @@ def _last_failure(value: object) -> dict | None:
     return None
 
 
+# What makes a directory a run directory: any one of these (a run that died at once may have only some).
+RUN_MARKERS = ("supervisor.json", "events.jsonl", "progress.json", "config.toml", "logs", "checkpoints", ".lock")
+
+
+class NotARunDir(Exception):
+    """The directory given to `status` or `logs` holds nothing a run writes; the message says what one holds."""
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Raise NotARunDir unless `run_dir` looks like a run directory; the message names near run directories."""
+    if run_dir.is_dir() and any((run_dir / marker).exists() for marker in RUN_MARKERS):
+        return
+    what = (
+        "does not exist" if not run_dir.exists() else "is not a directory" if not run_dir.is_dir() else "holds no run"
+    )
+    message = (
+        f"{run_dir} {what}: a run directory is <output_dir>/<run.name> (runs/tiny-sft by default) and holds "
+        "supervisor.json, events.jsonl, progress.json, config.toml and logs/"
+    )
+    near = near_run_dirs(run_dir)
+    if near:
+        message += f"; did you mean {' or '.join(near)}?"
+    raise NotARunDir(message)
+
+
+def near_run_dirs(run_dir: Path, limit: int = 3) -> list[str]:
+    """Run directories beside `run_dir` (or inside it) whose names are close to its name, or all of them if few."""
+    inside = _runs_in(run_dir) if run_dir.is_dir() else []
+    if inside:  # `status runs` names the runs in runs/
+        return [str(p) for p in inside[:limit]]
+    parent = run_dir.parent
+    runs = {p.name: p for p in _runs_in(parent)} if parent.is_dir() else {}
+    close = difflib.get_close_matches(run_dir.name, list(runs), n=limit, cutoff=0.6)
+    return [str(runs[name]) for name in close]
+
+
+def _runs_in(directory: Path) -> list[Path]:
+    try:
+        entries = sorted(directory.iterdir())
+    except OSError:
+        return []
+    return [p for p in entries if p.is_dir() and any((p / m).exists() for m in RUN_MARKERS)]
+
+
+def _job_table(rd: RunDir) -> dict:
+    """The [job] table of the config the run was started with (config.toml), or {} when it has none."""
+    try:
+        job = tomllib.loads(rd.config_path.read_bytes().decode("utf-8", "replace")).get("job")
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}
+    return job if isinstance(job, dict) and job.get("command") else {}
+
+
+def _checkpoint_steps(rd: RunDir, job: dict) -> list[int]:
+    """Steps of the whole checkpoints: the run's own, and an external job's in its job.checkpoint_dir."""
+    steps = {c.step for c in list_checkpoints(rd.checkpoints_dir)}
+    directory, pattern = job.get("checkpoint_dir"), job.get("checkpoint_pattern", r"step[-_]?(\d+)$")
+    if isinstance(directory, str) and isinstance(pattern, str):
+        try:  # relative to where the supervisor ran, as it reads it; from elsewhere it may not be found
+            regex, entries = re.compile(pattern), list(Path(directory).iterdir())
+        except (OSError, re.error):
+            entries = []
+        for entry in entries:
+            m = regex.search(entry.name)
+            if m and m.groups() and not entry.name.endswith(".tmp") and m.group(1).isdigit():
+                steps.add(int(m.group(1)))
+    return sorted(steps)
+
+
+def _newest_failure(sup: dict, events: list[dict]) -> dict | None:
+    """The newest failure of any attempt: supervisor.json's (the last attempt's) or the last `failure` event."""
+    failure = _last_failure(sup.get("last_failure"))
+    if failure is not None:
+        return failure
+    for event in reversed(events):
+        if event.get("event") == "failure":
+            return {k: v for k, v in event.items() if k not in ("time", "event")}
+    return None
+
+
 def run_status(run_dir: Path, redactor: Redactor | None = None) -> dict:
     """A run's state from its files, every string redacted (the environment's credential values included).
 
     Files of any shape read without an exception: a field of the wrong type reads as unknown."""
     rd = RunDir(run_dir)
     sup = read_json(rd.supervisor_path) or {}
+    job = _job_table(rd)
     hb = read_heartbeat(rd.progress_path)
+    if hb is None and isinstance(job.get("progress_file"), str):
+        hb = read_heartbeat(job["progress_file"])
     state = sup.get("state") if isinstance(sup.get("state"), str) else "unknown"
     if state in ("running", "restarting", "starting") and not _alive(sup.get("pid")):
         state = "dead (supervisor not running)"
@@ -63,33 +163,66 @@ def run_status(run_dir: Path, redactor: Redactor | None = None) -> dict:
         "phase": hb.phase.value if hb is not None else None,
         "loss": hb.loss if hb is not None else None,
         "heartbeat_age_s": round(age, 1) if age is not None else None,
-        "checkpoints": [c.step for c in list_checkpoints(rd.checkpoints_dir)],
-        "last_failure": _last_failure(sup.get("last_failure")),
+        "checkpoints": _checkpoint_steps(rd, job),
+        "last_failure": _newest_failure(sup, events),
         "recent_events": events[-8:],
     }
     return (redactor or Redactor.from_environment()).value(status)
 
 
-def logs_command(run_dir: Path, process: str, attempt: int | None, lines: int, follow: bool) -> int:
+class NoLogs(Exception):
+    """The logs asked for do not exist; the message names the ones that do."""
+
+
+def owner_alive(rd: RunDir) -> bool:
+    """Whether a live process owns the run: the holder named in .lock, or a supervisor.json still running.
+
+    Read, never locked: taking the lock, even for a moment, could refuse a `run` starting at that moment."""
+    holder = read_lock_holder(rd) or {}
+    if _alive(holder.get("pid")) and not _started_after(holder.get("pid"), holder.get("since")):
+        return True
+    sup = read_json(rd.supervisor_path) or {}
+    return sup.get("state") in ("running", "restarting", "starting") and _alive(sup.get("pid"))
+
+
+def run_logs(run_dir: Path, process: str = "", attempt: int | None = None) -> list[Path]:
+    """The log files of one attempt of a run (the latest unless `attempt`), one process's when `process` is given.
+
+    Raises NotARunDir for a directory that holds no run, NoLogs (naming what there is) for logs that do not exist."""
     rd = RunDir(run_dir)
+    check_run_dir(rd.root)
     folder = rd.attempt_logs(attempt) if attempt else rd.logs_dir / "latest"
     if not folder.is_dir():
-        Console(stderr=True).print(f"[red]error[/red]: no logs at {folder}")
-        return 2
+        have = sorted(p.name for p in rd.logs_dir.glob("attempt-*")) if rd.logs_dir.is_dir() else []
+        raise NoLogs(f"no logs at {folder}; there are: {', '.join(have) or 'none (the run has not started)'}")
     files = sorted(folder.glob("*.log"))
     if process:
+        names = sorted(p.stem for p in files)
         files = [f for f in files if f.stem == process]
         if not files:
-            names = ", ".join(sorted(p.stem for p in folder.glob("*.log"))) or "none"
-            Console(stderr=True).print(f"[red]error[/red]: no log for process {process!r}; there are: {names}")
-            return 2
+            near = difflib.get_close_matches(process, names, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise NoLogs(f"no log for process {process!r} in {folder} (there are: {', '.join(names) or 'none'}){hint}")
+    return files
+
+
+def tail(path: Path, lines: int) -> list[str]:
+    """The last `lines` lines of a log (all of them for 0), undecodable bytes replaced."""
+    with open(path, errors="replace") as fh:
+        return list(deque(fh, maxlen=lines)) if lines > 0 else fh.readlines()
+
+
+def logs_command(
+    run_dir: Path, process: str, attempt: int | None, lines: int, follow: bool, poll_s: float = 0.5
+) -> int:
+    """Print the last `lines` of a run's process logs; with `follow`, new lines until the run has no live owner."""
+    files = run_logs(run_dir, process, attempt)
     for f in files:
         if len(files) > 1:
             print(f"==> {f} <==")
-        with open(f, errors="replace") as fh:
-            tail = deque(fh, maxlen=lines) if lines > 0 else fh.readlines()
-        print("".join(tail), end="")
+        print("".join(tail(f, lines)), end="", flush=True)
     if follow and files:
+        rd = RunDir(run_dir)
         with open(files[-1], errors="replace") as fh:
             fh.seek(0, 2)
             try:
@@ -97,8 +230,12 @@ def logs_command(run_dir: Path, process: str, attempt: int | None, lines: int, f
                     line = fh.readline()
                     if line:
                         print(line, end="", flush=True)
-                    else:
-                        time.sleep(0.5)
+                        continue
+                    # the owner gone (finished, failed, killed): what it wrote last is in the file; then stop
+                    if not owner_alive(rd):
+                        print(fh.read(), end="", flush=True)
+                        return 0
+                    time.sleep(poll_s)
             except KeyboardInterrupt:
                 return 0
     return 0

@@ -54,7 +54,7 @@ from prime_train.resilience.ownership import (
 from prime_train.resilience.policy import RestartPolicy
 from prime_train.resilience.process import ChildProcess, ProcessSpec
 from prime_train.resilience.redact import Redactor, redact_argv
-from prime_train.resilience.verdict import exit_verdict
+from prime_train.resilience.verdict import exit_verdict, stop_signal
 from prime_train.resilience.watchers import (
     DiskWatcher,
     LogProgress,
@@ -423,7 +423,8 @@ class Supervisor:
     def _progress_reader(self) -> Callable[[], dict[str, Any] | None]:
         job = self.cfg.job
         if job.command and job.progress_regex:
-            self._log_progress = LogProgress(job.progress_regex, self.cfg.train.max_steps)
+            # no step total: train.max_steps is the embedded engine's, an external job's own total is unknown here
+            self._log_progress = LogProgress(job.progress_regex)
             return self._log_progress.read
         self._log_progress = None
         path = Path(job.progress_file) if job.command and job.progress_file else self.run_dir.progress_path
@@ -674,10 +675,15 @@ class Supervisor:
         )
         with self._findings_lock:
             findings = list(self.findings)
-        return exit_verdict(
+        verdict = exit_verdict(
             child.spec, returncode, code, hb, child.started_at, list(child.tail)[-20:], findings,
             stop_requested=self._stop.is_set(), preempted=preempted,
         )  # fmt: skip
+        stopped_by = stop_signal(returncode)
+        if verdict is None and stopped_by is not None and not self._stop.is_set():
+            # stopped from outside (a kill, a Ctrl-C that reached its group): the run stops, it is not restarted
+            self.request_stop(f"{stopped_by} sent to {child.name}")
+        return verdict
 
     def _teardown(self, attempt: Attempt) -> None:
         grace = self.cfg.supervisor.term_grace_s
@@ -753,7 +759,8 @@ class Supervisor:
             "attempt": attempt.number,
             "restarts": len(self.attempts) - 1,
             "step": progress.step,
-            "max_steps": hb.max_steps or self.cfg.train.max_steps,
+            # from the heartbeat; train.max_steps only for the engine (an external job never saw it): else unknown
+            "max_steps": hb.max_steps or (None if self.cfg.job.command else self.cfg.train.max_steps),
             "phase": progress.phase,
             "loss": hb.loss,
             "tokens_per_s": hb.tokens_per_s,

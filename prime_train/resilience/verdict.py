@@ -18,6 +18,18 @@ from prime_train.resilience.process import ProcessSpec
 # How a process the supervisor sent SIGTERM (or a Ctrl-C reached) ends before it has a handler of its own:
 # by the signal (Popen's -N), or as a shell's 128 + N
 STOP_SIGNALS = frozenset({-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT})
+# How a stop is named to a person: Ctrl-C is what they pressed, SIGTERM what `kill` or a scheduler sent
+STOP_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+
+
+def stop_signal(returncode: int) -> str | None:
+    """ "Ctrl-C" or "SIGTERM" when `returncode` is a process ended by that signal (or a shell's 128 + N), else None.
+
+    Such an end is a stop, never a crash: either the supervisor forwarded it, or a person or a scheduler sent it
+    to the job directly, and restarting what they stopped would undo their decision."""
+    if returncode not in STOP_SIGNALS:
+        return None
+    return STOP_NAMES[signal.Signals(abs(returncode) if returncode < 0 else returncode - 128)]
 
 
 def exit_verdict(
@@ -52,8 +64,10 @@ def exit_verdict(
             name,
             exit_code=code,
         )
-    if stop_requested and returncode in STOP_SIGNALS:
-        return None  # the SIGTERM we sent arrived before the job could handle it (in start-up): a stop
+    if stop_signal(returncode) is not None and (stop_requested or spec.role in ("trainer", "job")):
+        # the SIGTERM we sent arrived before the job could handle it (in start-up), or someone else stopped the
+        # job itself (kill, a Ctrl-C that reached its process group): a stop the supervisor honours, not a crash
+        return None
     if code == ExitCode.CONFIG:
         return Failure(FailureKind.CONFIG_ERROR, last_message(findings, tail), tail, name, exit_code=code)
     fresh = heartbeat if heartbeat is not None and (heartbeat.time or 0) >= started_at else None
@@ -68,14 +82,20 @@ def exit_verdict(
     if kind is FailureKind.CRASH and returncode in (-signal.SIGKILL, 137) and not findings:
         message = "killed by SIGKILL (the kernel OOM killer, or a kill -9): no traceback"
     else:
-        message = last_message(findings, tail)
+        message = last_message(findings, tail, returncode)
     return Failure(kind, message, tail, name, exit_code=code)
 
 
-def last_message(findings: list[Finding], tail: list[str]) -> str:
-    """The line that says why: the last fatal finding, else the last line of output."""
+def last_message(findings: list[Finding], tail: list[str], returncode: int | None = None) -> str:
+    """The line that says why: the last fatal finding, else the last line of output, else how it ended."""
     fatal = [f for f in findings if f.severity == "fatal"]
     if fatal:
         return fatal[-1].text
     lines = [t for t in tail if t.strip()]
-    return lines[-1] if lines else "exited without output"
+    if lines:
+        return lines[-1]
+    if returncode is None:
+        return "exited without output"
+    if returncode < 0 and -returncode in signal.valid_signals():
+        return f"killed by {signal.Signals(-returncode).name} before it wrote any output"
+    return f"exited with code {returncode} without writing any output"

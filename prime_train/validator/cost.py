@@ -567,10 +567,11 @@ def _usd_range(values: tuple[float, float, float] | None) -> str:
 
 def render_cost(report: CostReport, console: Console) -> None:
     """One table per GPU type: each provider's on-demand and spot cost, mid figure with its range."""
+    from rich.markup import escape  # a model path is text: "runs/[x]/final" keeps its "[x]"
     from rich.table import Table
 
     console.print(
-        f"[bold]{report.model_source}[/]: {report.num_params / 1e9:,.3f}B params, "
+        f"[bold]{escape(str(report.model_source))}[/]: {report.num_params / 1e9:,.3f}B params, "
         f"{report.flops_per_token / 1e9:,.2f} GFLOP/token; {report.steps:,} steps, {report.total_tokens:,} tokens "
         f"(seq {report.seq_len}), {report.num_gpus} GPU(s)"
     )
@@ -611,4 +612,4 @@ def render_cost(report: CostReport, console: Console) -> None:
         "Your own prices: --prices FILE (TOML or JSON, same form as prime_train/validator/data/prices.json).[/]"
     )
     for note in report.notes:
-        console.print(f"[dim]note: {note}[/]")
+        console.print(f"[dim]note: {escape(note)}[/]")

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from prime_train.config.loader import ConfigError, Problem, Sources, load_raw, validate
+from prime_train.config.loader import ConfigError, Problem, Sources, load_raw, names_dropped, validate_all
 from prime_train.config.schema import Config
 from prime_train.rl.budget import lint_problems as token_budget_problems
 
@@ -346,10 +346,18 @@ def lint_files(
     """All problems of a config made of `paths` (merged in order) and overrides."""
     try:
         data, sources = load_raw(paths, overrides)
-        cfg = validate(data, sources)
-    except ConfigError as exc:
+    except ConfigError as exc:  # a file that does not parse, an override that names nothing: nothing to check
         return exc.problems, None
-    return check_config(cfg, sources, spot=spot), cfg
+    cfg, problems, dropped = validate_all(data, sources)
+    if cfg is None:
+        return problems, None
+    checked = check_config(cfg, sources, spot=spot)
+    if not problems:
+        return checked, cfg
+    # the cross-field checks ran on the config with the rejected values at their defaults: one pass shows every
+    # mistake, but not one about a default the user never wrote
+    checked = [p for p in checked if not names_dropped(p, dropped)]
+    return sorted(problems + checked, key=Problem.sort_key), None
 
 
 def has_errors(problems: list[Problem], strict: bool = False) -> bool:

@@ -282,9 +282,11 @@ def render_memory(report: MemoryReport, console: Console) -> None:
     from rich.table import Table
 
     p, m = report.inputs, report.shape
+    from rich.markup import escape  # a model path is text: "runs/[x]/final" keeps its "[x]"
+
     console.print(
-        f"[bold]{p.model_source}[/]: {m.num_params / 1e9:,.3f}B params, {m.layers} layers, hidden {m.hidden}, "
-        f"{m.heads} heads ({m.kv_heads} kv), vocab {m.vocab:,}"
+        f"[bold]{escape(str(p.model_source))}[/]: {m.num_params / 1e9:,.3f}B params, {m.layers} layers, "
+        f"hidden {m.hidden}, {m.heads} heads ({m.kv_heads} kv), vocab {m.vocab:,}"
     )
     console.print(
         f"training: {p.strategy} over {p.world_size} GPU(s) ({p.gpus_per_node}/node × {p.num_nodes}), "
@@ -343,4 +345,4 @@ def render_memory(report: MemoryReport, console: Console) -> None:
                 )
             console.print(table)
     for note in report.notes:
-        console.print(f"[dim]note: {note}[/]")
+        console.print(f"[dim]note: {escape(note)}[/]")

@@ -313,51 +313,56 @@ def human_bytes(n: float | None) -> str:
 
 def render_report(report: ModelReport, console: Any) -> None:
     """A table of the facts, then problems, warnings and known issues, for a person deciding on a model."""
+    from rich.markup import escape  # paths, ids and messages are text: "runs/[x]/final" keeps its "[x]"
     from rich.table import Table
 
     def yes_no(value: bool | None, unknown: str = "unknown") -> str:
         return unknown if value is None else ("yes" if value else "no")
 
-    table = Table(title=f"{report.model_id} for {report.job}", show_header=False, title_justify="left")
+    table = Table(title=escape(f"{report.model_id} for {report.job}"), show_header=False, title_justify="left")
     table.add_column("field", style="bold")
     table.add_column("value", overflow="fold")
-    table.add_row("source", report.source)
-    table.add_row("architecture", f"{report.architecture or '-'} ({report.model_type or '-'})")
+    table.add_row("source", escape(report.source))
+    table.add_row("architecture", escape(f"{report.architecture or '-'} ({report.model_type or '-'})"))
     exactness = "" if report.parameter_count_exact or report.num_parameters is None else " ~est."
     count = "unknown" if report.num_parameters is None else human_count(report.num_parameters)
-    table.add_row("parameters", count + exactness)
+    table.add_row("parameters", escape(count + exactness))
     if report.active_parameters is not None:
-        table.add_row("active per token", human_count(report.active_parameters))
+        table.add_row("active per token", escape(human_count(report.active_parameters)))
     vllm = yes_no(report.vllm_supported)
     if report.vllm_min_version:
         vllm += f" (since {report.vllm_min_version})"
-    table.add_row("vLLM serves it", f"{vllm}  [{report.vllm_source}]")
+    table.add_row("vLLM serves it", escape(f"{vllm}  [{report.vllm_source}]"))
     multimodal = yes_no(report.multimodal)
     if report.text_only_sibling:
         multimodal += f" → text-only: {report.text_only_sibling}"
-    table.add_row("vision-language", multimodal)
-    table.add_row("chat template has tools", yes_no(report.chat_template_tools, "no template"))
-    table.add_row("--tool-call-parser", report.tool_call_parser or "-")
+    table.add_row("vision-language", escape(multimodal))
+    table.add_row("chat template has tools", escape(yes_no(report.chat_template_tools, "no template")))
+    table.add_row("--tool-call-parser", escape(report.tool_call_parser or "-"))
     context = str(report.max_model_len or "-")
     if report.rope_scaling:
         kind = report.rope_scaling.get("rope_type") or report.rope_scaling.get("type")
         context += f" (rope scaling: {kind}, factor {report.rope_scaling.get('factor', '-')})"
-    table.add_row("context (max_position_embeddings)", context)
-    table.add_row("dtype", f"{report.dtype or 'not set'} (served as {report.serve_dtype})")
+    table.add_row("context (max_position_embeddings)", escape(context))
+    table.add_row("dtype", escape(f"{report.dtype or 'not set'} (served as {report.serve_dtype})"))
     serve, train = report.serve_memory_bytes, report.train_memory_bytes
-    table.add_row("memory to serve", human_bytes(serve) + (" (weights only)" if serve is not None else ""))
-    table.add_row("memory to train", human_bytes(train) + (" (16 B/param, full AdamW)" if train is not None else ""))
+    table.add_row("memory to serve", escape(human_bytes(serve) + (" (weights only)" if serve is not None else "")))
+    table.add_row(
+        "memory to train", escape(human_bytes(train) + (" (16 B/param, full AdamW)" if train is not None else ""))
+    )
     tested = report.tested
-    table.add_row("registry", f"{tested['model_id']} (checked {tested.get('tested_on')})" if tested else "not listed")
+    table.add_row(
+        "registry", escape(f"{tested['model_id']} (checked {tested.get('tested_on')})" if tested else "not listed")
+    )
     console.print(table)
     for note in report.notes:
-        console.print(f"[dim]note: {note}[/dim]")
+        console.print(f"[dim]note: {escape(note)}[/dim]")
     for issue in report.known_issues:
         source = f" ({issue['source']})" if issue.get("source") else ""
-        console.print(f"[cyan]known issue:[/cyan] {issue.get('issue')}{source}")
+        console.print(f"[cyan]known issue:[/cyan] {escape(str(issue.get('issue')) + source)}")
     for warning in report.warnings:
-        console.print(f"[yellow]warning:[/yellow] {warning}")
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
     for problem in report.problems:
-        console.print(f"[red]problem:[/red] {problem}")
+        console.print(f"[red]problem:[/red] {escape(problem)}")
     verdict = "[green]usable[/green]" if report.ok else "[red]not usable[/red]"
-    console.print(f"{report.model_id}: {verdict} for {report.job}")
+    console.print(f"{escape(report.model_id)}: {verdict} for {report.job}")

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -406,13 +407,17 @@ def check_disk(cfg: Config, disk_usage: DiskUsage | None = None) -> CheckResult:
 
 
 def check_output_dir(cfg: Config) -> CheckResult:
-    """Create the run directory and write (then delete) a file in it."""
+    """Whether the run directory can be written, leaving nothing behind: a file written (then deleted) in it, or,
+    while it does not exist yet, a directory made (then removed) in its nearest existing parent. A check must not
+    change the machine: an empty run directory left by preflight would read as a run that never started."""
     run_dir = Path(os.path.expanduser(cfg.run_dir))
-    probe = run_dir / f".preflight-{os.getpid()}"
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"preflight\n")
-        probe.unlink()
+        if run_dir.is_dir():
+            probe = run_dir / f".preflight-{os.getpid()}"
+            probe.write_bytes(b"preflight\n")
+            probe.unlink()
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=".prime-train-preflight-", dir=_existing_ancestor(run_dir)))
     except OSError as exc:
         return CheckResult(
             "output_dir",
