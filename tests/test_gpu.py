@@ -89,3 +89,19 @@ def test_profile_on_the_gpu_judges_mfu(tmp_path):
     summary = json.loads(result.stdout)
     assert summary["device"].startswith("cuda")
     assert summary["bottleneck"]["kind"] != "compute-bound" or summary["mfu"] >= 0.3
+
+
+def test_engine_steps_at_gpt2_shape_make_no_host_sync_between_logging_steps():
+    # issue 17: the engine's non-logging steps must not wait for the device (set_sync_debug_mode counts them);
+    # the bench prints ms/step, tokens/s, MFU and the ratio to a nanoGPT-style loop at the same shape
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench" / "vs_nanogpt.py"
+    result = subprocess.run(
+        [sys.executable, str(bench), "--shape", "gpt2", "--rounds", "2", "--steps", "10", "--warmup", "5"],
+        env=env(), capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    print(result.stdout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "host syncs in non-logging engine steps: 0" in result.stdout

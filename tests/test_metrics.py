@@ -351,3 +351,31 @@ except EngineConfigError as exc:
     assert done.stdout.startswith("EngineConfigError:"), done.stdout + done.stderr
     assert "logging.wandb_project" in done.stdout
     assert not (tmp_path / "no-wandb" / "wandb_id.json").exists()
+
+
+def test_running_heartbeats_skip_fsync_and_the_final_verdict_is_durable(tmp_path, monkeypatch):
+    from prime_train.contract import Phase, read_heartbeat
+
+    cfg = make_config(tmp_path)
+    run_dir = make_run_dir(cfg)
+    metrics = MetricsLogger(run_dir, cfg, enabled=True)
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+
+    metrics.heartbeat(3, phase=Phase.STEP, loss=1.5)
+    # rename without fsync: the file is whole for every reader, and the step costs no disk flush
+    assert synced == []
+    assert read_heartbeat(run_dir.progress_path).step == 3
+    metrics.heartbeat(3, phase=Phase.DONE)
+    assert synced  # nothing replaces the last heartbeat: it must survive the machine going down
+    assert read_heartbeat(run_dir.progress_path).phase == Phase.DONE
+
+
+def test_log_many_writes_buffered_steps_in_order_as_rows(tmp_path):
+    cfg = make_config(tmp_path)
+    run_dir = make_run_dir(cfg)
+    metrics = MetricsLogger(run_dir, cfg, enabled=True)
+    metrics.log_many([(1, {"loss": 2.0}), (2, {"loss": float("nan")}), (3, {"loss": 1.0})])
+    rows = read_metrics(run_dir)
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 2.0), (2, None), (3, 1.0)]

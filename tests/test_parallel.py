@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+import prime_train.engine.parallel as parallel_module
 from prime_train.config.schema import Config, DistributedConfig, ModelConfig, TrainConfig
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.model import build_model, decoder_layers
@@ -93,7 +94,7 @@ def _train_steps(model, optimizer, scheduler, sequences_per_step, on_micro_step=
 def _single_process_losses() -> tuple[float, ...]:
     cfg = _config()
     set_seed(SEED, 0)
-    model = build_model(cfg.model, VOCAB)
+    model = build_model(cfg.model, VOCAB, for_training=True)
     optimizer = build_optimizer(model, cfg.train, CPU)
     return tuple(_train_steps(model, optimizer, build_scheduler(optimizer, cfg.train), _global_batches()))
 
@@ -128,6 +129,7 @@ def test_ddp_with_accumulation_matches_single_process_and_keeps_ranks_identical(
     _assert_matches_single_process(r0["losses"])
     # DDP set up for compiled layers still accumulates (static_graph + no_sync breaks in torch 2.13)
     assert r0["compiled_ddp_losses"] == pytest.approx(r0["losses"], rel=1e-6)
+    assert r0["whole_compiled_ddp_losses"] == pytest.approx(r0["losses"], rel=1e-5)
 
 
 def test_fsdp2_with_activation_checkpointing_trains_like_a_single_process(tmp_path):
@@ -210,16 +212,16 @@ def test_hsdp_shard_size_defaults_to_a_node_and_must_divide_the_world():
 
 
 def test_parallelize_without_a_group_leaves_the_model_unwrapped():
-    model = build_model(_config().model, VOCAB)
+    model = build_model(_config().model, VOCAB, for_training=True)
     assert parallelize(model, _config(), SINGLE) is model
 
 
 def test_activation_checkpointing_keeps_losses_gradients_and_state_dict_names():
     cfg = _config()
     torch.manual_seed(0)
-    plain = build_model(cfg.model, VOCAB)
+    plain = build_model(cfg.model, VOCAB, for_training=True)
     torch.manual_seed(0)
-    checkpointed = build_model(cfg.model, VOCAB)
+    checkpointed = build_model(cfg.model, VOCAB, for_training=True)
     apply_ac(checkpointed, decoder_layers(checkpointed))
     ids = _global_batches()[0]
 
@@ -236,9 +238,9 @@ def test_activation_checkpointing_keeps_losses_gradients_and_state_dict_names():
 def test_compiled_layers_keep_parameter_names_and_numerics():
     cfg = _config()
     torch.manual_seed(0)
-    eager = build_model(cfg.model, VOCAB)
+    eager = build_model(cfg.model, VOCAB, for_training=True)
     torch.manual_seed(0)
-    compiled = build_model(cfg.model, VOCAB)
+    compiled = build_model(cfg.model, VOCAB, for_training=True)
     # aot_eager traces forward and backward like inductor but skips its C++ codegen (slow on 2 cores)
     apply_compile(compiled, decoder_layers(compiled), backend="aot_eager")
     ids = _global_batches()[0]
@@ -251,12 +253,42 @@ def test_compiled_layers_keep_parameter_names_and_numerics():
     assert not counters["graph_break"]
 
 
+def test_whole_native_model_compiles_into_one_graph_with_its_loss():
+    cfg = _config()
+    torch.manual_seed(0)
+    eager = build_model(cfg.model, VOCAB, for_training=True)
+    torch.manual_seed(0)
+    compiled = build_model(cfg.model, VOCAB, for_training=True)
+    apply_compile(compiled, decoder_layers(compiled), backend="aot_eager", whole_model=True)
+    ids = _global_batches()[0]
+    torch._dynamo.reset()
+    counters.clear()
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
+    loss = compiled(input_ids=ids, position_ids=positions, labels=ids).loss
+    assert torch.allclose(loss, eager(input_ids=ids, position_ids=positions, labels=ids).loss, rtol=1e-5)
+    # embedding to loss in one graph: rotary, mask, final norm, lm_head and the chunked loss are not left eager
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
+
+
+def test_parallelize_compiles_the_native_model_whole_without_fsdp(monkeypatch, caplog):
+    calls = []
+    monkeypatch.setattr(parallel_module, "apply_compile", lambda m, layers, **kw: calls.append(kw))
+    cfg = _config()
+    cfg.train.compile = True
+    with caplog.at_level(logging.INFO, logger="prime_train.engine"):
+        parallelize(build_model(cfg.model, VOCAB, for_training=True), cfg, SINGLE)
+    assert calls == [{"whole_model": True}]
+    assert "Applied torch.compile to the whole model, loss included" in caplog.text
+
+
 @pytest.mark.slow
 def test_parallelize_with_compile_and_ac_trains_with_inductor():
     cfg = _config(activation_checkpointing=True)
     cfg.train.compile = True
     set_seed(SEED, 0)
-    model = parallelize(build_model(cfg.model, VOCAB), cfg, SINGLE)
+    model = parallelize(build_model(cfg.model, VOCAB, for_training=True), cfg, SINGLE)
     optimizer = build_optimizer(model, cfg.train, CPU)
     losses = _train_steps(model, optimizer, build_scheduler(optimizer, cfg.train), _global_batches())
     assert losses == pytest.approx(list(_single_process_losses()), rel=1e-4)
@@ -309,7 +341,7 @@ def _rank_batches(rank: int, world_size: int) -> torch.Tensor:
 
 def _build(cfg: Config, dist: DistInfo):
     set_seed(SEED, dist.rank)
-    model = parallelize(build_model(cfg.model, VOCAB), cfg, dist)
+    model = parallelize(build_model(cfg.model, VOCAB, for_training=True), cfg, dist)
     optimizer = build_optimizer(model, cfg.train, dist.device)
     return model, optimizer, build_scheduler(optimizer, cfg.train)
 
@@ -329,10 +361,21 @@ def _worker_ddp(dist: DistInfo) -> dict:
     from prime_train.engine.parallel import apply_ddp
 
     set_seed(SEED, dist.rank)
-    ddp = apply_ddp(build_model(_config().model, VOCAB), dist, bucket_cap_mb=25, compiled=True)
+    ddp = apply_ddp(build_model(_config().model, VOCAB, for_training=True), dist, bucket_cap_mb=25, compiled=True)
     optimizer = build_optimizer(ddp, _config().train, dist.device)
     compiled_local = _train_steps(ddp, optimizer, build_scheduler(optimizer, _config().train), batches)
+
+    # the native model compiled whole (its loss inside), then DDP: what parallelize does without FSDP
+    from prime_train.engine.parallel import apply_compile
+
+    set_seed(SEED, dist.rank)
+    whole = build_model(_config().model, VOCAB, for_training=True)
+    apply_compile(whole, decoder_layers(whole), backend="aot_eager", whole_model=True)
+    whole = apply_ddp(whole, dist, bucket_cap_mb=25, compiled=True)
+    optimizer = build_optimizer(whole, _config().train, dist.device)
+    whole_local = _train_steps(whole, optimizer, build_scheduler(optimizer, _config().train), batches)
     return {
+        "whole_compiled_ddp_losses": [all_reduce_mean(x, dist) for x in whole_local],
         "losses": losses,
         "grad_checksums_micro0": micro_checksums[0],
         "grad_checksums_last": micro_checksums[max(micro_checksums)],

@@ -122,6 +122,12 @@ class ModelConfig(Section):
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="Attention kernel passed to transformers."
     )
+    implementation: Literal["auto", "native", "hf"] = Field(
+        "auto",
+        description="Model code the trainer runs. 'native': the engine's own Llama/Qwen2/Qwen3/Mistral decoder "
+        "(HF parameter names; whole-model compile, flash SDPA, fused chunked loss); 'hf': transformers' class. "
+        "'auto': native where it computes what transformers does for the architecture and rope scaling, else hf.",
+    )
     activation_checkpointing: bool = Field(False, description="Recompute decoder-layer activations in backward.")
 
     @model_validator(mode="after")

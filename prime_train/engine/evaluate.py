@@ -16,11 +16,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from prime_train.engine.model import is_native
 from prime_train.engine.parallel import DistInfo, all_reduce_sum
 
 
 def token_losses(model, input_ids, position_ids, labels) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of next-token losses over labelled positions, and their count (labels use the HF convention)."""
+    if is_native(model):
+        # the native model's fused, chunked loss: never the full fp32 logits
+        out = model(input_ids=input_ids, position_ids=position_ids, labels=labels, loss_reduction="sum")
+        return out.loss, (labels[:, 1:] != -100).sum()
     logits = model(input_ids=input_ids, position_ids=position_ids).logits
     shift_logits = logits[:, :-1].float()
     shift_labels = labels[:, 1:]

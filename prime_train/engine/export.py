@@ -34,6 +34,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from prime_train.contract import fsync_dir
 from prime_train.engine.checkpoint import DCP_METADATA_FILE, HF_ASSETS_DIR, is_whole_checkpoint
+from prime_train.engine.llama import to_hf
+from prime_train.engine.model import is_native
 
 logger = logging.getLogger("prime_train.engine.export")
 
@@ -164,6 +166,12 @@ def export_hf(
         return None
     hf_model = unwrap_model(model)
     _restore_tied_aliases(hf_model, state_dict)
+    if is_native(hf_model):
+        # the native decoder has HF's parameter names: a transformers model holding the gathered tensors writes
+        # them with HF's own save_pretrained (config, generation config, sharding, tied weights written once)
+        hf_model = to_hf(hf_model, state_dict)
+        # build_model turned the KV cache off for training; generate() and vLLM decode the export with one
+        hf_model.generation_config.use_cache = True
     num_tensors = len(state_dict)  # save_pretrained empties the dict as it writes
     out = _write_hf_dir(hf_model, state_dict, Path(out_dir), max_shard_size=max_shard_size, tokenizer=tokenizer)
     logger.info("exported HF model (%d tensors) to %s", num_tensors, out)

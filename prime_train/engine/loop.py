@@ -16,6 +16,14 @@ also with 75. The job does not outlive the process that started it: when that su
 norm that is NaN or infinite ends the run at that step, before anything saves the diverged weights,
 with a heartbeat naming the failure (`loss_not_finite`: not retried). See docs/architecture.md for
 how the job meets the supervisor.
+
+The steady state waits for the device only on logging steps. A step's loss and gradient norm stay on the
+device; the loop buffers each step's metrics and reads them all at once on logging, eval and save steps and at
+a stop (one sync), so a non-finite loss is seen up to logging.log_interval steps after it happened (the message
+names the step it happened at, and no checkpoint is written in between). Tokens/s and MFU are wall clock between
+those reads. progress.json is rewritten about once a second and at every phase change, renamed but not fsynced;
+ranks agree on stopping every STOP_CHECK_S seconds' worth of steps; automatic GC is off and the young generation
+is collected every GC_INTERVAL_STEPS steps, as torchtitan does.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import os
 import signal
 import sys
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -48,6 +57,15 @@ logger = logging.getLogger("prime_train.engine")
 
 # Heartbeat fields a step's metrics may carry; the loop copies whichever a job's step returns.
 _HEARTBEAT_METRICS = ("loss", "tokens_per_s", "step_time_s", "reward")
+# The steps' heartbeat: progress.json at most this often (a phase change is written at once).
+HEARTBEAT_INTERVAL_S = 1.0
+# Ranks agree on stopping (an all-reduce) every STOP_CHECK_S seconds of steps, at most every this many steps:
+# a SIGTERM is then acted on within about 2 s plus a step, far inside supervisor.term_grace_s (60 s by default)
+# with the save it triggers.
+STOP_CHECK_S = 2.0
+STOP_CHECK_MAX_STEPS = 50
+# gc.collect(1) every this many steps while automatic collection is off (torchtitan's default gc_freq).
+GC_INTERVAL_STEPS = 50
 
 
 class StopRequested(BaseException):
@@ -110,7 +128,7 @@ def load_model_and_tokenizer(cfg: Config):
 
     try:
         tokenizer = load_tokenizer(cfg.model)
-        model = build_model(cfg.model, padded_vocab_size(tokenizer, cfg.model.vocab_multiple))
+        model = build_model(cfg.model, padded_vocab_size(tokenizer, cfg.model.vocab_multiple), for_training=True)
     except (OSError, ValueError) as exc:
         key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
         raise EngineConfigError(f"{key}: cannot load {getattr(cfg.model, key.split('.')[1])!r}: {exc}") from None
@@ -141,7 +159,12 @@ class TrainingJob:
             self.run_dir.create()
         parallel.set_seed(cfg.run.seed, self.dist.rank)
         self.strategy = parallel.resolve_strategy(cfg.distributed, self.dist.world_size)
-        self._autocast = lambda: parallel.autocast(cfg.train.precision, self.dist.device)
+        if self.strategy in ("fsdp", "hsdp"):
+            # FSDP2's mixed-precision policy already computes in bf16 (parallel.mixed_precision_policy): autocast on
+            # top would only add casts of the already-bf16 parameters
+            self._autocast = nullcontext
+        else:
+            self._autocast = lambda: parallel.autocast(cfg.train.precision, self.dist.device)
 
         self.tokenizer, model = load_model_and_tokenizer(cfg)
         self.hf_config = model.config
@@ -164,6 +187,12 @@ class TrainingJob:
         self.timer = self.profile.timer if self.profile else NullTimer()
         self._last_loss: float | None = None
         self.phase = Phase.STARTUP
+        self._pending: list[tuple[int, dict[str, Any]]] = []  # steps trained, not yet read from the device
+        self._last_beat = 0.0
+        self._last_metrics: dict[str, Any] = {}
+        self._window = (time.perf_counter(), 0)  # wall clock and tokens_seen where tokens/s is measured from
+        self._stop_every = 1  # steps between agreements on stopping (1 until a step time is known)
+        self._since_stop_check = 0
         self.device_name = torch.cuda.get_device_name(self.dist.device) if self.dist.device.type == "cuda" else "cpu"
         logger.info(
             "%s job, model %s: %.2fM parameters, strategy %s over %d process(es) on %s",
@@ -199,6 +228,12 @@ class TrainingJob:
         """The job's parts of a console progress line."""
         return [f"loss {m['loss']:.4f}"]
 
+    def throughput(self, tokens: int, seconds: float) -> dict[str, float]:
+        """Metrics of the steps between two logging steps, from the wall clock: `tokens` trained in `seconds`."""
+        if seconds <= 0 or tokens <= 0:
+            return {}
+        return {"tokens_per_s": tokens / seconds}
+
     def profile_tokens(self, m: dict[str, Any]) -> float:
         """Tokens one profiled step processed (for tokens/s in the profile summary)."""
         return m["tokens_per_s"] * m["step_time_s"]
@@ -218,15 +253,33 @@ class TrainingJob:
 
     # ------------------------------------------------------------------ the loop
 
-    def heartbeat(self, phase: Phase, **fields: Any) -> None:
-        """Tell the supervisor what the job is doing now (rank 0 writes progress.json)."""
+    def heartbeat(self, phase: Phase, *, force: bool = True, **fields: Any) -> None:
+        """Tell the supervisor what the job is doing now (rank 0 writes progress.json).
+
+        force=False (the steps' own heartbeat) writes only when the phase changes or HEARTBEAT_INTERVAL_S has
+        passed: about once a second, whatever the step time.
+        """
+        now = time.monotonic()
+        if not force and phase == self.phase and now - self._last_beat < HEARTBEAT_INTERVAL_S:
+            return
         self.phase = phase
+        self._last_beat = now
         self.metrics.heartbeat(
             self.state.step, phase=phase, tokens=self.state.tokens_seen, resumed_from=self.resumed_from, **fields
         )
 
     def fit(self) -> int:
         """Resume, train to train.max_steps, save and export; returns the exit code."""
+        # GC as torchtitan controls it: automatic collections of the older generations stall a step for
+        # tens of milliseconds at random; collect the young generation at a fixed interval instead
+        gc.disable()
+        gc.collect(1)
+        try:
+            return self._fit()
+        finally:
+            gc.enable()
+
+    def _fit(self) -> int:
         cfg = self.cfg
         # no step yet: the one a resume starts from is known only once the checkpoint is loaded
         self.metrics.heartbeat(None, phase=Phase.STARTUP)
@@ -245,27 +298,10 @@ class TrainingJob:
         start_step, t_start = self.state.step, time.time()
         # the first step of an attempt is part of start-up: CUDA and allocator warm-up, torch.compile
         self.heartbeat(Phase.COMPILE if cfg.train.compile else Phase.STARTUP)
+        self._restart_window()
         while self.state.step < cfg.train.max_steps:
-            if self._stop_agreed():
-                return self._stop_and_save()
-            m = self.train_step()
-            self._last_loss = m.get("loss")
-            step = self.state.step
-            if not_finite := [k for k in ("loss", "grad_norm") if _not_finite(m.get(k))]:
-                return self._diverged(step, m, not_finite)
-            self.checkpointer.poll()
-            last = step == cfg.train.max_steps
-            if step % cfg.logging.log_interval == 0 or last:
-                m["param_norm"] = self.param_norm()
-            if step % cfg.train.eval_interval == 0 or last:
-                self.heartbeat(Phase.EVAL, loss=m.get("loss"))
-                m.update(self.evaluate())
-            self.metrics.log(step, m)
-            self.heartbeat(Phase.STEP, **{k: m[k] for k in _HEARTBEAT_METRICS if k in m})
-            if step % cfg.logging.log_interval == 0 or last or step == start_step + 1:
-                self._log_line(step, m, t_start, start_step)
-            if step % cfg.ckpt.interval == 0 and not last:
-                self.save()
+            if (code := self.run_step(start_step, t_start)) is not None:
+                return code
         self.checkpointer.wait()
         if cfg.ckpt.resumable_final_save and self._newest_saved_step() != self.state.step:
             self.save(final=True)
@@ -277,6 +313,113 @@ class TrainingJob:
         self.heartbeat(Phase.DONE, loss=self._last_loss)
         return ExitCode.OK
 
+    def run_step(self, start_step: int, t_start: float) -> int | None:
+        """One turn of the training loop: stop agreement, the step, and on their steps logging, eval and save.
+
+        Returns an exit code when the run must end here (stopped, diverged), else None. Between logging steps it
+        only buffers the step's metrics and writes the heartbeat when a second has passed: no host sync.
+        """
+        cfg = self.cfg
+        if self._stop_due() and self._stop_agreed():
+            return self._flush() or self._stop_and_save()
+        m = self.train_step()
+        step = self.state.step
+        self._pending.append((step, m))
+        if step % GC_INTERVAL_STEPS == 0:
+            gc.collect(1)
+        self.checkpointer.poll()
+        last = step == cfg.train.max_steps
+        logging_step = step % cfg.logging.log_interval == 0 or last or step == start_step + 1
+        evaluating = step % cfg.train.eval_interval == 0 or last
+        saving = step % cfg.ckpt.interval == 0 and not last
+        # a job whose step returns host floats (RL) is checked at every step, as before; device values are
+        # read, and checked, on logging, eval and save steps only (a divergence is seen there, up to
+        # logging.log_interval steps late, and always before a save could keep the diverged weights)
+        host_not_finite = any(_not_finite(m.get(k)) for k in ("loss", "grad_norm"))
+        if not (logging_step or evaluating or saving or host_not_finite):
+            # what the step already holds on the host (RL's reward) is fresh; device values wait for the flush
+            host = {k: m[k] for k in _HEARTBEAT_METRICS if isinstance(m.get(k), float)}
+            self.heartbeat(Phase.STEP, force=False, **{**self._last_metrics, **host})
+            return None
+        if (code := self._flush(write=False)) is not None:
+            return code
+        if step % cfg.logging.log_interval == 0 or last:
+            m["param_norm"] = self.param_norm()
+        if evaluating:
+            self.heartbeat(Phase.EVAL, loss=m.get("loss"))
+            m.update(self.evaluate())
+        self._write_pending()
+        self.heartbeat(Phase.STEP, **self._last_metrics)
+        if logging_step:
+            self._log_line(step, m, t_start, start_step)
+        if saving:
+            self.save()
+        if evaluating or saving:
+            self._restart_window()  # tokens/s counts training time only
+        return None
+
+    # ------------------------------------------------------------------ steps read from the device
+
+    def _restart_window(self) -> None:
+        self._window = (time.perf_counter(), self.state.tokens_seen)
+
+    def _flush(self, *, write: bool = True) -> int | None:
+        """Read the buffered steps' device values (one sync), stop at the first non-finite one, log the rest.
+
+        Returns the exit code when the run diverged, else None. The newest step gets the throughput of the
+        window since the last flush (wall clock: the device has finished every step by the time it is read).
+        write=False leaves the rows buffered for the caller to add to (param_norm, eval) and write.
+        """
+        if not self._pending:
+            return None
+        tensors = [v for _, m in self._pending for v in m.values() if isinstance(v, torch.Tensor)]
+        if tensors:
+            values = iter(torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist())
+            for _, m in self._pending:
+                for k, v in m.items():
+                    if isinstance(v, torch.Tensor):
+                        m[k] = next(values)
+        t0, tokens0 = self._window
+        seconds = time.perf_counter() - t0
+        step, newest = self._pending[-1]
+        steps_in_window = len(self._pending)
+        for key, value in self.throughput(self.state.tokens_seen - tokens0, seconds).items():
+            newest.setdefault(key, value)
+        newest.setdefault("step_time_s", seconds / steps_in_window)
+        self._restart_window()
+        self._adapt_stop_interval(newest["step_time_s"])
+        for i, (step, m) in enumerate(self._pending):
+            if not_finite := [k for k in ("loss", "grad_norm") if _not_finite(m.get(k))]:
+                self.metrics.log_many(self._pending[:i])
+                self._pending = []
+                return self._diverged(step, m, not_finite)
+        self._last_loss = newest.get("loss")
+        self._last_metrics = {k: newest[k] for k in _HEARTBEAT_METRICS if k in newest}
+        if write:
+            self._write_pending()
+        return None
+
+    def _write_pending(self) -> None:
+        self.metrics.log_many(self._pending)
+        self._pending = []
+
+    def _adapt_stop_interval(self, step_time_s: float) -> None:
+        """Agree on stopping every STOP_CHECK_S seconds of steps: the same N on every rank (the slowest's)."""
+        if self.dist.world_size == 1:
+            return  # one process: the flag is read every step, without a collective
+        slowest = parallel.all_reduce_max(step_time_s, self.dist)
+        self._stop_every = max(1, min(STOP_CHECK_MAX_STEPS, int(STOP_CHECK_S / max(slowest, 1e-6))))
+
+    def _stop_due(self) -> bool:
+        """Whether this step agrees on stopping: every step alone, every `_stop_every` steps with other ranks."""
+        if self.dist.world_size == 1:
+            return True
+        self._since_stop_check += 1
+        if self._since_stop_check < self._stop_every:
+            return False
+        self._since_stop_check = 0
+        return True
+
     def resume(self) -> None:
         path = self.checkpointer.resolve_resume()
         if path is not None:
@@ -287,6 +430,8 @@ class TrainingJob:
         self.metrics.rewind(self.state.step)
 
     def save(self, *, final: bool = False) -> None:
+        """Save a checkpoint of the current step (every buffered step is in metrics.jsonl first)."""
+        self._flush()  # metrics.jsonl holds every step up to the checkpoint's (the fit loop has flushed already)
         self.heartbeat(Phase.SAVE)
         self.checkpointer.save(self.state, self.state.step, final=final)
 
@@ -304,14 +449,18 @@ class TrainingJob:
 
     def clip_gradients(self) -> float:
         """Clip to train.grad_clip (no clipping when unset) and return the total gradient norm before clipping."""
+        return float(self.clip_grad_norm())
+
+    def clip_grad_norm(self) -> torch.Tensor:
+        """clip_gradients without reading the norm: a 0-dim tensor on the device (no host sync)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         if not params:
-            return 0.0
+            return torch.zeros((), device=self.dist.device)
         max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip is not None else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=self.dist.device.type == "cuda")
         if hasattr(norm, "full_tensor"):  # FSDP2 returns a DTensor
             norm = norm.full_tensor()
-        return float(norm)
+        return norm
 
     def _newest_saved_step(self) -> int | None:
         newest = newest_checkpoint(self.run_dir.checkpoints_dir)
@@ -372,12 +521,16 @@ class TrainingJob:
         self.heartbeat(Phase.STEP)
         steps: list[dict] = []
         prof.timer.reset()
+        self._restart_window()
         for _ in range(prof.total_steps):
             m = self.train_step()
+            # a profile times each step: read it at once (the sync a training run leaves to its logging steps)
+            self._pending.append((self.state.step, m))
+            if (code := self._flush()) is not None:
+                return code
             prof.after_step()
             steps.append(m)
-            self.metrics.log(self.state.step, m)
-            self.heartbeat(Phase.STEP, **{k: m[k] for k in _HEARTBEAT_METRICS if k in m})
+            self.heartbeat(Phase.STEP, **self._last_metrics)
         t0 = time.perf_counter()
         self.save()
         self.checkpointer.wait()

@@ -15,7 +15,6 @@ from prime_train.contract import (
     Heartbeat,
     Phase,
     RunDir,
-    append_jsonl,
     fsync_dir,
     read_json,
     read_jsonl,
@@ -24,6 +23,9 @@ from prime_train.contract import (
 )
 
 logger = logging.getLogger("prime_train.engine")
+
+# the verdicts a job leaves when it ends: written durably, as nothing replaces them
+_FINAL_PHASES = frozenset({Phase.DONE, Phase.STOPPED, Phase.FAILED})
 
 
 class EngineConfigError(Exception):
@@ -83,14 +85,24 @@ class MetricsLogger:
         """Record one step's metrics everywhere they are configured to go."""
         if not self.enabled:
             return
-        record = {"step": step, "time": time.time(), **metrics}
-        append_jsonl(self.run_dir.metrics_path, _finite(record))
-        if self._tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, int | float) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, step)
-        if self._wandb is not None:
-            self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, int | float | str)}, step=step)
+        self.log_many([(step, metrics)])
+
+    def log_many(self, rows: list[tuple[int, dict[str, Any]]]) -> None:
+        """Record several steps' metrics at once: the loop buffers steps between logging steps (one write)."""
+        if not self.enabled or not rows:
+            return
+        now = time.time()
+        lines = "".join(json.dumps(_finite({"step": step, "time": now, **m})) + "\n" for step, m in rows)
+        # one write() of all the lines, as contract.append_jsonl does for one: appends never interleave
+        with open(self.run_dir.metrics_path, "a", encoding="utf-8") as f:
+            f.write(lines)
+        for step, metrics in rows:
+            if self._tb is not None:
+                for key, value in metrics.items():
+                    if isinstance(value, int | float) and not isinstance(value, bool):
+                        self._tb.add_scalar(key, value, step)
+            if self._wandb is not None:
+                self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, int | float | str)}, step=step)
 
     def rewind(self, step: int) -> int:
         """Make metrics.jsonl hold only what led to the state the job starts from; returns the rows dropped.
@@ -121,7 +133,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         hb = Heartbeat.now(step, Phase(phase), max_steps=self.cfg.train.max_steps, **fields)
-        write_heartbeat(self.run_dir.progress_path, hb)
+        # a running job's heartbeat is replaced within a second: rename keeps it whole, no fsync (contract.py)
+        write_heartbeat(self.run_dir.progress_path, hb, durable=Phase(phase) in _FINAL_PHASES)
 
     def close(self) -> None:
         if self._tb is not None:

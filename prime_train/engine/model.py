@@ -37,8 +37,15 @@ _DEVICE_PATTERNS: list[tuple[re.Pattern[str], str]] = [
 ]
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, *, device: str | torch.device = "cpu"):
-    """The causal LM of `cfg` with fp32 weights on `device`: loaded from `cfg.path`, else random-initialised."""
+def build_model(
+    cfg: ModelConfig, vocab_size: int, *, device: str | torch.device = "cpu", for_training: bool = False
+) -> nn.Module:
+    """The causal LM of `cfg` with fp32 weights on `device`: loaded from `cfg.path`, else random-initialised.
+
+    for_training=True gives the model the training step runs: the native decoder (engine/llama.py) where
+    model.implementation resolves to it, else transformers' model. The default gives transformers' model always:
+    callers that decode with HF's KV cache (the embedded RL worker, rl/generation.py) or use HF's API need it.
+    """
     if cfg.attn_implementation == "flash_attention_2" and not torch.cuda.is_available():
         raise EngineConfigError(
             "model.attn_implementation = 'flash_attention_2' needs a CUDA GPU and the flash-attn package; "
@@ -58,7 +65,61 @@ def build_model(cfg: ModelConfig, vocab_size: int, *, device: str | torch.device
     # a checkpointed layer recomputes, and makes torch.compile fall back to eager at the cache update.
     # generate() reads generation_config.use_cache instead, so exported models still decode with a cache.
     model.config.use_cache = False
+    if for_training and resolve_implementation(cfg, model.config) == "native":
+        model = _to_native(model)
     return model.to(device)
+
+
+def resolve_implementation(cfg: ModelConfig, hf_config) -> str:
+    """'native' or 'hf': the model code model.implementation selects for `hf_config` (logs why for 'auto')."""
+    from prime_train.engine.llama import supports
+
+    reason = supports(hf_config)
+    if cfg.implementation == "hf":
+        return "hf"
+    if cfg.attn_implementation != "sdpa":
+        # the native model always runs SDPA (flash on GPU for unpacked rows): a transformers kernel asked for by
+        # name is a request for transformers' model
+        if cfg.implementation == "native":
+            raise EngineConfigError(
+                f"model.attn_implementation = {cfg.attn_implementation!r} is a transformers kernel and "
+                "model.implementation = 'native' runs its own SDPA attention; set one of them back ('sdpa' / 'auto')"
+            )
+        logger.info("model.implementation = 'auto': transformers' model, for attn_implementation %r",
+                    cfg.attn_implementation)  # fmt: skip
+        return "hf"
+    if reason is None:
+        return "native"
+    if cfg.implementation == "native":
+        raise EngineConfigError(
+            f"model.implementation = 'native' cannot run {hf_config.model_type!r}: {reason}; "
+            "set model.implementation = 'auto' or 'hf' to train it with transformers' model"
+        )
+    logger.info("model.implementation = 'auto': transformers' model, as the native one cannot run it (%s)", reason)
+    return "hf"
+
+
+def _to_native(hf_model: nn.Module) -> nn.Module:
+    """The native decoder holding `hf_model`'s own weights (the same Parameter objects: no copy, same names)."""
+    from prime_train.engine.llama import NativeCausalLM
+
+    config = hf_model.config
+    with torch.device("meta"):
+        native = NativeCausalLM(config)
+    # keep_vars: the Parameters themselves, so nothing is copied and the HF model can be dropped
+    native.load_state_dict(hf_model.state_dict(keep_vars=True), strict=True, assign=True)
+    if config.tie_word_embeddings:
+        native.lm_head.weight = native.model.embed_tokens.weight  # assign=True gave them separate Parameters
+    native.reset_rope(native.model.embed_tokens.weight.device)
+    logger.info("training the native %s decoder (engine/llama.py)", config.model_type)
+    return native
+
+
+def is_native(model: nn.Module) -> bool:
+    """Whether `model` (or the model inside DDP / torch.compile wrappers) is the native decoder."""
+    from prime_train.engine.llama import NativeCausalLM
+
+    return isinstance(_unwrap(model), NativeCausalLM)
 
 
 def _load_pretrained(cfg: ModelConfig, vocab_size: int):

@@ -23,7 +23,7 @@ from torch import nn
 
 from prime_train.config.schema import Config, DistributedConfig
 from prime_train.engine.metrics import EngineConfigError
-from prime_train.engine.model import decoder_layers
+from prime_train.engine.model import decoder_layers, is_native
 
 logger = logging.getLogger("prime_train.engine")
 
@@ -123,6 +123,26 @@ def all_reduce_sum(x: torch.Tensor, dist: DistInfo) -> torch.Tensor:
         torch_dist.all_reduce(on_device, op=torch_dist.ReduceOp.SUM)
         out = on_device.to(x.device)
     return out
+
+
+def all_reduce_(x: torch.Tensor, dist: DistInfo) -> torch.Tensor:
+    """Sum `x` over ranks in place, where it lives: on a GPU an NCCL op the host does not wait for."""
+    if _group_active(dist):
+        torch_dist.all_reduce(x, op=torch_dist.ReduceOp.SUM)
+    return x
+
+
+def all_reduce_host_ints(values: list[int], dist: DistInfo) -> list[int]:
+    """Element-wise sums over ranks of host integers (token counts), computed without touching the GPU.
+
+    A CPU tensor goes through the group's gloo backend (init_distributed gives an NCCL job a gloo side too), so
+    no device work is queued or waited for: the hosts meet, the GPU streams run on.
+    """
+    if not _group_active(dist):
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64)
+    torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM)
+    return [int(v) for v in t.tolist()]
 
 
 def all_reduce_mean(x: float | torch.Tensor, dist: DistInfo) -> float:
@@ -269,13 +289,25 @@ def apply_ac(model: nn.Module, layers: nn.ModuleList) -> None:
         layers[i] = checkpoint_wrapper(layer)
 
 
-def apply_compile(model: nn.Module, layers: nn.ModuleList, *, backend: str = "inductor") -> None:
-    """torch.compile each decoder layer in place (all layers share one graph, so it compiles once)."""
+def apply_compile(
+    model: nn.Module, layers: nn.ModuleList, *, backend: str = "inductor", whole_model: bool = False
+) -> None:
+    """torch.compile in place: the whole model (its loss inside), or each decoder layer (one shared graph).
+
+    whole_model is for the native decoder without FSDP: one graph from the embedding to the loss, so rotary,
+    masks, the final norm, lm_head and the chunked cross-entropy are fused too, not left eager between layers.
+    Per layer (under FSDP2, and for transformers' models) the native blocks compile with fullgraph: a graph break
+    inside a block is an error, not a silent fall back to eager.
+    """
     # Module.compile() keeps the module and its parameter names (no `_orig_mod.`), which FSDP, DCP and
-    # save_pretrained all depend on. Compiling per layer rather than the whole model keeps graph breaks in
-    # the transformers glue code out of the hot path and lets FSDP2 hook between layers.
+    # save_pretrained all depend on. FSDP2 hooks run between blocks, so under it the unit of compilation is the
+    # block; transformers' glue code around its layers breaks graphs, so its models compile per layer as well.
+    if whole_model:
+        model.compile(backend=backend)
+        return
+    fullgraph = is_native(model)
     for layer in layers:
-        layer.compile(backend=backend)
+        layer.compile(backend=backend, fullgraph=fullgraph)
 
 
 def apply_ddp(model: nn.Module, dist: DistInfo, bucket_cap_mb: int, compiled: bool) -> nn.Module:
@@ -326,8 +358,18 @@ def parallelize(model: nn.Module, cfg: Config, dist: DistInfo) -> nn.Module:
         apply_ac(model, layers)
         logger.info("Applied activation checkpointing to %d decoder layers", len(layers))
     if cfg.train.compile:
-        apply_compile(model, layers)
-        logger.info("Applied torch.compile to %d decoder layers", len(layers))
+        if is_native(model) and dist.device.type == "cuda":
+            # packed rows' document masks as FlexAttention block masks: compiled, a fused kernel that skips the
+            # masked blocks, where SDPA with a dense B x 1 x T x T mask cannot use the flash kernel. Not on the
+            # CPU: torch 2.13's FlexAttention has no CPU backward.
+            model.attention = "flex"
+            logger.info("Packed rows attend through FlexAttention block masks")
+        whole = is_native(model) and strategy not in ("fsdp", "hsdp")
+        apply_compile(model, layers, whole_model=whole)
+        if whole:
+            logger.info("Applied torch.compile to the whole model, loss included")
+        else:
+            logger.info("Applied torch.compile to %d decoder layers%s", len(layers), " (fullgraph)" * is_native(model))
     if strategy in ("fsdp", "hsdp"):
         mesh = build_mesh(strategy, dist, cfg.distributed.hsdp_shard_size)
         mp_policy = mixed_precision_policy(cfg.train.precision, dist.device)

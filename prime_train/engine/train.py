@@ -10,7 +10,6 @@ supplies the batch source, the step and the evaluation.
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
@@ -60,7 +59,8 @@ class SFTJob(TrainingJob):
         )
 
     def build_batch_source(self):
-        return build_train_loader(self.cfg.data, self.tokenizer, device=self.dist.device, **self._data_args())
+        # batches stay on the host: train_step counts their tokens there, then copies them (no device-to-host sync)
+        return build_train_loader(self.cfg.data, self.tokenizer, device=torch.device("cpu"), **self._data_args())
 
     # ------------------------------------------------------------------ one step
 
@@ -69,60 +69,60 @@ class SFTJob(TrainingJob):
 
         return batch_size_at(self.state.tokens_seen, self.cfg.train, self.cfg.data.seq_len, self.dist.world_size)
 
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step over a global batch with gradient accumulation; returns its metrics."""
+    def train_step(self) -> dict[str, float | torch.Tensor]:
+        """One optimizer step over a global batch with gradient accumulation; returns its metrics.
+
+        No host sync in it: token counts come from the host batches before they are copied, and the loss and
+        gradient norm stay on the device (0-dim tensors in the returned dict) until the loop reads them on a
+        logging step (engine/loop.py), together with every step buffered since.
+        """
         cfg, dist, timer = self.cfg, self.dist, self.timer
         accum = self._global_batch() // (cfg.train.micro_batch_size * dist.world_size)
         with timer("data"):
             batches = [next(self.batches) for _ in range(accum)]
         # normalise by the labelled tokens of the whole global batch, so the loss and its gradient do not
-        # depend on how the batch is split over ranks and micro-steps
-        local_tokens = sum(int((b.labels[:, 1:] != -100).sum()) for b in batches)
+        # depend on how the batch is split over ranks and micro-steps; counted on the host copies (no sync)
+        local = [sum(int((b.labels[:, 1:] != -100).sum()) for b in batches), sum(b.num_tokens for b in batches)]
         with timer("communication"):
-            global_tokens = max(1.0, float(parallel.all_reduce_sum(torch.tensor([float(local_tokens)]), dist)[0]))
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        tokens = 0
-        t0 = time.perf_counter()
+            global_labels, step_tokens = parallel.all_reduce_host_ints(local, dist)
+        global_labels = max(1, global_labels)
+        # DDP and FSDP average gradients over ranks; scale back up so the result is a global mean
+        scale = dist.world_size / global_labels
+        loss_sum = torch.zeros((), dtype=torch.float32, device=dist.device)
         for i, batch in enumerate(batches):
             with timer("data"):
-                ids = batch.input_ids.to(dist.device, non_blocking=True)
-                pos = batch.position_ids.to(dist.device, non_blocking=True)
-                labels = batch.labels.to(dist.device, non_blocking=True)
+                batch = _to_device(batch, dist.device)
             with parallel.grad_sync(self.model, enabled=i == accum - 1), self._autocast():
                 with timer("forward"):
-                    part, _ = token_losses(self.model, ids, pos, labels)
-                # DDP and FSDP average gradients over ranks; scale back up so the result is a global sum
+                    part, _ = token_losses(self.model, batch.input_ids, batch.position_ids, batch.labels)
                 with timer("backward"):
-                    (part * (dist.world_size / global_tokens)).backward()
-            loss_sum += part.detach().double().cpu()
-            tokens += batch.num_tokens
+                    (part * scale).backward()
+            loss_sum += part.detach().float()
         with timer("optimizer"):
-            grad_norm = self.clip_gradients()
+            grad_norm = self.clip_grad_norm()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        if dist.device.type == "cuda":
-            torch.cuda.synchronize(dist.device)
-        step_time = time.perf_counter() - t0
         with timer("communication"):
-            reduced = parallel.all_reduce_sum(torch.tensor([float(loss_sum), float(tokens)], dtype=torch.float64), dist)
-        step_tokens = int(reduced[1])
+            parallel.all_reduce_(loss_sum, dist)  # enqueued on the device under NCCL: no wait here
         self.state.step += 1
         self.state.tokens_seen += step_tokens
-        out = {
-            "loss": float(reduced[0]) / global_tokens,
+        out: dict[str, float | torch.Tensor] = {
+            "loss": loss_sum / global_labels,
             "lr": lr,
             "grad_norm": grad_norm,
-            "tokens_per_s": step_tokens / step_time,
-            "step_time_s": step_time,
             "tokens": self.state.tokens_seen,
             "global_batch": accum * cfg.train.micro_batch_size * dist.world_size,
         }
-        if self.peak_flops:
-            out["mfu"] = out["tokens_per_s"] * self.flops_per_token / (self.peak_flops * dist.world_size)
         if dist.device.type == "cuda":
-            out["peak_mem_gib"] = torch.cuda.max_memory_allocated(dist.device) / 2**30
+            out["peak_mem_gib"] = torch.cuda.max_memory_allocated(dist.device) / 2**30  # allocator stats: no sync
+        return out
+
+    def throughput(self, tokens: int, seconds: float) -> dict[str, float]:
+        out = super().throughput(tokens, seconds)
+        if self.peak_flops and "tokens_per_s" in out:
+            out["mfu"] = out["tokens_per_s"] * self.flops_per_token / (self.peak_flops * self.dist.world_size)
         return out
 
     def log_fields(self, m: dict) -> list[str]:
@@ -178,6 +178,13 @@ class SFTJob(TrainingJob):
             "eval_env_reward": sum(rewards) / len(rewards),
             "eval_env_pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards),
         }
+
+
+def _to_device(batch, device: torch.device):
+    """The batch on `device`; from pinned memory on CUDA, so the copy is asynchronous to the host."""
+    if device.type != "cuda":
+        return batch
+    return batch.pin_memory().to(device, non_blocking=True)
 
 
 if __name__ == "__main__":
