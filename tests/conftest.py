@@ -24,6 +24,17 @@ def sft_model(tmp_path_factory):
     return out / "sft" / "final"
 
 
+@pytest.fixture(scope="session")
+def half_trained_sft_model(tmp_path_factory):
+    """The tiny SFT model stopped at 60 steps (greedy exact match ~0.15): the README's RL example starts here, with
+    room to learn, where the 120-step model is already at ~0.8."""
+    out = tmp_path_factory.mktemp("sft60")
+    result = run_train(out, "sft", **{"train.max_steps": 60, "data.datasets.0.num_examples": 20000,
+                                      "ckpt.interval": 1000})  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:]
+    return out / "sft" / "final"
+
+
 # ---------------------------------------------------------------- the real vLLM (tests marked `vllm`)
 
 

@@ -15,6 +15,7 @@ from prime_train.rl.environments import (
     Prompt,
     arithmetic_reward,
     load_environment,
+    positional_reward,
     similarity_reward,
 )
 
@@ -70,6 +71,24 @@ def test_similarity_reward_grows_as_the_answer_gets_closer():
     assert len(set(rewards)) == len(rewards)
     assert rewards[0] == 0.0 and rewards[-1] == 1.0
     assert all(0.0 <= r < 1.0 for r in rewards[:-1])
+
+
+def test_positional_reward_never_pays_stopping_early_more_than_trying_the_next_character():
+    answer = "dzk"
+    stopped, tried_wrong, tried_right = (positional_reward(answer, a) for a in ("dz", "dzq", "dzk"))
+    assert stopped <= tried_wrong < tried_right == 1.0
+    # difflib's ratio, the old reward of reverse-text, paid the early stop more: GRPO learnt to cut answers short
+    assert similarity_reward(answer, "dz") > similarity_reward(answer, "dzq")
+    assert positional_reward("rvwb", "rvwwbbb") < positional_reward("rvwb", "rvwx")  # rambling on costs credit
+    assert positional_reward("abc", "") == 0.0 and positional_reward("abc", "cba") < 1.0
+
+
+def test_partial_credit_off_rewards_only_the_exact_answer():
+    env = load_environment("reverse-text", {"partial_credit": False})
+    prompt = env.prompts("train", 1, seed=0)[0]
+    assert env.reward(prompt, prompt.answer) == 1.0 and env.reward(prompt, prompt.answer[:-1]) == 0.0
+    with pytest.raises(EnvironmentLoadError, match=r"rl\.env_args\.partial_credit"):
+        load_environment("reverse-text", {"partial_credit": "yes"})
 
 
 def test_arithmetic_reward_gives_numeric_partial_credit_below_an_exact_answer():

@@ -9,9 +9,10 @@ from typing import ClassVar
 import pytest
 import torch
 
-from prime_train.config.schema import Config
-from prime_train.rl.grpo import grpo_loss
-from prime_train.rl.rollouts import PromptCursor, group_advantages
+from prime_train.config.schema import Config, RLConfig
+from prime_train.rl.grpo import grpo_loss, token_weights
+from prime_train.rl.rollouts import PromptCursor, Sample, group_advantages
+from prime_train.rl.train import loss_samples
 from prime_train.rl.workers import GpuPlan, InferenceHealthWatcher, gpu_plan, inference_specs
 
 
@@ -48,6 +49,57 @@ def test_kl_penalty_is_zero_at_the_reference_and_positive_away_from_it():
     _, kl_same, _ = grpo_loss(ref.clone(), ref.clone(), torch.ones(1, 2), torch.zeros(1), 0.2, ref, kl_coef=0.1)
     _, kl_away, _ = grpo_loss(ref + 0.3, ref + 0.3, torch.ones(1, 2), torch.zeros(1), 0.2, ref, kl_coef=0.1)
     assert float(kl_same) == pytest.approx(0.0, abs=1e-7) and float(kl_away) > 0
+
+
+def test_without_std_scaling_a_near_tie_weighs_less_than_right_against_wrong():
+    near_tie, decisive = [0.60, 0.61], [0.0, 1.0]
+    scaled = group_advantages(near_tie + decisive, 2, "group")
+    assert scaled[1] == pytest.approx(scaled[3], abs=0.05)  # GRPO: a 0.01 difference is worth as much as 1.0
+    unscaled = group_advantages(near_tie + decisive, 2, "none")  # Dr. GRPO: advantages in reward units
+    assert unscaled == pytest.approx([-0.005, 0.005, -0.5, 0.5])
+    batch = group_advantages(near_tie + decisive, 2, "batch")
+    assert batch[3] / batch[1] == pytest.approx(100.0, rel=1e-3)  # one divisor for all: relative weights kept
+    with pytest.raises(ValueError, match=r"rl\.scale_rewards"):
+        group_advantages([1.0, 0.0], 2, "std")
+
+
+def test_loss_norms_weigh_tokens_as_grpo_dapo_and_dr_grpo_do():
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]])  # a 4-token and a 1-token completion
+    token = token_weights(mask, "token", tokens=5, samples=2, max_tokens=8)
+    assert token[0, 0] == token[1, 0] == pytest.approx(1 / 5) and float(token.sum()) == pytest.approx(1.0)
+    sequence = token_weights(mask, "sequence", tokens=5, samples=2, max_tokens=8)
+    assert sequence.sum(-1).tolist() == pytest.approx([0.5, 0.5])  # each completion weighs the same in total
+    constant = token_weights(mask, "constant", tokens=5, samples=2, max_tokens=8)
+    assert constant[0, 0] == constant[1, 0] == pytest.approx(1 / 16)  # neither length nor token count rescales
+    assert float((constant * (1 - mask)).sum()) == 0.0 and float((sequence * (1 - mask)).sum()) == 0.0
+    with pytest.raises(ValueError, match=r"rl\.loss_norm"):
+        token_weights(mask, "mean", tokens=5, samples=2, max_tokens=8)
+
+
+def test_clip_higher_lets_an_unlikely_good_token_keep_growing():
+    old = torch.zeros(1, 1)
+    new = torch.full((1, 1), 0.22, requires_grad=True)  # ratio e^0.22 = 1.25: beyond 1.2, within 1.28
+    loss, _, clipped = grpo_loss(new, old, torch.ones(1, 1), torch.tensor([1.0]), clip_eps=0.2, clip_eps_high=0.28)
+    loss.backward()
+    assert new.grad.item() < 0 and float(clipped) == 0.0
+    symmetric = new.detach().clone().requires_grad_(True)
+    loss, _, clipped = grpo_loss(symmetric, old, torch.ones(1, 1), torch.tensor([1.0]), clip_eps=0.2)
+    loss.backward()
+    assert symmetric.grad.item() == 0.0 and float(clipped) == 1.0
+    # a bad token whose ratio went up is never clipped: its loss keeps pushing it down
+    bad = new.detach().clone().requires_grad_(True)
+    _, _, clipped = grpo_loss(bad, old, torch.ones(1, 1), torch.tensor([-1.0]), clip_eps=0.2)
+    assert float(clipped) == 0.0
+
+
+def test_zero_variance_groups_and_truncated_completions_leave_the_loss_when_asked():
+    def sample(std: float, truncated: bool) -> Sample:
+        return Sample([1], [2], [-0.1], 0.5, truncated=truncated, group_std=std)
+
+    samples = [sample(0.0, False), sample(0.2, False), sample(0.2, True)]
+    assert loss_samples(samples, RLConfig()) == samples
+    assert loss_samples(samples, RLConfig(drop_zero_variance_groups=True)) == samples[1:]
+    assert loss_samples(samples, RLConfig(drop_zero_variance_groups=True, mask_truncated=True)) == samples[1:2]
 
 
 def test_prompt_cursor_splits_one_order_between_ranks_and_resumes():

@@ -77,12 +77,16 @@ def render_status(s: dict, console: Console) -> None:
     """The run's state as a two-column table, then its recent events one a line."""
     from rich.table import Table
 
+    from prime_train.resilience.rl_summary import status_rows
+
     literal = output.literal
     table = Table(show_header=False, title=literal(s["run_dir"]))
     table.add_column(no_wrap=True)
     table.add_column(overflow="fold")
     for key in STATUS_FIELDS:
         table.add_row(key, literal(_cell(key, s[key])))
+    for key, value in status_rows(s.get("rl")):  # an RL run's reward and pass rate, and their trend
+        table.add_row(key, literal(value))
     if s["last_failure"]:
         failure = s["last_failure"]
         kind, message = failure.get("kind"), failure.get("message")

@@ -424,6 +424,36 @@ class RLConfig(Section):
     max_async_level: int = Field(1, ge=0, description="Rollouts may come from a policy at most this many steps old.")
     clip_eps: float = Field(0.2, gt=0, description="PPO-style ratio clipping of the policy-gradient loss.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of a KL penalty to the initial (reference) model.")
+    clip_eps_high: float | None = Field(
+        None,
+        gt=0,
+        description="Upper clip of the ratio, 1 + clip_eps_high (DAPO's clip-higher uses 0.28); unset: clip_eps.",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="Advantage = reward - its group's mean, divided by the group's reward std (GRPO), the batch's "
+        "('batch'), or nothing ('none', Dr. GRPO).",
+    )
+    loss_norm: Literal["token", "sequence", "constant"] = Field(
+        "token",
+        description="How token losses are averaged: over the batch's tokens ('token', DAPO), per completion then "
+        "over completions ('sequence', GRPO), or over completions x max_tokens ('constant', Dr. GRPO).",
+    )
+    drop_zero_variance_groups: bool = Field(
+        False,
+        description="Leave out of the loss the groups whose completions all scored the same (DAPO's dynamic "
+        "sampling, without refilling): their advantage is zero, they would only dilute the average.",
+    )
+    mask_truncated: bool = Field(
+        False,
+        description="Leave out of the loss completions cut off by max_tokens (DAPO's overlong filtering).",
+    )
+    optimizer_steps: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per rollout batch: the batch is split into this many mini-batches, each "
+        "one step (the ratio and its clip matter from the second on). The LR schedule counts rollout batches.",
+    )
     budget_margin_tokens: int = Field(
         8, ge=0, description="Tokens kept free between prompt + max_tokens and inference.max_model_len."
     )
@@ -431,6 +461,12 @@ class RLConfig(Section):
         "local", description="Where a tool-calling environment runs its tools."
     )
     eval_prompts: int = Field(64, ge=0, description="Held-out prompts for the mean-reward eval.")
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _none_is_a_name(cls, value: Any) -> Any:
+        # `--rl.scale_rewards none` reads as null on the command line: here it is the name of Dr. GRPO's choice
+        return "none" if value is None else value
 
 
 SKY_CLOUDS = ("aws", "gcp", "azure", "lambda", "runpod", "vast", "primeintellect", "kubernetes")

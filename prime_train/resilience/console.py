@@ -14,6 +14,7 @@ from rich.text import Text
 
 from prime_train.contract import Phase, read_jsonl
 from prime_train.resilience.logscan import Finding
+from prime_train.resilience.rl_summary import rl_summary, summary_lines
 from prime_train.resilience.supervisor import Observer, Supervisor
 
 
@@ -147,6 +148,7 @@ def final_results(run_dir, *, written_since: float | None = None) -> list[str]:
         final_written = (run_dir.final_dir / "config.json").stat().st_mtime
     except OSError:
         final_written = None
+    out += summary_lines(rl_summary(run_dir.metrics_path))  # RL: reward and pass rate at start and end
     if final_written is not None and written_since is not None and final_written >= written_since:
         out.append(f"model (HF format): {run_dir.final_dir}")
     return out

@@ -20,6 +20,7 @@ import psutil
 from prime_train.contract import RunDir, list_checkpoints, read_heartbeat, read_json, read_lock_holder
 from prime_train.resilience.events import read_events
 from prime_train.resilience.redact import Redactor
+from prime_train.resilience.rl_summary import rl_summary
 
 
 def _alive(pid: object) -> bool:
@@ -166,6 +167,7 @@ def run_status(run_dir: Path, redactor: Redactor | None = None) -> dict:
         "checkpoints": _checkpoint_steps(rd, job),
         "last_failure": _newest_failure(sup, events),
         "recent_events": events[-8:],
+        "rl": rl_summary(rd.metrics_path),  # RL runs: reward and pass rate, start against now (rl_summary.py)
     }
     return (redactor or Redactor.from_environment()).value(status)
 

@@ -77,6 +77,27 @@ def similarity_reward(answer: str, completion: str) -> float:
     return difflib.SequenceMatcher(None, got, answer, autojunk=False).ratio()
 
 
+def positional_reward(answer: str, completion: str) -> float:
+    """1.0 for an exact answer, else the share of positions that hold the right character, over the longer length.
+
+    Each character earns credit only in its place, and the longer of the two strings is the denominator, so a
+    stop before the end earns no more than a wrong character in its place: trying the next character never
+    costs reward. difflib's ratio (similarity_reward) pays a right prefix that stops early more than the same
+    prefix with one wrong character after it, and GRPO from a half-trained model learnt to cut its answers short
+    under it (sampled reward up, exact answers down; measured on the CPU, issue 16).
+    """
+    got = tasks.extract_answer(completion)
+    if got == answer:
+        return 1.0
+    # equal strings are the only ones with every position right, so every inexact answer stays below 1.0
+    return sum(a == b for a, b in zip(got, answer, strict=False)) / max(len(got), len(answer), 1)
+
+
+def exact_reward(answer: str, completion: str) -> float:
+    """1.0 for the exact answer, else 0.0 (env_args partial_credit = false)."""
+    return 1.0 if tasks.extract_answer(completion) == answer else 0.0
+
+
 def arithmetic_reward(answer: str, completion: str) -> float:
     """1.0 for the exact number; an integer off by d earns 0.5·max(0, 1 − d/10); anything else 0.
 
@@ -96,8 +117,8 @@ def arithmetic_reward(answer: str, completion: str) -> float:
 
 _REWARDS: dict[str, Callable[[str, str], float]] = {
     "arithmetic": arithmetic_reward,
-    "reverse-text": similarity_reward,
-    "sorting": similarity_reward,
+    "reverse-text": positional_reward,
+    "sorting": positional_reward,
 }
 # Keyword arguments each built-in task's constructor takes (rl.env_args beyond eval_fraction).
 _TASK_CLASSES: dict[str, type[tasks.Task]] = {
@@ -118,20 +139,25 @@ class BuiltinEnvironment:
 
     uses_tools = False
 
-    def __init__(self, name: str, eval_fraction: float = DEFAULT_EVAL_FRACTION, **task_args: Any) -> None:
+    def __init__(
+        self, name: str, eval_fraction: float = DEFAULT_EVAL_FRACTION, partial_credit: bool = True, **task_args: Any
+    ) -> None:
         if not 0.0 < eval_fraction < 1.0:
             raise EnvironmentLoadError(f"rl.env_args.eval_fraction must be in (0, 1), got {eval_fraction}")
+        if not isinstance(partial_credit, bool):
+            raise EnvironmentLoadError(f"rl.env_args.partial_credit must be true or false, got {partial_credit!r}")
         try:
             self.task = _TASK_CLASSES[name](**task_args)
         except TypeError:
             accepted = [p for p in inspect.signature(_TASK_CLASSES[name].__init__).parameters if p != "self"]
             raise EnvironmentLoadError(
                 f"rl.env_args {sorted(task_args)} not accepted by the built-in environment {name!r}; "
-                f"it takes: {', '.join([*accepted, 'eval_fraction'])}"
+                f"it takes: {', '.join([*accepted, 'eval_fraction', 'partial_credit'])}"
             ) from None
         self.name = name
         self.eval_fraction = eval_fraction
-        self._reward = _REWARDS[name]
+        # exact match only: a harder signal to find from a weak policy, but one nothing can game
+        self._reward = _REWARDS[name] if partial_credit else exact_reward
 
     def prompts(self, split: str, n: int, seed: int) -> list[Prompt]:
         """`n` prompts of `split`; train prompts may repeat, eval prompts are distinct while the task has enough."""
@@ -155,7 +181,7 @@ class BuiltinEnvironment:
         return out
 
     def reward(self, prompt: Prompt, completion: str) -> float:
-        """The task's reward (exact match 1.0, partial credit below it) of `completion` for `prompt`."""
+        """The task's reward (exact match 1.0, partial credit below it unless partial_credit = false)."""
         if prompt.answer is None:
             raise ValueError(f"prompt {prompt.text!r} of environment {self.name!r} has no answer to score against")
         return self._reward(prompt.answer, completion)

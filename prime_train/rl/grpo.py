@@ -1,6 +1,13 @@
 """The GRPO objective: log-probabilities of completions under the policy and the clipped surrogate loss.
 
-Pure tensor math, used by the GRPO job (rl/train.py) on batches from rl/rollouts.py.
+Pure tensor math, used by the GRPO job (rl/train.py) on batches from rl/rollouts.py. The variants people
+run are options of one loss (rl.loss_norm, rl.clip_eps_high; advantages in rl/rollouts.py):
+- GRPO (Shao et al. 2024, DeepSeekMath): a completion's token losses averaged, then completions averaged
+  (`loss_norm = "sequence"`): a token of a short completion weighs more than one of a long completion.
+- DAPO (Yu et al. 2025): every token of the batch weighs the same (`"token"`), the upper clip raised
+  (`clip_eps_high` 0.28 against 0.2) so unlikely tokens with a positive advantage can still grow.
+- Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): a constant denominator, samples x
+  rl.max_tokens (`"constant"`), so neither length nor the batch's token count rescales a token's gradient.
 """
 
 from __future__ import annotations
@@ -9,11 +16,14 @@ import torch
 
 from prime_train.rl.rollouts import Sample
 
+LOSS_NORMS = ("token", "sequence", "constant")
 
-def completion_logprobs(model, samples: list[Sample], device, temperature: float, pad_id: int):
+
+def completion_logprobs(model, samples: list[Sample], device, temperature: float, pad_id: int, *, entropy=False):
     """Log-probabilities of each sample's completion tokens under `model` (sampling temperature applied).
 
-    Returns a [B, T] tensor of logprobs aligned to completion tokens and a [B, T] mask.
+    Returns a [B, T] tensor of logprobs aligned to completion tokens and a [B, T] mask, and with
+    `entropy=True` also the [B, T] entropy (nats, no gradient) of the tempered distribution at each token.
     """
     seqs = [s.prompt_ids + s.completion_ids for s in samples]
     width = max(len(x) for x in seqs)
@@ -25,28 +35,61 @@ def completion_logprobs(model, samples: list[Sample], device, temperature: float
     logits = model(input_ids=ids, position_ids=positions).logits[:, :-1].float()
     if temperature > 0:
         logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # predicts token t+1
+    all_logp = torch.log_softmax(logits, dim=-1)
+    logp = all_logp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # predicts token t+1
     comp_width = max(len(s.completion_ids) for s in samples)
     out = torch.zeros((len(seqs), comp_width), device=device)
     mask = torch.zeros((len(seqs), comp_width), device=device)
+    ent = torch.zeros((len(seqs), comp_width), device=device) if entropy else None
+    if entropy:
+        with torch.no_grad():
+            token_entropy = -(all_logp.exp() * all_logp).sum(-1)
     for row, s in enumerate(samples):
         start = len(s.prompt_ids) - 1
         n = len(s.completion_ids)
         out[row, :n] = logp[row, start : start + n]
         mask[row, :n] = 1.0
-    return out, mask
+        if entropy:
+            ent[row, :n] = token_entropy[row, start : start + n]
+    return (out, mask, ent) if entropy else (out, mask)
 
 
-def grpo_loss(new_logp, old_logp, mask, advantages, clip_eps: float, ref_logp=None, kl_coef: float = 0.0):
-    """Clipped surrogate on completion tokens; sum over tokens (the caller divides by the batch's tokens)."""
+def token_weights(mask, loss_norm: str, *, tokens: float, samples: float, max_tokens: int):
+    """Each completion token's weight in the loss, so that the weighted sum is the batch's loss.
+
+    `tokens` and `samples` are the whole batch's counts (over every rank); `mask` is this chunk's [B, T] mask.
+    "token": 1/tokens; "sequence": 1/(the completion's length x samples); "constant": 1/(samples x max_tokens).
+    """
+    if loss_norm == "token":
+        return mask / max(1.0, tokens)
+    if loss_norm == "sequence":
+        lengths = mask.sum(-1, keepdim=True).clamp(min=1.0)
+        return mask / lengths / max(1.0, samples)
+    if loss_norm == "constant":
+        return mask / (max(1.0, samples) * max_tokens)
+    raise ValueError(f"rl.loss_norm must be one of {LOSS_NORMS}, got {loss_norm!r}")
+
+
+def grpo_loss(
+    new_logp, old_logp, mask, advantages, clip_eps: float, ref_logp=None, kl_coef: float = 0.0, *,
+    clip_eps_high: float | None = None, weights=None,
+):  # fmt: skip
+    """Clipped surrogate on completion tokens, summed with `weights` (default: the mask, so the caller divides).
+
+    The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (clip_eps_high None: clip_eps). Returns the loss,
+    and the masked sums of the KL estimate and of the clipped-token indicator (for metrics).
+    """
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     ratio = torch.exp(new_logp - old_logp)
     adv = advantages[:, None]
-    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
+    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + high) * adv)
     per_token = -surrogate
     kl = torch.zeros_like(per_token)
     if ref_logp is not None and kl_coef > 0:
         diff = ref_logp - new_logp
         kl = torch.exp(diff) - diff - 1  # k3 estimator: unbiased, always >= 0
         per_token = per_token + kl_coef * kl
-    clipped = ((ratio - 1).abs() > clip_eps).float()
-    return (per_token * mask).sum(), (kl * mask).sum(), (clipped * mask).sum()
+    # a token counts as clipped where the clip took its gradient away: beyond the bound in the advantage's direction
+    clipped = ((ratio > 1 + high) & (adv > 0)) | ((ratio < 1 - clip_eps) & (adv < 0))
+    w = mask if weights is None else weights
+    return (per_token * w).sum(), (kl * mask).sum(), (clipped.float() * mask).sum()

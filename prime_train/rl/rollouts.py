@@ -38,6 +38,8 @@ class Sample:
     old_logprobs: list[float]  # the worker's logprobs of the sampled tokens
     reward: float
     advantage: float = 0.0
+    truncated: bool = False  # stopped by rl.max_tokens (or the context) before the model ended it
+    group_std: float = 0.0  # the std of the rewards of this prompt's group: 0 when every completion scored the same
 
 
 @dataclass
@@ -81,14 +83,32 @@ class PromptCursor:
         self.position = int(state.get("position", 0))
 
 
-def group_advantages(rewards: list[float], group_size: int) -> list[float]:
-    """(r - mean) / (std + eps) within each group of completions of one prompt."""
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def _std(values: list[float]) -> float:
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+
+
+def group_advantages(rewards: list[float], group_size: int, scale: str = "group") -> list[float]:
+    """r - mean of its group (the completions of one prompt), divided by a std as `scale` says.
+
+    "group": the group's std (GRPO): a group whose rewards differ by 0.01 gets advantages of +-1, as large as
+    one that tells right from wrong. "batch": the whole batch's std, so groups keep their relative weight.
+    "none": no division (Dr. GRPO): an advantage is in reward units.
+    """
+    if scale not in SCALE_REWARDS:
+        raise ValueError(f"rl.scale_rewards must be one of {SCALE_REWARDS}, got {scale!r}")
     out = []
     for start in range(0, len(rewards), group_size):
         group = rewards[start : start + group_size]
         mean = sum(group) / len(group)
-        std = math.sqrt(sum((r - mean) ** 2 for r in group) / len(group))
-        out.extend((r - mean) / (std + 1e-4) for r in group)
+        std = _std(group) if scale == "group" else 1.0
+        out.extend((r - mean) / (std + 1e-4) if scale == "group" else r - mean for r in group)
+    if scale == "batch" and len(rewards) > 1:
+        std = _std(rewards)
+        out = [a / (std + 1e-4) for a in out]
     return out
 
 
@@ -157,14 +177,27 @@ class RolloutSource:
         samples = []
         clamped = 0
         for prompt, completions in zip(prompts, groups, strict=True):
+            group = []
             for c in completions:
                 # vLLM 0.30+ (and the embedded worker) clamp max_tokens to the room the prompt leaves: count it
                 clamped += c.finish_reason == "length" and len(c.token_ids) < rl.max_tokens
                 if c.token_ids:
                     reward = self.env.reward(prompt, c.text)
-                    samples.append(Sample(list(c.prompt_token_ids), list(c.token_ids), list(c.logprobs), reward))
-        for s, a in zip(samples, group_advantages([s.reward for s in samples], rl.group_size), strict=True):
-            s.advantage = a
+                    ids, logprobs = list(c.token_ids), list(c.logprobs)
+                    truncated = c.finish_reason == "length"
+                    group.append(Sample(list(c.prompt_token_ids), ids, logprobs, reward, truncated=truncated))
+            if group:
+                # advantages within this prompt's own completions (an empty one dropped must not shift the groups)
+                rewards = [s.reward for s in group]
+                within = "group" if rl.scale_rewards == "group" else "none"  # "batch" divides below, once
+                std = _std(rewards)
+                for s, a in zip(group, group_advantages(rewards, len(group), within), strict=True):
+                    s.advantage, s.group_std = a, std
+                samples.extend(group)
+        if rl.scale_rewards == "batch" and len(samples) > 1:
+            std = _std([s.reward for s in samples])
+            for s in samples:
+                s.advantage /= std + 1e-4
         return RolloutBatch(samples, policy_step, time.time() - t0, self.cursor.position, clamped)
 
     def _produce(self) -> None:

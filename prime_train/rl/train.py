@@ -5,7 +5,9 @@ through the batch source in rl/rollouts.py; the step is a clipped policy-gradien
 completion tokens with group-normalised advantages (rl/grpo.py); after every step the new weights
 are published to <run>/weights/step-N (renamed when whole) and every worker loads them (metrics
 `weight_reload_s`, `workers_reloaded`). The loop around the step (resume, heartbeat, stopping,
-saves, export, exit codes) is the shared one in engine/loop.py, the same as SFT's.
+saves, export, exit codes) is the shared one in engine/loop.py, the same as SFT's. The loss's variant (GRPO,
+Dr. GRPO, DAPO's parts) and the optimizer steps per rollout batch are [rl] keys; each step logs the sampled
+`reward` and `pass_rate`, the policy's `entropy` at the tokens it learnt from, and `trained_samples_fraction`.
 
 `logprob_mismatch`, logged for each batch sampled by the weights the trainer holds when it trains on it
 (off_policy_steps = 0): the mean over the batch's completion tokens of |worker logprob - trainer logprob|
@@ -20,21 +22,22 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import shutil
 import time
 from typing import Any
 
 import torch
 
-from prime_train.config.schema import Config
+from prime_train.config.schema import Config, RLConfig
 from prime_train.contract import Phase
 from prime_train.engine import parallel
 from prime_train.engine.loop import TrainingJob, main
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.rl.client import ContextLengthError, RolloutPool, WeightLoad, worker_url
 from prime_train.rl.environments import load_environment
-from prime_train.rl.grpo import completion_logprobs, grpo_loss
-from prime_train.rl.rollouts import RolloutBatch, RolloutSource
+from prime_train.rl.grpo import completion_logprobs, grpo_loss, token_weights
+from prime_train.rl.rollouts import RolloutBatch, RolloutSource, Sample
 from prime_train.rl.workers import resolve_backend
 
 logger = logging.getLogger("prime_train.rl")
@@ -128,68 +131,65 @@ class GRPOJob(TrainingJob):
         cfg, dist, timer = self.cfg, self.dist, self.timer
         batch, lag = self._next_batch()
         samples = batch.samples
-        tokens = sum(len(s.completion_ids) for s in samples)
-        with timer("communication"):
-            total = max(1.0, float(parallel.all_reduce_sum(torch.tensor([float(tokens)]), dist)[0]))
-        loss_sum = kl_sum = clip_sum = mismatch_sum = mismatch_tokens = 0.0
-        mbs = cfg.train.micro_batch_size
-        chunks = [samples[i : i + mbs] for i in range(0, len(samples), mbs)] or [[]]
-        pad_id = self.tokenizer.pad_token_id
+        kept = loss_samples(samples, cfg.rl)
+        k = cfg.rl.optimizer_steps
+        # mini-batches of whole groups, in the batch's order; a rank with nothing to learn from in one still runs a
+        # zero-weight backward, so that every rank reduces gradients the same number of times
+        per = math.ceil(len(kept) / k) if kept else 0
+        minibatches = [kept[i * per : (i + 1) * per] for i in range(k)]
+        sums = dict.fromkeys(("loss", "kl", "clipped", "entropy", "tokens", "mismatch", "mismatch_tokens"), 0.0)
+        grad_norms = []
         t0 = time.perf_counter()
-        for i, chunk in enumerate(chunks):
-            if not chunk:
-                continue
-            with parallel.grad_sync(self.model, enabled=i == len(chunks) - 1), self._autocast():
-                with timer("forward"):
-                    new_logp, mask = completion_logprobs(self.model, chunk, dist.device, cfg.rl.temperature, pad_id)
-                    old = torch.zeros_like(new_logp)
-                    for row, s in enumerate(chunk):
-                        old[row, : len(s.old_logprobs)] = torch.tensor(s.old_logprobs[: new_logp.size(1)])
-                    ref = None
-                    if self.reference is not None:
-                        with torch.no_grad():
-                            ref, _ = completion_logprobs(self.reference, chunk, dist.device, cfg.rl.temperature, pad_id)
-                    if lag == 0:  # the worker sampled with the weights the trainer holds: any difference is numerical
-                        with torch.no_grad():
-                            mismatch_sum += float(((new_logp - old.to(new_logp.device)).abs() * mask).sum())
-                            mismatch_tokens += float(mask.sum())
-                    adv = torch.tensor([s.advantage for s in chunk], device=dist.device)
-                    loss, kl, clipped = grpo_loss(new_logp, old, mask, adv, cfg.rl.clip_eps, ref, cfg.rl.kl_coef)
-                with timer("backward"):
-                    (loss * (dist.world_size / total)).backward()
-            loss_sum += float(loss.detach())
-            kl_sum += float(kl)
-            clip_sum += float(clipped)
-        with timer("optimizer"):
-            grad_norm = self.clip_gradients()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        for index, minibatch in enumerate(minibatches):
+            weight = 1.0 if minibatch else 0.0
+            minibatch = minibatch or samples[:1]
+            with timer("communication"):
+                counts = torch.tensor([weight * sum(len(s.completion_ids) for s in minibatch), weight * len(minibatch)])
+                tokens, num_samples = (float(x) for x in parallel.all_reduce_sum(counts, dist))
+            if num_samples == 0:
+                continue  # no rank has anything to learn from: no step (Adam would move on its momentum alone)
+            # the worker's logprobs are the trainer's policy only before this batch's first optimizer step
+            measure = lag == 0 and index == 0
+            self._minibatch_backward(minibatch, weight, tokens, num_samples, measure, sums)
+            with timer("optimizer"):
+                grad_norms.append(self.clip_gradients())
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         rewards = [s.reward for s in samples]
+        names = list(sums)
         with timer("communication"):
             reduced = parallel.all_reduce_sum(
                 torch.tensor(
-                    [loss_sum, kl_sum, clip_sum, sum(rewards), float(len(rewards)), mismatch_sum, mismatch_tokens],
+                    [*(sums[n] for n in names), sum(rewards), len(rewards), sum(r >= 1.0 for r in rewards),
+                     sum(len(s.completion_ids) for s in samples), len(kept), sum(s.truncated for s in samples)],
                     dtype=torch.float64,
                 ),
                 dist,
-            )
+            )  # fmt: skip
+        total = dict(zip(names, (float(x) for x in reduced[: len(names)]), strict=True))
+        reward_sum, n, passed, batch_tokens, kept_n, truncated = (float(x) for x in reduced[len(names) :])
         self.state.step += 1
-        self.state.tokens_seen += int(total)
+        self.state.tokens_seen += int(batch_tokens)
         train_s = time.perf_counter() - t0
         with timer("weight_sync"):
             self.publish_weights()
-        n = max(1.0, float(reduced[4]))
+        n = max(1.0, n)
+        trained = max(1.0, total["tokens"])
         m = {
-            "loss": float(reduced[0]) / total,
-            "reward": float(reduced[3]) / n,
+            "loss": total["loss"] / k,
+            "reward": reward_sum / n,
             "reward_std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
-            "kl": float(reduced[1]) / total,
-            "clip_fraction": float(reduced[2]) / total,
-            "grad_norm": grad_norm,
+            "pass_rate": passed / n,
+            "kl": total["kl"] / trained,
+            "clip_fraction": total["clipped"] / trained,
+            "grad_norm": max(grad_norms, default=0.0),  # 0: every group scored alike, no step was taken
+            "optimizer_steps": len(grad_norms),
             "lr": lr,
-            "completion_tokens": int(total),
+            "completion_tokens": int(batch_tokens),
+            "trained_samples_fraction": kept_n / n,
+            "truncated_fraction": truncated / n,
             "rollout_s": batch.seconds,
             "train_s": train_s,
             "step_time_s": batch.seconds + train_s,
@@ -198,18 +198,66 @@ class GRPOJob(TrainingJob):
             "workers_reloaded": len(self._last_load.seconds),
             "clamped_completions": batch.clamped,
         }
-        if float(reduced[6]) > 0:
-            m["logprob_mismatch"] = float(reduced[5]) / float(reduced[6])
+        if total["tokens"] > 0:  # the policy's entropy at the tokens it learnt from (none: every group scored alike)
+            m["entropy"] = total["entropy"] / total["tokens"]
+        if total["mismatch_tokens"] > 0:
+            m["logprob_mismatch"] = total["mismatch"] / total["mismatch_tokens"]
         return m
+
+    def _minibatch_backward(
+        self, minibatch: list[Sample], weight: float, tokens: float, num_samples: float, measure: bool, sums: dict
+    ) -> None:
+        """Accumulate one mini-batch's gradient, micro-batch by micro-batch, and add its figures to `sums`."""
+        cfg, dist, timer, rl = self.cfg, self.dist, self.timer, self.cfg.rl
+        mbs = cfg.train.micro_batch_size
+        chunks = [minibatch[i : i + mbs] for i in range(0, len(minibatch), mbs)]
+        pad_id = self.tokenizer.pad_token_id
+        for i, chunk in enumerate(chunks):
+            with parallel.grad_sync(self.model, enabled=i == len(chunks) - 1), self._autocast():
+                with timer("forward"):
+                    new_logp, mask, entropy = completion_logprobs(
+                        self.model, chunk, dist.device, rl.temperature, pad_id, entropy=True
+                    )
+                    old = torch.zeros_like(new_logp)
+                    for row, s in enumerate(chunk):
+                        old[row, : len(s.old_logprobs)] = torch.tensor(s.old_logprobs[: new_logp.size(1)])
+                    ref = None
+                    if self.reference is not None:
+                        with torch.no_grad():
+                            ref, _ = completion_logprobs(self.reference, chunk, dist.device, rl.temperature, pad_id)
+                    if measure:  # the worker sampled with the weights the trainer holds: any difference is numerical
+                        with torch.no_grad():
+                            sums["mismatch"] += float(((new_logp - old).abs() * mask).sum())
+                            sums["mismatch_tokens"] += float(mask.sum())
+                    adv = torch.tensor([s.advantage for s in chunk], device=dist.device)
+                    weights = token_weights(
+                        mask, rl.loss_norm, tokens=tokens, samples=num_samples, max_tokens=rl.max_tokens
+                    )
+                    loss, kl, clipped = grpo_loss(
+                        new_logp, old, mask, adv, rl.clip_eps, ref, rl.kl_coef,
+                        clip_eps_high=rl.clip_eps_high, weights=weights * weight,
+                    )  # fmt: skip
+                with timer("backward"):
+                    # DDP and FSDP average gradients over ranks; the weights already divide by the whole batch
+                    (loss * dist.world_size).backward()
+            sums["loss"] += float(loss.detach())
+            if weight:
+                sums["kl"] += float(kl)
+                sums["clipped"] += float(clipped)
+                sums["entropy"] += float((entropy * mask).sum())
+                sums["tokens"] += float(mask.sum())
 
     def log_fields(self, m: dict) -> list[str]:
         fields = [
             f"reward {m['reward']:.3f}",
+            f"pass {m['pass_rate']:.3f}",
             f"loss {m['loss']:.4f}",
             f"kl {m['kl']:.4f}",
             f"rollout {m['rollout_s']:.1f}s train {m['train_s']:.1f}s",
             f"reload {m['weight_reload_s']:.2f}s x{m['workers_reloaded']}",
         ]
+        if "entropy" in m:
+            fields.append(f"entropy {m['entropy']:.3f}")
         if "logprob_mismatch" in m:
             fields.append(f"logprob mismatch {m['logprob_mismatch']:.2e}")
         return fields
@@ -279,6 +327,14 @@ class GRPOJob(TrainingJob):
         self.batches.close()
         self.reference = None
         super().close()
+
+
+def loss_samples(samples: list[Sample], rl: RLConfig) -> list[Sample]:
+    """The samples the loss learns from: rl.drop_zero_variance_groups and rl.mask_truncated leave some out."""
+    return [
+        s for s in samples
+        if not (rl.drop_zero_variance_groups and s.group_std == 0.0) and not (rl.mask_truncated and s.truncated)
+    ]  # fmt: skip
 
 
 @contextlib.contextmanager
