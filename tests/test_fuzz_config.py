@@ -21,6 +21,7 @@ import copy
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -452,25 +453,37 @@ def cheap_to_train(o: Outcome) -> bool:
 
 @pytest.mark.slow  # ~15 s a run on two idle CPU cores (imports, data, one step, eval, export); minutes when busy
 def test_a_sample_of_accepted_mutants_trains_a_step_for_real(outcomes):
+    from concurrent.futures import ThreadPoolExecutor
+
     candidates = [o for o in outcomes if o.accepted and cheap_to_train(o)]
     assert len(candidates) >= REAL_TRAIN_SAMPLE, len(candidates)
     sample = random.Random(SEED).sample(candidates, REAL_TRAIN_SAMPLE)
-    failed = []
-    for o in sample:
+
+    def train(o) -> str | None:
+        # a copy of the sandbox of its own (the case's relative paths resolve the same), so two runs that name the
+        # same run directory never meet
+        sandbox = o.path.parent.parent.parent / f"real-{o.case.number}" / "a" / "b"
+        shutil.copytree(o.path.parent, sandbox, ignore=lambda d, names: [n for n in names if n.startswith("case-")])
+        path = shutil.copy(o.path, sandbox / o.path.name)
         result = subprocess.run(
-            [sys.executable, "-m", "prime_train", "train", str(o.path), *o.case.overrides, "--train.max_steps", "1"],
-            cwd=o.path.parent,
+            [sys.executable, "-m", "prime_train", "train", str(path), *o.case.overrides, "--train.max_steps", "1"],
+            cwd=sandbox,
             capture_output=True,
             text=True,
             timeout=300,
             env={
                 **os.environ,
-                "HOME": str(o.path.parent),
+                "HOME": str(sandbox),
                 "HF_HUB_OFFLINE": "1",
                 "CUDA_VISIBLE_DEVICES": "",
-                "OMP_NUM_THREADS": "1",  # one intra-op thread: on a shared machine more only contend
+                "OMP_NUM_THREADS": "1",  # one intra-op thread each, two runs at a time: one a core
             },
         )
         if result.returncode != 0:
-            failed.append(f"{o.path.name} {o.case.overrides}: exit {result.returncode}\n{result.stderr[-1500:]}")
+            return f"{o.path.name} {o.case.overrides}: exit {result.returncode}\n{result.stderr[-1500:]}"
+        return None
+
+    # each mutant has a directory of its own: two at a time halve the wall time on two cores
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        failed = [f for f in pool.map(train, sample) if f]
     assert not failed, "\n\n".join(failed)

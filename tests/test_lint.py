@@ -629,3 +629,41 @@ def test_a_check_about_a_rejected_value_is_left_out_not_judged_against_its_defau
     cfg.write_text('[train]\nglobal_batch_size = "96"\nmicro_batch_size = 48\n')
     problems, _ = lint_files([str(cfg)])
     assert [p.key for p in problems] == ["train.global_batch_size"], [p.message for p in problems]
+
+
+@pytest.mark.parametrize(
+    ("dataset", "key", "said"),
+    [
+        ('completion_field = "answer"', "data.datasets[0].format", "cannot tell the format of task 'reverse-text'"),
+        ('format = "prompt_completion"\nprompt_field = "question"', "data.datasets[0].prompt_field", "= 'question'"),
+        ('format = "chat"', "data.datasets[0].format", "gives prompt/completion records"),
+    ],
+)
+def test_a_task_dataset_whose_field_keys_miss_its_records_is_an_error_the_engine_would_raise(
+    dataset, key, said, tmp_path, monkeypatch
+):
+    # found by the fuzz test: lint passed these and the engine stopped at its first record
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f'[[data.datasets]]\ntask = "reverse-text"\n{dataset}\n')
+    problems, _ = lint_files([str(cfg)])
+    assert [(p.key, p.severity) for p in problems] == [(key, "error")], problems
+    assert said in problems[0].message
+    cfg.write_text('[[data.datasets]]\ntask = "reverse-text"\nformat = "text"\ntext_field = "prompt"\n')
+    assert lint_files([str(cfg)])[0] == [], "a field the records have is fine"
+
+
+def test_ckpt_resume_must_name_a_whole_step_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "step-8").mkdir()
+    whole = tmp_path / "step-12"
+    whole.mkdir()
+    (whole / ".metadata").write_bytes(b"x")
+    cfg = tmp_path / "run.toml"
+    for resume, said in [("model", "its name is not step-N"), ("step-8", "no DCP .metadata"), ("gone", "neither")]:
+        cfg.write_text(f'[ckpt]\nresume = "{resume}"\n')
+        problems, _ = lint_files([str(cfg)])
+        assert [p.key for p in problems] == ["ckpt.resume"] and said in problems[0].message, problems
+    cfg.write_text('[ckpt]\nresume = "step-12"\n')
+    assert lint_files([str(cfg)])[0] == []

@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from prime_train.config.schema import CkptConfig
 from prime_train.contract import STEP_RE, RunDir, fsync_dir, list_checkpoints, newest_checkpoint, write_json_atomic
+from prime_train.engine.metrics import EngineConfigError
 from prime_train.retention import (
     TMP_OWNER_FILE,
     apply_retention,
@@ -513,7 +514,7 @@ class Checkpointer:
             result = self._resolve_resume_local()
         path, error, self.quarantined = self._from_rank0(result)
         if error is not None:
-            raise ValueError(error)
+            raise EngineConfigError(error)
         if self.quarantined:
             newest = path and STEP_RE.match(Path(path).name)
             self._latest_step = int(newest.group(1)) if newest else None

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from prime_train import tasks
 from prime_train.engine.documents import Document, Encoder
+from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.packing import Batch, PackedRows, PackingStats, build_rows, concat_rows
 from prime_train.engine.records import (
     detect_format,
@@ -59,11 +60,11 @@ def _check_data_config(data: DataConfig) -> None:
     if probs is None:
         return
     if len(probs) != len(data.datasets):
-        raise ValueError(
+        raise EngineConfigError(
             f"data.sampling_probs has {len(probs)} values for {len(data.datasets)} datasets; give one per dataset"
         )
     if any(p < 0 for p in probs) or not math.isclose(sum(probs), 1.0, abs_tol=1e-6):
-        raise ValueError(f"data.sampling_probs {probs} must be non-negative and sum to 1")
+        raise EngineConfigError(f"data.sampling_probs {probs} must be non-negative and sum to 1")
 
 
 def _dataset_contents(
@@ -156,7 +157,7 @@ class _EpochOrder:
         self.length = int(sum(sizes))
         weights = list(sizes) if probs is None else [p if s else 0.0 for p, s in zip(probs, sizes, strict=True)]
         if self.length and sum(weights) <= 0:
-            raise ValueError("data.sampling_probs gives every non-empty dataset probability 0")
+            raise EngineConfigError("data.sampling_probs gives every non-empty dataset probability 0")
         self.quotas = _largest_remainder(weights, self.length) if self.length else [0] * len(sizes)
         self.seed = seed
         self.rank = rank
@@ -372,12 +373,12 @@ def build_train_loader(
             seed=seed, device=device,
         )  # fmt: skip
     if micro_batch_size < 1:
-        raise ValueError(f"train.micro_batch_size must be at least 1, got {micro_batch_size}")
+        raise EngineConfigError(f"train.micro_batch_size must be at least 1, got {micro_batch_size}")
     parts, shared = _rank_rows(data, tokenizer, job, rank, world_size, seed)
     rows = concat_rows(parts)
     order = _EpochOrder([len(p.lengths) for p in parts], data.sampling_probs, seed, 0 if shared else rank)
     if order.length < (world_size if shared else 1):
-        raise ValueError(
+        raise EngineConfigError(
             f"rank {rank} of {world_size} has no training sequences: the datasets are too small for this many "
             "ranks or data.held_out_fraction leaves nothing; add data or lower data.held_out_fraction"
         )

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from prime_train.engine.metrics import EngineConfigError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -30,9 +32,9 @@ class Encoder:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, job: str) -> None:
         if job not in ("sft", "pretrain"):
-            raise ValueError(f"run.job must be 'sft' or 'pretrain', got {job!r}")
+            raise EngineConfigError(f"run.job must be 'sft' or 'pretrain', got {job!r}")
         if tokenizer.eos_token_id is None:
-            raise ValueError("the tokenizer has no eos token; documents must end with one (set model.tokenizer)")
+            raise EngineConfigError("the tokenizer has no eos token; documents must end with one (set model.tokenizer)")
         self.tokenizer = tokenizer
         self.job = job
         self.eos = tokenizer.eos_token_id
@@ -85,7 +87,7 @@ class Encoder:
     def _encode_chat(self, messages: list[dict[str, str]]) -> Document:
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
-            raise ValueError(
+            raise EngineConfigError(
                 "a chat-format dataset needs a tokenizer with a chat template; set model.tokenizer to one that "
                 "has one, or convert the records to prompt/completion"
             )
@@ -99,7 +101,7 @@ class Encoder:
             before = tok.apply_chat_template(messages[:turn], tokenize=False, add_generation_prompt=True)
             through = tok.apply_chat_template(messages[: turn + 1], tokenize=False)
             if not (through.startswith(before) and text.startswith(through)):
-                raise ValueError(
+                raise EngineConfigError(
                     "the tokenizer's chat template rewrites earlier turns (it is not prefix-stable), so assistant "
                     "tokens cannot be located; use a different model.tokenizer or prompt/completion records"
                 )

@@ -28,8 +28,9 @@ logger = logging.getLogger("prime_train.engine")
 _FINAL_PHASES = frozenset({Phase.DONE, Phase.STOPPED, Phase.FAILED})
 
 
-class EngineConfigError(Exception):
-    """A setting the engine cannot run with; the job exits 78 and is never retried."""
+class EngineConfigError(ValueError):
+    """A setting or an input the engine cannot run with (a key, a data file and its line, a checkpoint to resume
+    from); the job exits 78 and is never retried. A ValueError, as such problems were raised before."""
 
 
 class MetricsLogger:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from prime_train import tasks
 from prime_train.engine import hub_files
+from prime_train.engine.metrics import EngineConfigError
 
 if TYPE_CHECKING:
     from prime_train.config.schema import DatasetConfig
@@ -54,15 +55,15 @@ def expand_local_path(path: str, index: int) -> list[str]:
         files = sorted(os.path.join(root, name) for root, _, names in walked for name in names if name[0] != ".")
     elif os.path.isfile(expanded):
         if not expanded.endswith(LOCAL_SUFFIXES):
-            raise ValueError(
+            raise EngineConfigError(
                 f"{dataset_key(index, 'path')} = {path!r}: unsupported file type; use {', '.join(LOCAL_SUFFIXES)} files"
             )
         return [expanded]
     else:
-        raise ValueError(f"{dataset_key(index, 'path')} = {path!r}: no such file or directory")
+        raise EngineConfigError(f"{dataset_key(index, 'path')} = {path!r}: no such file or directory")
     files = [f for f in files if f.endswith(LOCAL_SUFFIXES)]
     if not files:
-        raise ValueError(f"{dataset_key(index, 'path')} = {path!r}: no {', '.join(LOCAL_SUFFIXES)} files there")
+        raise EngineConfigError(f"{dataset_key(index, 'path')} = {path!r}: no {', '.join(LOCAL_SUFFIXES)} files there")
     return files
 
 
@@ -93,9 +94,9 @@ def _read_jsonl(path: str) -> Iterator[Record]:
                 fields = json.loads(line)
             except json.JSONDecodeError as exc:
                 problem = f"not valid JSON ({exc.msg} at column {exc.colno})"
-                raise ValueError(f"{where}: {problem}; fix or remove the line") from None
+                raise EngineConfigError(f"{where}: {problem}; fix or remove the line") from None
             if not isinstance(fields, dict):
-                raise ValueError(f"{where}: expected a JSON object per line, got {type(fields).__name__}")
+                raise EngineConfigError(f"{where}: expected a JSON object per line, got {type(fields).__name__}")
             yield Record(fields, where)
 
 
@@ -103,7 +104,7 @@ def _read_parquet(path: str) -> Iterator[Record]:
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
-        raise ValueError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from exc
+        raise EngineConfigError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from exc
     row = 0
     for record_batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
         for fields in record_batch.to_pylist():
@@ -114,7 +115,7 @@ def _read_parquet(path: str) -> Iterator[Record]:
 def _read_local_file(path: str, ds: DatasetConfig, index: int) -> Iterator[Record]:
     if path.endswith(".txt"):
         if ds.format not in ("auto", "text"):
-            raise ValueError(
+            raise EngineConfigError(
                 f"{path}: .txt files hold plain text; set {dataset_key(index, 'format')} to 'text' or 'auto'"
             )
         return _read_txt(path, ds.text_field)
@@ -128,7 +129,7 @@ def _read_hub(ds: DatasetConfig, index: int, rank: int, world_size: int, *, spli
         import datasets
         from datasets.distributed import split_dataset_by_node
     except ImportError as exc:
-        raise ValueError(
+        raise EngineConfigError(
             f"{dataset_key(index, 'hub')} = {ds.hub!r} streams from the Hugging Face hub, which needs the `datasets` "
             "package (pip install datasets) and network access; or download the files and set "
             f"{dataset_key(index, 'path')} instead."
@@ -136,7 +137,7 @@ def _read_hub(ds: DatasetConfig, index: int, rank: int, world_size: int, *, spli
     try:
         stream = datasets.load_dataset(ds.hub, split=ds.split, streaming=True)
     except Exception as exc:
-        raise ValueError(
+        raise EngineConfigError(
             f"{dataset_key(index, 'hub')} = {ds.hub!r} (split {ds.split!r}) could not be opened: {exc}. Streaming "
             f"needs network access (and a login for gated sets); check the id and {dataset_key(index, 'split')}."
         ) from exc
@@ -226,7 +227,7 @@ def parquet_rows(path: str, first_row: int) -> Iterator[tuple[int, dict[str, Any
     try:
         parquet = _parquet(path)
     except ImportError as exc:
-        raise ValueError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from exc
+        raise EngineConfigError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from exc
     # Whole row groups before `first_row` are skipped without being read.
     groups, group_start = [], 0
     for group in range(parquet.metadata.num_row_groups):
@@ -262,7 +263,7 @@ def detect_format(ds: DatasetConfig, index: int, record: Record) -> str:
         return "prompt_completion"
     if ds.text_field in keys:
         return "text"
-    raise ValueError(
+    raise EngineConfigError(
         f"{record.where}: cannot tell the record format from its fields {sorted(keys)}; set "
         f"{dataset_key(index, 'format')} (text, prompt_completion or chat) and the matching *_field key"
     )
@@ -270,13 +271,13 @@ def detect_format(ds: DatasetConfig, index: int, record: Record) -> str:
 
 def _string_field(record: Record, field: str, key: str, fmt: str) -> str:
     if field not in record.fields:
-        raise ValueError(
+        raise EngineConfigError(
             f"{record.where}: record has no field {field!r} (format {fmt}); add it, or set {key} to the field "
             "that holds it"
         )
     value = record.fields[field]
     if not isinstance(value, str):
-        raise ValueError(f"{record.where}: field {field!r} must be a string, got {type(value).__name__}")
+        raise EngineConfigError(f"{record.where}: field {field!r} must be a string, got {type(value).__name__}")
     return value
 
 
@@ -288,17 +289,17 @@ def extract(ds: DatasetConfig, index: int, fmt: str, record: Record) -> Any:
         prompt = _string_field(record, ds.prompt_field, dataset_key(index, "prompt_field"), fmt)
         return prompt, _string_field(record, ds.completion_field, dataset_key(index, "completion_field"), fmt)
     if ds.messages_field not in record.fields:
-        raise ValueError(
+        raise EngineConfigError(
             f"{record.where}: record has no field {ds.messages_field!r} (format chat); add it, or set "
             f"{dataset_key(index, 'messages_field')} to the field that holds the messages"
         )
     messages = record.fields[ds.messages_field]
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{record.where}: field {ds.messages_field!r} must be a non-empty list of messages")
+        raise EngineConfigError(f"{record.where}: field {ds.messages_field!r} must be a non-empty list of messages")
     for number, message in enumerate(messages):
         for part in ("role", "content"):
             if not isinstance(message, dict) or not isinstance(message.get(part), str):
-                raise ValueError(
+                raise EngineConfigError(
                     f"{record.where}: {ds.messages_field}[{number}].{part} is missing or not a string "
                     "(chat messages are {role, content} objects)"
                 )

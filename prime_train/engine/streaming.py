@@ -27,6 +27,7 @@ import torch
 
 from prime_train.engine import hub_files
 from prime_train.engine.documents import Encoder
+from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.packing import Batch, PackedRows, build_rows
 from prime_train.engine.records import (
     Record,
@@ -91,9 +92,9 @@ class StreamingLoader:
         prefetch: bool = True,
     ) -> None:
         if micro_batch_size < 1:
-            raise ValueError(f"train.micro_batch_size must be at least 1, got {micro_batch_size}")
+            raise EngineConfigError(f"train.micro_batch_size must be at least 1, got {micro_batch_size}")
         if buffer_documents < 1:
-            raise ValueError(f"buffer_documents must be at least 1, got {buffer_documents}")
+            raise EngineConfigError(f"buffer_documents must be at least 1, got {buffer_documents}")
         self._ds = ds
         self._index = index
         self._encoder = Encoder(tokenizer, job)
@@ -119,7 +120,7 @@ class StreamingLoader:
             files = expand_local_path(ds.path or "", index)
         not_parquet = [f for f in files if not f.endswith(".parquet")]
         if not_parquet:
-            raise ValueError(
+            raise EngineConfigError(
                 f"{self._source_key} = {self._source!r} holds non-parquet files ({not_parquet[0]}, ...): "
                 "data.streaming reads .parquet shards only; convert them or set data.streaming = false"
             )
@@ -218,7 +219,7 @@ class StreamingLoader:
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state` (from `state_dict()`): the next batch is the one that was next then."""
         if state.get("version") != _STATE_VERSION or not state.get("streaming"):
-            raise ValueError(
+            raise EngineConfigError(
                 "data loader state is not from a streaming loader of this version (data.streaming changed since "
                 "the checkpoint?); set data.streaming back, or start the data stream afresh"
             )
@@ -289,7 +290,7 @@ class StreamingLoader:
                 # Nothing left of this epoch from `start`: the window starts with the next epoch.
                 window_start, epoch_ends = end, epoch_ends + 1
                 if epoch_ends > 1:
-                    raise ValueError(
+                    raise EngineConfigError(
                         f"rank {self._rank} of {self._world_size} has no training records in "
                         f"{self._source_key} = {self._source!r}: add data, use fewer ranks "
                         "or lower data.held_out_fraction"
@@ -342,10 +343,10 @@ class MixedStreamingLoader:
 
     def __init__(self, loaders: list[StreamingLoader], probs: list[float], *, seed: int, rank: int) -> None:
         if len(loaders) != len(probs) or not loaders:
-            raise ValueError("one sampling probability per streamed dataset is needed")
+            raise EngineConfigError("one sampling probability per streamed dataset is needed")
         total = float(sum(probs))
         if total <= 0 or any(p < 0 for p in probs):
-            raise ValueError(f"data.sampling_probs {probs} must be non-negative with a positive sum")
+            raise EngineConfigError(f"data.sampling_probs {probs} must be non-negative with a positive sum")
         self._loaders = loaders
         self._probs = np.asarray(probs, dtype=np.float64) / total
         self._seed, self._rank = seed, rank
@@ -387,7 +388,7 @@ class MixedStreamingLoader:
 
     def load_state_dict(self, state: dict) -> None:
         if not state.get("mixed") or len(state.get("datasets", [])) != len(self._loaders):
-            raise ValueError(
+            raise EngineConfigError(
                 "data loader state is not from a mix of the same number of streamed datasets (data.datasets "
                 "changed since the checkpoint?); restore the datasets, or start the data stream afresh"
             )
@@ -421,7 +422,7 @@ def build_streaming_loader(
     """
     for index, ds in enumerate(data.datasets):
         if ds.task is not None:
-            raise ValueError(
+            raise EngineConfigError(
                 f"data.streaming reads parquet shards (data.datasets[{index}].path or .hub), not the built-in task "
                 f"data.datasets[{index}].task; set data.streaming = false for built-in tasks"
             )

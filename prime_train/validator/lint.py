@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -85,6 +86,50 @@ def _data_files_problem(path: str) -> str | None:
     return f"{where} does not exist; check the path (relative paths are read from the directory you run in)"
 
 
+# The fields of a built-in task's records (engine/records.py task_record), mirrored: lint stays torch-free
+TASK_FIELDS = frozenset({"prompt", "completion"})
+
+
+def _task_format_problem(ds) -> tuple[str, str] | None:
+    """(key, why) when a built-in task's prompt/completion records cannot be read with the dataset's format and
+    *_field keys, the same rule as engine/records.py detect_format and extract; None when they can."""
+    fmt = ds.format
+    if fmt == "auto":
+        if ds.messages_field in TASK_FIELDS:
+            fmt = "chat"
+        elif (ds.prompt_field in TASK_FIELDS and ds.completion_field in TASK_FIELDS) or ds.text_field in TASK_FIELDS:
+            return None
+        else:
+            return "format", (
+                f"= 'auto' cannot tell the format of task {ds.task!r}'s records (fields 'prompt' and 'completion') "
+                f"from prompt_field {ds.prompt_field!r}, completion_field {ds.completion_field!r}, text_field "
+                f"{ds.text_field!r}; set prompt_field = 'prompt' and completion_field = 'completion'"
+            )
+    if fmt == "chat":
+        return "format", f"= 'chat', but task {ds.task!r} gives prompt/completion records; use 'prompt_completion'"
+    wanted = [("text_field", ds.text_field)] if fmt == "text" else [
+        ("prompt_field", ds.prompt_field), ("completion_field", ds.completion_field)
+    ]  # fmt: skip
+    for key, field in wanted:
+        if field not in TASK_FIELDS:
+            return key, f"= {field!r}: task {ds.task!r}'s records have only the fields 'prompt' and 'completion'"
+    return None
+
+
+def _resume_problem(resume: str) -> str | None:
+    """Why ckpt.resume (a path) names no whole checkpoint, or None: a step-N directory holding DCP's .metadata,
+    what the engine resumes from (engine/checkpoint.py)."""
+    path = Path(_resolve(resume))
+    # os.path's checks, not Path's: they answer False for any OSError (a name too long, a NUL byte)
+    if not os.path.isdir(path):
+        return "is neither 'auto', 'never' nor an existing checkpoint directory"
+    if not re.fullmatch(r"step-\d+", path.name):
+        return "is not a whole checkpoint: its name is not step-N (point it at a step-N directory, or use 'auto')"
+    if not os.path.isfile(path / ".metadata"):
+        return "has no DCP .metadata file: the save never finished; point it at a whole step-N or use 'auto'"
+    return None
+
+
 def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[Problem]:
     """Cross-field checks on a valid config; SkyPilot's limits too when it has a [spot] table or `spot` is set."""
     problems: list[Problem] = []
@@ -157,14 +202,10 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
                 "the next is still being written; use keep_last ≥ 2 or async_save = false",
             )
         )
-    if ck.resume not in ("auto", "never") and not os.path.isdir(ck.resume):
-        problems.append(
-            sources.problem(
-                ("ckpt", "resume"),
-                "error",
-                f"ckpt.resume {ck.resume!r} is neither 'auto', 'never' nor an existing checkpoint directory",
-            )
-        )
+    if ck.resume not in ("auto", "never"):
+        why = _resume_problem(ck.resume)
+        if why:
+            problems.append(sources.problem(("ckpt", "resume"), "error", f"ckpt.resume {ck.resume!r} {why}"))
 
     if d.sampling_probs is not None:
         if len(d.sampling_probs) != len(d.datasets):
@@ -191,6 +232,9 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
                 problems.append(
                     sources.problem(("data", "datasets", i, "path"), "error", f"data.datasets[{i}].path {why}")
                 )
+        if ds.task is not None and (found := _task_format_problem(ds)):
+            key, why = found
+            problems.append(sources.problem(("data", "datasets", i, key), "error", f"data.datasets[{i}].{key} {why}"))
     if cfg.train.mc_eval_path is not None and not os.path.isfile(_resolve(cfg.train.mc_eval_path)):
         problems.append(
             sources.problem(
