@@ -155,6 +155,8 @@ class GRPOJob(TrainingJob):
                 grad_norms.append(self.clip_gradients())
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+        if not grad_norms and lag == 0:
+            self._measure_mismatch(samples, sums)  # nothing trained: the drift is still worth its row
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         rewards = [s.reward for s in samples]
@@ -204,6 +206,21 @@ class GRPOJob(TrainingJob):
             m["logprob_mismatch"] = total["mismatch"] / total["mismatch_tokens"]
         return m
 
+    def _measure_mismatch(self, samples: list[Sample], sums: dict) -> None:
+        """Add the worker/trainer logprob mismatch of `samples` to `sums` with a forward pass alone: for an
+        on-policy step that trained on nothing (every group scored alike), so every such step still has the
+        figure. Every rank runs it (the same number of forward passes; no collective inside)."""
+        cfg, dist = self.cfg, self.dist
+        mbs = cfg.train.micro_batch_size
+        with torch.no_grad(), self._autocast():
+            for i in range(0, len(samples), mbs):
+                chunk = samples[i : i + mbs]
+                new_logp, mask = completion_logprobs(
+                    self.model, chunk, dist.device, cfg.rl.temperature, self.tokenizer.pad_token_id
+                )
+                sums["mismatch"] += float(((new_logp - _worker_logprobs(chunk, new_logp)).abs() * mask).sum())
+                sums["mismatch_tokens"] += float(mask.sum())
+
     def _minibatch_backward(
         self, minibatch: list[Sample], weight: float, tokens: float, num_samples: float, measure: bool, sums: dict
     ) -> None:
@@ -218,9 +235,7 @@ class GRPOJob(TrainingJob):
                     new_logp, mask, entropy = completion_logprobs(
                         self.model, chunk, dist.device, rl.temperature, pad_id, entropy=True
                     )
-                    old = torch.zeros_like(new_logp)
-                    for row, s in enumerate(chunk):
-                        old[row, : len(s.old_logprobs)] = torch.tensor(s.old_logprobs[: new_logp.size(1)])
+                    old = _worker_logprobs(chunk, new_logp)
                     ref = None
                     if self.reference is not None:
                         with torch.no_grad():
@@ -347,6 +362,14 @@ def _context_length_is_a_config_error():
             f"a rollout request does not fit inference.max_model_len: {exc} (raise inference.max_model_len, lower "
             "rl.max_tokens, or drop over-long prompts from the environment)"
         ) from None
+
+
+def _worker_logprobs(chunk: list[Sample], like: torch.Tensor) -> torch.Tensor:
+    """The logprobs the worker reported for each sample's completion tokens, padded to `like`'s shape."""
+    old = torch.zeros_like(like)
+    for row, s in enumerate(chunk):
+        old[row, : len(s.old_logprobs)] = torch.tensor(s.old_logprobs[: like.size(1)])
+    return old
 
 
 if __name__ == "__main__":
