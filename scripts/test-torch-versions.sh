@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The engine, checkpoint and resume tests on the oldest and the newest torch prime-train supports, each in
+# The engine's version-sensitive tests (checkpoints, the native model, DDP/FSDP2, resume) on the oldest and the newest torch prime-train supports, each in
 # a venv of its own beside the project (.venv-torch-<version>/). CI runs it after the main suite.
 #   bash scripts/test-torch-versions.sh             # 2.11.0 (the floor in pyproject.toml) and 2.14.1
 #   bash scripts/test-torch-versions.sh 2.12.0      # any versions you name
@@ -15,6 +15,11 @@ for v in "${versions[@]}"; do
   "$venv/bin/pip" install -q "torch==$v"
   "$venv/bin/pip" install -q -e '.[dev]'
   "$venv/bin/python" -c "import torch; print('torch', torch.__version__)"
+  # what changes between torch versions: DCP and async saves, the native model and its compile, DDP/FSDP2,
+  # kill-and-resume, SIGTERM's save, the FSDP2 export (the one-process HF export tests are version-blind)
   "$venv/bin/python" -m pytest -q -m "not slow" -p no:cacheprovider \
-    tests/test_checkpoint.py tests/test_engine.py tests/test_export.py
+    tests/test_checkpoint.py tests/test_native_model.py \
+    tests/test_engine.py tests/test_native_engine.py tests/test_export.py \
+    -k "not test_engine.py or ddp or fsdp or resume or sigterm" \
+    --deselect tests/test_export.py::test_exported_model_names_the_tokenizers_end_token_and_generate_stops_there
 done
