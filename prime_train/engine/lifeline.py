@@ -101,7 +101,8 @@ def watch_peers(
 ) -> threading.Thread:
     """Beat for `node` and watch the other nodes' beats in the rendezvous store at host:port (a TCPStore: the one
     torchrun's agent on node 0 serves); call `on_lost(reason)` once, from a daemon thread, when a node has been
-    silent for `timeout_s` or the store itself is gone (node 0's agent ended). One watcher a node (its local rank
+    silent for `timeout_s`, or a request to the store fails (node 0's agent ended; a client that hangs on a
+    vanished server instead of failing is not bounded yet). One watcher a node (its local rank
     0): a rank that exits makes torchrun end the node's other ranks.
 
     Why: a trainer that dies on one node leaves the ranks of the others blocked in their next collective until its
