@@ -330,3 +330,18 @@ def test_measure_on_a_gpu_machine_whose_steps_ran_on_the_cpu_is_not_priced(tmp_p
     assert result.returncode == 78, result.stdout + result.stderr
     assert "the measured steps ran on cpu" in result.stderr and "not priced" in result.stderr
     assert "H100" not in result.stdout, "no table priced a CPU step time at H100 rates"
+
+
+def test_the_price_table_reads_at_80_columns_with_one_line_a_provider():
+    cfg = Config.model_validate({"train": {"max_steps": 300}})
+    report = estimate_cost(cfg, gpu="H100")
+    console = Console(record=True, width=80)
+    render_cost(report, console)
+    lines = console.export_text().splitlines()
+    table = [line for line in lines if line[:1] in "┏┃┡│└"]
+    header = [line for line in table if line.startswith("┃")]
+    assert len(header) == 1 and "on-demand" in header[0] and "spot" in header[0], header  # no wrapped header
+    rows = [line for line in table if line.startswith("│")]
+    assert len(rows) == len(report.rows[0].providers), rows  # one line a provider: nothing wrapped in a cell
+    assert all(len(line) <= 80 for line in table)
+    assert any("2025 list prices" in line for line in lines), "where each price comes from is still said"

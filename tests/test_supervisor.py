@@ -283,3 +283,23 @@ def test_a_job_ended_by_the_sigterm_of_a_requested_stop_is_stopped_not_a_crash(t
     assert sup.attempts[0].failure is None and sup.state == "stopped"
     assert not any("crash" in m for m in rec.messages)
     assert any("before the attempt's first step: nothing new to checkpoint" in m for m in rec.messages), rec.messages
+
+
+def test_quiet_run_prints_no_progress_lines_but_keeps_what_went_wrong_and_the_summary(tmp_path):
+    from enginetools import run_cli
+
+    from prime_train.config.loader import dump_toml
+
+    outputs = {}
+    for name, flags in (("loud", []), ("quiet", ["-q"])):
+        cfg = job_config(tmp_path / name, "--steps", "6", "--interval", "2", "--crash-once-at", "4")
+        path = tmp_path / f"{name}.toml"
+        path.write_text(dump_toml(cfg))
+        done = run_cli(*flags, "run", str(path), "--skip-preflight", cwd=tmp_path, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        outputs[name] = done.stdout + done.stderr
+    assert "attempt 1 | step" in outputs["loud"], outputs["loud"]  # the plain progress line, when not quiet
+    quiet = outputs["quiet"]
+    assert "| step" not in quiet, quiet
+    assert "injected crash at step 4" in quiet, quiet  # a failure is a problem: -q keeps it
+    assert "run sup:" in quiet, quiet  # and the summary table is the result

@@ -131,7 +131,7 @@ def _supervise(
     from prime_train.validator.preflight import preflight_command
 
     console = output.console(stderr=as_json)  # with --json, stdout is the outcome document alone
-    observer = ConsoleObserver(console)
+    observer = ConsoleObserver(console, quiet=output.MODE.quiet)
     sup = Supervisor(cfg, observer, SupervisorOptions(verbose_inference=verbose_inference))
     try:
         # before preflight: a second run into this directory is refused at once, and an orphaned job of a killed

@@ -51,16 +51,17 @@ def status_line(s: dict[str, Any]) -> str:
 class ConsoleObserver(Observer):
     """A rich live status line on a terminal; plain periodic lines otherwise (logs, CI)."""
 
-    def __init__(self, console: Console, plain_interval_s: float = 30.0):
+    def __init__(self, console: Console, plain_interval_s: float = 30.0, *, quiet: bool = False):
         super().__init__(status=self._status, finding=self._finding, message=self._message)
         self.console = console
+        self.quiet = quiet  # -q: no progress lines; findings and messages (what went wrong, what it did) stay
         self.live: Live | None = None
         self.plain_interval_s = plain_interval_s
         self._last_plain = 0.0
         self._last_line = ""
 
     def __enter__(self) -> ConsoleObserver:
-        if self.console.is_terminal:
+        if self.console.is_terminal and not self.quiet:
             self.live = Live(Text("starting…"), console=self.console, refresh_per_second=4, transient=True)
             self.live.__enter__()
         return self
@@ -69,12 +70,14 @@ class ConsoleObserver(Observer):
         if self.live is not None:
             self.live.__exit__(*exc)
             self.live = None
-        if self._last_line:
+        if self._last_line and not self.quiet:
             self.console.print(self._last_line, highlight=False)
 
     def _status(self, s: dict[str, Any]) -> None:
         line = status_line(s)
         self._last_line = line
+        if self.quiet:
+            return
         if self.live is not None:
             self.live.update(Text(line))
         elif time.time() - self._last_plain >= self.plain_interval_s:

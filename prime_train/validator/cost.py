@@ -569,6 +569,7 @@ def render_cost(report: CostReport, console: Console) -> None:
     """One table per GPU type: each provider's on-demand and spot cost, mid figure with its range."""
     from rich.markup import escape  # a model path is text: "runs/[x]/final" keeps its "[x]"
     from rich.table import Table
+    from rich.text import Text
 
     console.print(
         f"[bold]{escape(str(report.model_source))}[/]: {report.num_params / 1e9:,.3f}B params, "
@@ -591,9 +592,14 @@ def render_cost(report: CostReport, console: Console) -> None:
             f"({row.basis}){fit}",
             title_justify="left",
         )
-        for col, justify in (("provider", "left"), ("on-demand $/GPU-h", "right"), ("on-demand", "right"),
-                             ("spot $/GPU-h", "right"), ("spot", "right"), ("prices as of", "left")):  # fmt: skip
-            table.add_column(col, justify=justify)  # type: ignore[arg-type]
+        # short headers and no wrapping: the table stays readable at 80 columns; where each price comes from is
+        # listed under it (a column of it wrapped every row into four lines)
+        table.caption = "on-demand and spot: USD per GPU-hour; total: the run"
+        table.caption_justify = "left"
+        for col, justify in (("provider", "left"), ("on-demand", "right"), ("total", "right"),
+                             ("spot", "right"), ("total", "right")):  # fmt: skip
+            table.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+        sources: dict[str, list[str]] = {}
         for p in row.providers:
             table.add_row(
                 p.provider,
@@ -601,11 +607,16 @@ def render_cost(report: CostReport, console: Console) -> None:
                 _usd_range(p.on_demand_usd),
                 "—" if p.spot_rate is None else f"{p.spot_rate:.2f}",
                 _usd_range(p.spot_usd),
-                p.as_of if len(report.price_files) == 1 or p.source == report.price_files[0] else f"{p.as_of} (yours)",
             )
+            as_of = (
+                p.as_of if len(report.price_files) == 1 or p.source == report.price_files[0] else f"{p.as_of} (yours)"
+            )
+            sources.setdefault(as_of, []).append(p.provider)
         if not row.providers:
-            table.add_row("(no price)", "—", "—", "—", "—", "")
+            table.add_row("(no price)", "—", "—", "—", "—")
         console.print(table)
+        for as_of, providers in sources.items():
+            console.print(Text(f"  {', '.join(providers)}: {as_of}", style="dim"))
     console.print(
         f"[dim]Prices are approximate list prices in USD per GPU-hour (table of {report.prices_as_of}), not quotes: "
         "check the provider; spot prices move daily and spot runs lose time to preemptions. "
