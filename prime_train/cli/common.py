@@ -44,6 +44,8 @@ def reject_unknown_flags(tokens: list[str]) -> None:
     but is none: an override always names a section and a key (`--train.lr`), a flag never has a dot."""
     import difflib
 
+    from prime_train.config.loader import is_number
+
     ctx = click_context()
     if ctx is None:
         return
@@ -54,7 +56,7 @@ def reject_unknown_flags(tokens: list[str]) -> None:
         if token.startswith("--") and "." in name:  # an override; its value follows unless written with =
             i += 1 if "=" in token else 2
             continue
-        if token.startswith("-") and token != "-" and not _is_number(token):
+        if token.startswith("-") and token != "-" and not is_number(token):
             known = [o for p in ctx.command.params for o in (*p.opts, *p.secondary_opts) if o.startswith("-")]
             near = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
             hint = f"; did you mean {' or '.join(near)}?" if near else f"; see `{ctx.command_path} --help`"
@@ -68,14 +70,6 @@ def click_context():
     from typer import _click  # typer carries its own click: its context is the one commands run in
 
     return _click.globals.get_current_context(silent=True)
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def default_config() -> str:

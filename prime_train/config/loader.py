@@ -300,7 +300,7 @@ def parse_override_args(args: list[str]) -> list[tuple[str, str]]:
             key, raw = body.split("=", 1)
             i += 1
         elif i + 1 < len(args) and not (
-            args[i + 1].startswith("--") and len(args[i + 1]) > 2 and not _is_number(args[i + 1])
+            args[i + 1].startswith("--") and len(args[i + 1]) > 2 and not is_number(args[i + 1])
         ):
             key, raw = body, args[i + 1]
             i += 2
@@ -311,7 +311,8 @@ def parse_override_args(args: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def _is_number(text: str) -> bool:
+def is_number(text: str) -> bool:
+    """Whether a command-line token is a number ("-1e-4" is a value, not a flag)."""
     try:
         float(text)
     except ValueError:
