@@ -216,12 +216,17 @@ def test_parallelize_without_a_group_leaves_the_model_unwrapped():
     assert parallelize(model, _config(), SINGLE) is model
 
 
+def _twin_models():
+    """Two training models of _config() with the same initial weights: one to change, one to compare with."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(build_model(_config().model, VOCAB, for_training=True))
+    return models
+
+
 def test_activation_checkpointing_keeps_losses_gradients_and_state_dict_names():
-    cfg = _config()
-    torch.manual_seed(0)
-    plain = build_model(cfg.model, VOCAB, for_training=True)
-    torch.manual_seed(0)
-    checkpointed = build_model(cfg.model, VOCAB, for_training=True)
+    plain, checkpointed = _twin_models()
     apply_ac(checkpointed, decoder_layers(checkpointed))
     ids = _global_batches()[0]
 
@@ -236,11 +241,7 @@ def test_activation_checkpointing_keeps_losses_gradients_and_state_dict_names():
 
 
 def test_compiled_layers_keep_parameter_names_and_numerics():
-    cfg = _config()
-    torch.manual_seed(0)
-    eager = build_model(cfg.model, VOCAB, for_training=True)
-    torch.manual_seed(0)
-    compiled = build_model(cfg.model, VOCAB, for_training=True)
+    eager, compiled = _twin_models()
     # aot_eager traces forward and backward like inductor but skips its C++ codegen (slow on 2 cores)
     apply_compile(compiled, decoder_layers(compiled), backend="aot_eager")
     ids = _global_batches()[0]
@@ -254,11 +255,7 @@ def test_compiled_layers_keep_parameter_names_and_numerics():
 
 
 def test_whole_native_model_compiles_into_one_graph_with_its_loss():
-    cfg = _config()
-    torch.manual_seed(0)
-    eager = build_model(cfg.model, VOCAB, for_training=True)
-    torch.manual_seed(0)
-    compiled = build_model(cfg.model, VOCAB, for_training=True)
+    eager, compiled = _twin_models()
     apply_compile(compiled, decoder_layers(compiled), backend="aot_eager", whole_model=True)
     ids = _global_batches()[0]
     torch._dynamo.reset()
