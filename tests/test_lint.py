@@ -667,3 +667,13 @@ def test_ckpt_resume_must_name_a_whole_step_checkpoint(tmp_path, monkeypatch):
         assert [p.key for p in problems] == ["ckpt.resume"] and said in problems[0].message, problems
     cfg.write_text('[ckpt]\nresume = "step-12"\n')
     assert lint_files([str(cfg)])[0] == []
+
+
+def test_lints_task_fields_mirror_the_records_the_engine_makes_of_a_task():
+    from prime_train import tasks
+    from prime_train.engine.records import task_record
+    from prime_train.validator.lint import TASK_FIELDS
+
+    for name in ("reverse-text", "arithmetic", "sorting"):
+        [example] = tasks.generate_examples(name, 1, 0)
+        assert set(task_record(example)) == TASK_FIELDS, name
