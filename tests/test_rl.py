@@ -30,7 +30,7 @@ def rl_args(tmp_path, sft_model, name: str, **extra) -> list[str]:
     return out
 
 
-# A smaller budget than configs/tiny-rl.toml (40 steps of 32 prompts, words of 3-6 letters): 20 steps of 16 prompts
+# A smaller budget than configs/tiny-rl.toml (40 steps of 32 prompts, words of 3-4 letters): 20 steps of 16 prompts
 # of 3-letter words, where the half-trained model is right often enough for the exact-match reward to move within
 # 20 steps. Measured (issue 16): sampled reward 0.378 (steps 1-5) -> 0.530 (steps 16-20); with the loss's sign
 # flipped 0.222 -> 0.0.
@@ -54,9 +54,9 @@ def rewards(run_dir) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_tiny_rl_raises_reward_and_greedy_pass_rate_of_a_half_trained_model(tmp_path, half_trained_sft_model):
-    """configs/tiny-rl.toml as the README runs it, from the 60-step SFT model. Issue 16 asks for +0.1 on both;
-    measured on this CPU (the same twice: the run is on-policy and seeded): sampled reward 0.081 -> 0.168 (+0.087,
-    first 10 steps against the last 10), greedy eval pass rate on 200 prompts 0.125 -> 0.160 (+0.035)."""
+    """configs/tiny-rl.toml as the README runs it, from the 60-step SFT model: issue 16's bar, +0.1 on both. Measured
+    on this CPU (the same twice: the run is on-policy and seeded): sampled reward 0.190 -> 0.375 (+0.185, first 10
+    steps against the last 10), greedy eval pass rate on 200 prompts 0.255 -> 0.390 (+0.135)."""
     result = subprocess.run(
         cli("run", str(TINY_RL), *rl_args(tmp_path, half_trained_sft_model, "rl")),
         env=env(),
@@ -69,9 +69,9 @@ def test_tiny_rl_raises_reward_and_greedy_pass_rate_of_a_half_trained_model(tmp_
     assert sorted(r) == list(range(1, 41))
     first = sum(r[s] for s in range(1, 11)) / 10
     last = sum(r[s] for s in range(31, 41)) / 10
-    assert last >= first + 0.05, (first, last)
+    assert last >= first + 0.1, (first, last)
     evals = {row["step"]: row["eval_pass_rate"] for row in metrics(tmp_path / "rl") if "eval_pass_rate" in row}
-    assert evals[40] >= evals[0] + 0.01, evals
+    assert evals[40] >= evals[0] + 0.1, evals
 
 
 def test_grpo_raises_the_reward_of_a_half_trained_model(tmp_path, half_trained_sft_model):
