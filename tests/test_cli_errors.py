@@ -294,6 +294,27 @@ def test_the_readme_exit_code_table_is_the_one_in_the_code():
         assert f"| {code} | {meaning} |" in readme, code
 
 
+def test_a_pipe_whose_reader_went_away_ends_quietly_not_as_a_bug(tmp_path, monkeypatch, capsys):
+    """`prime-train memory --help | head -40`: head exits, click's echo of the help's next part raises BrokenPipeError
+    inside the command (seen: "unexpected BrokenPipeError ... this is a bug in prime-train", with a traceback file
+    whose last frame is click's `echo` in `show_help`). The reader's choice is not a bug: the command ends with 1
+    and says nothing, as click ends one whose pipe breaks outside a command. (A real `| head` is a race: whether
+    the write that fails comes inside the command or in the flush at exit depends on when head exits.)"""
+    import tempfile
+
+    import typer
+
+    from prime_train.cli import errors
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(typer.Exit) as ended:
+        errors.handle(BrokenPipeError(32, "Broken pipe"))
+    assert ended.value.exit_code == ExitCode.FAILED
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out == ""
+    assert not list(tmp_path.glob("prime-train-error-*"))
+
+
 # ---------------------------------------------------------------- brackets in every help screen and error
 
 

@@ -48,7 +48,7 @@ EXIT_CODES: dict[int, str] = {
     int(ExitCode.OK): "done: the run finished, the check passed, nothing fatal found, the configs are the same",
     int(ExitCode.FAILED): "the outcome is bad: the run failed (restarts exhausted or not retryable); diagnose "
     "found a fatal failure; verify-model: not usable; config diff: the configs differ; a bug in prime-train "
-    "(the message names the file with its traceback)",
+    "(the message names the file with its traceback); the reader of the output went away (piped into `head`, say)",
     int(ExitCode.PREEMPTED): "stopped on request with a checkpoint (Ctrl-C, SIGTERM, a spot notice): "
     "`prime-train run` again resumes",
     BAD_INPUT: "bad input, never retried: a config that does not lint or pass preflight, a mistyped flag or "
@@ -121,6 +121,11 @@ def handle(exc: Exception) -> NoReturn:
         if isinstance(exc, USAGE_ERRORS):
             raise usage(exc)
         raise exc
+    if isinstance(exc, BrokenPipeError):
+        # the reader went away (`| head`): not a bug. click ends such a command quietly with 1 when the pipe breaks
+        # outside a command (its own EPIPE handling); one inside a command ends the same way
+        _detach_stdout()
+        raise typer.Exit(ExitCode.FAILED) from None
     from prime_train.config.loader import ConfigError
 
     if isinstance(exc, ConfigError):
@@ -139,6 +144,16 @@ def handle(exc: Exception) -> NoReturn:
     output.error(message)
     output.failure_json(message, ExitCode.FAILED)
     raise typer.Exit(ExitCode.FAILED) from None
+
+
+def _detach_stdout() -> None:
+    """Point stdout at /dev/null: whoever read it has gone (`| head`), and Python's flush on the way out would fail
+    again and print "Exception ignored ... BrokenPipeError" (the recipe of Python's signal module docs)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real stdout (a test runner's capture): nothing to detach
+        pass
 
 
 def _save_traceback(exc: BaseException) -> str:
