@@ -18,6 +18,8 @@ from pathlib import Path
 from prime_train.config.loader import ConfigError, Problem, Sources, load_raw, names_dropped, validate_all
 from prime_train.config.schema import Config
 from prime_train.rl.budget import lint_problems as token_budget_problems
+from prime_train.validator import data_fields
+from prime_train.validator.data_fields import DATA_SUFFIXES, TASK_FIELDS
 
 
 def data_parallel_size(cfg: Config) -> int:
@@ -52,8 +54,6 @@ def _resolve(path: str) -> str:
     return os.path.expanduser(path)
 
 
-# The files the engine reads (engine/records.py LOCAL_SUFFIXES), mirrored: lint stays torch-free; tested equal
-DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
 # Entries looked at below a data directory before lint stops searching (and leaves the directory to the engine).
 MAX_DATA_SCAN = 100_000
 
@@ -84,36 +84,6 @@ def _data_files_problem(path: str) -> str | None:
     if os.path.isfile(expanded):
         return None if expanded.endswith(DATA_SUFFIXES) else f"{where}: use {', '.join(DATA_SUFFIXES)} files"
     return f"{where} does not exist; check the path (relative paths are read from the directory you run in)"
-
-
-# The fields of a built-in task's records (engine/records.py task_record), mirrored: lint stays torch-free
-TASK_FIELDS = frozenset({"prompt", "completion"})
-
-
-def _task_format_problem(ds) -> tuple[str, str] | None:
-    """(key, why) when a built-in task's prompt/completion records cannot be read with the dataset's format and
-    *_field keys, the same rule as engine/records.py detect_format and extract; None when they can."""
-    fmt = ds.format
-    if fmt == "auto":
-        if ds.messages_field in TASK_FIELDS:
-            fmt = "chat"
-        elif (ds.prompt_field in TASK_FIELDS and ds.completion_field in TASK_FIELDS) or ds.text_field in TASK_FIELDS:
-            return None
-        else:
-            return "format", (
-                f"= 'auto' cannot tell the format of task {ds.task!r}'s records (fields 'prompt' and 'completion') "
-                f"from prompt_field {ds.prompt_field!r}, completion_field {ds.completion_field!r}, text_field "
-                f"{ds.text_field!r}; set prompt_field = 'prompt' and completion_field = 'completion'"
-            )
-    if fmt == "chat":
-        return "format", f"= 'chat', but task {ds.task!r} gives prompt/completion records; use 'prompt_completion'"
-    wanted = [("text_field", ds.text_field)] if fmt == "text" else [
-        ("prompt_field", ds.prompt_field), ("completion_field", ds.completion_field)
-    ]  # fmt: skip
-    for key, field in wanted:
-        if field not in TASK_FIELDS:
-            return key, f"= {field!r}: task {ds.task!r}'s records have only the fields 'prompt' and 'completion'"
-    return None
 
 
 def _resume_problem(resume: str) -> str | None:
@@ -226,13 +196,16 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
                 )
             )
     for i, ds in enumerate(d.datasets):
-        if ds.path is not None:
-            why = _data_files_problem(ds.path)
-            if why:
-                problems.append(
-                    sources.problem(("data", "datasets", i, "path"), "error", f"data.datasets[{i}].path {why}")
-                )
-        if ds.task is not None and (found := _task_format_problem(ds)):
+        why = _data_files_problem(ds.path) if ds.path is not None else None
+        if why:
+            problems.append(sources.problem(("data", "datasets", i, "path"), "error", f"data.datasets[{i}].path {why}"))
+        found = None
+        if ds.task is not None:  # a built-in task's records: their fields are fixed
+            found = data_fields.format_problem(ds, dict.fromkeys(TASK_FIELDS, ""), f"task {ds.task!r}'s records")
+        elif ds.path is not None and not why and (first := data_fields.first_data_file(_resolve(ds.path))):
+            record = data_fields.first_record(first, ds.text_field)  # None: the engine names what is wrong there
+            found = record and data_fields.format_problem(ds, record[1], record[0])
+        if found:
             key, why = found
             problems.append(sources.problem(("data", "datasets", i, key), "error", f"data.datasets[{i}].{key} {why}"))
     if cfg.train.mc_eval_path is not None and not os.path.isfile(_resolve(cfg.train.mc_eval_path)):
