@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 from rich.console import Console
@@ -112,11 +113,78 @@ def test_activations_match_the_tensors_autograd_saves(attention):
         token_losses(model, ids, torch.arange(128).expand(2, 128), ids.clone())
     measured = _storage_bytes(activations)
 
-    report = estimate(inputs_from_config(cfg))
+    report = estimate(inputs_from_config(cfg, loss="full"))  # transformers' model: the loss on whole logits
     assert report.trainer.activations == pytest.approx(measured, rel=0.03)
     # the loss keeps its fp32 log-softmax: a third of the 12 bytes per vocabulary entry counted at backward's peak
     saved_loss = _storage_bytes(loss_side)
     assert saved_loss == pytest.approx(report.trainer.get("logits and loss") / 3, rel=0.02)
+
+
+def test_the_native_models_fused_loss_keeps_what_the_estimate_counts_and_no_logits(monkeypatch):
+    """The model the trainer runs for a Llama-shaped config is the native one, whose loss never holds tokens x vocab
+    logits (engine/loss.py). The estimate used to count 12 bytes per token per vocabulary entry whatever the model
+    (23.5 GiB a GPU for Llama 3.1 8B at 2 x 8192 tokens); now it counts what the fused loss keeps for backward,
+    measured here with autograd's hook, plus its passing peak: one chunk's fp32 logits and gradient and the lm_head
+    gradient's fp32 sum."""
+    torch = pytest.importorskip("torch")
+    from prime_train.engine import loss as fused
+    from prime_train.engine.model import build_model
+    from prime_train.validator.memory_inputs import LOSS_CHUNK_TOKENS
+
+    cfg = _small_config(tie_embeddings=False)
+    hf, _ = model_shape(cfg)
+    vocab, hidden, tokens = hf["vocab_size"], hf["hidden_size"], 2 * 128
+    torch.manual_seed(0)
+    model = build_model(cfg.model, vocab, for_training=True)
+    assert type(model).__name__ == "NativeCausalLM"
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved_by_loss, everything = [], []
+    forward = fused._FusedLinearCrossEntropy.forward
+
+    def loss_forward(ctx, *args):
+        save = ctx.save_for_backward
+
+        def recorded(*tensors):
+            saved_by_loss.extend(tensors)
+            save(*tensors)
+
+        ctx.save_for_backward = recorded
+        return forward(ctx, *args)
+
+    monkeypatch.setattr(fused._FusedLinearCrossEntropy, "forward", staticmethod(loss_forward))
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            everything.append(t)
+        return t
+
+    ids = torch.randint(0, vocab, (2, 128))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, labels=ids.clone()).loss.backward()
+    assert saved_by_loss, "the fused loss saved nothing: not the path the trainer runs"
+    logits = [t for t in everything if t.dim() and t.shape[-1] == vocab and t.numel() >= tokens * vocab]
+    assert not logits, "a tokens x vocab tensor was kept for backward"
+    kept = _storage_bytes(saved_by_loss)
+    assert kept == (tokens + vocab) * hidden * 4  # the hidden states' and the lm_head's gradients, fp32 here
+
+    report = estimate(inputs_from_config(cfg))
+    passing = LOSS_CHUNK_TOKENS * 12 * vocab + vocab * hidden * 4  # a whole chunk, even of a smaller batch
+    assert report.trainer.get("logits and loss") == kept + passing
+    # where it matters: Qwen2.5-7B's 152k vocabulary at 2 x 8192 tokens, 27.9 GiB of whole-logits loss against 5 GiB
+    big = MemoryInputs(model=QWEN25_7B, seq_len=8192, micro_batch=2)
+    m = ModelShape.from_hf(QWEN25_7B)
+    assert big.chunked_loss and trainer_memory(big, m).get("logits and loss") < 5 * GIB
+    assert trainer_memory(replace(big, loss="full"), m).get("logits and loss") > 25 * GIB
+
+
+def test_the_mirrored_native_engine_facts_are_the_engines():
+    import inspect
+
+    from prime_train.engine.llama import SUPPORTED_MODEL_TYPES, NativeCausalLM
+    from prime_train.validator.memory_inputs import LOSS_CHUNK_TOKENS, NATIVE_MODEL_TYPES
+
+    assert NATIVE_MODEL_TYPES == SUPPORTED_MODEL_TYPES
+    assert inspect.signature(NativeCausalLM.forward).parameters["loss_chunk_size"].default == LOSS_CHUNK_TOKENS
 
 
 def test_eager_attention_and_checkpointing_move_activations_the_right_way():

@@ -74,6 +74,7 @@ def inputs_from_config(cfg: Config, **overrides: Any) -> MemoryInputs:
         "precision": "fp32" if cfg.train.precision == "fp32" else "bf16",
         "activation_checkpointing": "full" if cfg.model.activation_checkpointing else "none",
         "attention": attention,
+        "loss": {"native": "chunked", "hf": "full"}.get(cfg.model.implementation, "auto"),
         "hsdp_shard_size": cfg.distributed.hsdp_shard_size,
     }
     if cfg.run.job == "rl" and not cfg.job.command:
@@ -291,7 +292,8 @@ def render_memory(report: MemoryReport, console: Console) -> None:
     console.print(
         f"training: {p.strategy} over {p.world_size} GPU(s) ({p.gpus_per_node}/node × {p.num_nodes}), "
         f"{p.precision}, {p.optimizer}, micro-batch {p.micro_batch} × seq {p.seq_len}, "
-        f"checkpointing {p.activation_checkpointing}, attention {p.attention}"
+        f"checkpointing {p.activation_checkpointing}, attention {p.attention}, "
+        f"loss {'chunked' if p.chunked_loss else 'on whole logits'}"
     )
     parts = Table(title="Trainer memory per GPU", title_justify="left")
     parts.add_column("part")

@@ -84,6 +84,7 @@ from prime_train.validator.memory_inputs import (
     GIB,
     INFERENCE_DTYPES,
     KV_CACHE_DTYPES,
+    LOSS_CHUNK_TOKENS,
     ZERO_FAMILY,
     MemoryInputs,
     ModelShape,
@@ -250,13 +251,27 @@ def trainer_memory(inputs: MemoryInputs, m: ModelShape, *, micro_batch: int | No
             f"{mb} × {inputs.seq_len} tokens × {per_token / 1024:,.1f} KiB; {how}",
         )
     )
-    parts.append(Part("logits and loss", int(tokens * act["logits"]), f"tokens × vocab {m.vocab:,} × 12 B (fp32 loss)"))
+    if inputs.chunked_loss:
+        # engine/loss.py: a chunk's fp32 logits and gradient at a time, the hidden states' gradient kept for
+        # backward, the lm_head's gradient summed in fp32 and kept in the weight's dtype. A whole chunk is counted
+        # even when the batch has fewer tokens, so memory stays linear in the micro-batch (max_micro_batch)
+        a = 2 if inputs.precision == "bf16" else 4
+        chunk = LOSS_CHUNK_TOKENS * act["logits"]
+        lm_head_grad = m.vocab * m.hidden * (4 + a)
+        loss_bytes, per_token_loss = chunk + lm_head_grad + tokens * m.hidden * a, m.hidden * a
+        how = (
+            f"chunks of {LOSS_CHUNK_TOKENS} tokens × vocab × 12 B, lm_head's gradient in fp32, hidden states' gradient"
+        )
+    else:
+        loss_bytes, per_token_loss = tokens * act["logits"], act["logits"]
+        how = f"tokens × vocab {m.vocab:,} × 12 B (fp32 loss on the whole logits)"
+    parts.append(Part("logits and loss", int(loss_bytes), how))
     parts.append(Part("runtime", RUNTIME_OVERHEAD_BYTES, "CUDA context, cuBLAS workspaces, NCCL buffers"))
     return TrainerMemory(
         parts=parts,
         bytes_per_param={k: float(v) for k, v in per.items()},
         shard_group=n,
-        per_micro_batch_bytes=int(inputs.seq_len * (per_token + act["logits"])),
+        per_micro_batch_bytes=int(inputs.seq_len * (per_token + per_token_loss)),
     )
 
 

@@ -23,6 +23,13 @@ PRECISIONS = ("bf16", "fp32")
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
 CHECKPOINTING = ("none", "selective", "full")
 ATTENTION = ("sdpa", "flash", "eager")
+# "chunked": the native model's fused lm_head + cross-entropy (engine/loss.py); "full": the logits whole, as
+# transformers computes them; "auto": chunked where `model.implementation = "auto"` picks the native model
+LOSSES = ("auto", "chunked", "full")
+# What the engine's "auto" picks the native model for (engine/llama.py SUPPORTED_MODEL_TYPES with SDPA attention),
+# and the tokens per chunk of its fused loss (NativeCausalLM's loss_chunk_size): mirrored, tests pin them equal
+NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+LOSS_CHUNK_TOKENS = 1024
 KV_CACHE_DTYPES = {"auto": None, "bf16": 2, "fp16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp32": 4}
 INFERENCE_DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -161,6 +168,7 @@ class MemoryInputs:
     optimizer: str = "adamw"
     activation_checkpointing: str = "none"
     attention: str = "sdpa"
+    loss: str = "auto"
     hsdp_shard_size: int | None = None
     # inference (vLLM); off unless max_model_len is set
     max_model_len: int | None = None
@@ -179,6 +187,7 @@ class MemoryInputs:
             "optimizer": OPTIMIZERS,
             "activation_checkpointing": CHECKPOINTING,
             "attention": ATTENTION,
+            "loss": LOSSES,
             "kv_cache_dtype": tuple(KV_CACHE_DTYPES),
             "inference_dtype": tuple(INFERENCE_DTYPES),
         }
@@ -197,6 +206,14 @@ class MemoryInputs:
             raise MemoryInputError(
                 f"gpu_memory_utilization = {self.gpu_memory_utilization!r}: must be in (0, 1], a fraction of the GPU"
             )
+
+    @property
+    def chunked_loss(self) -> bool:
+        """Whether the trainer computes the loss in chunks of tokens (the native model) or on whole logits."""
+        if self.loss != "auto":
+            return self.loss == "chunked"
+        hf = self.model.get("text_config") if "hidden_size" not in self.model else self.model
+        return self.attention == "sdpa" and isinstance(hf, dict) and hf.get("model_type") in NATIVE_MODEL_TYPES
 
     @property
     def world_size(self) -> int:
