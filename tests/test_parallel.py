@@ -135,7 +135,7 @@ def test_ddp_with_accumulation_matches_single_process_and_keeps_ranks_identical(
 def test_fsdp2_with_activation_checkpointing_trains_like_a_single_process(tmp_path):
     (r0, r1), output = _torchrun("fsdp", tmp_path)
 
-    assert "Applied activation checkpointing to 2 decoder layers" in output
+    assert "Applied full activation checkpointing to 2 decoder layers" in output
     assert "Applied FSDP over mesh {'shard': 2}" in output
     assert r0["losses"] == r1["losses"]
     assert r0["losses"][-1] < r0["losses"][0]
@@ -238,6 +238,72 @@ def test_activation_checkpointing_keeps_losses_gradients_and_state_dict_names():
     grads = {n: p.grad for n, p in plain.named_parameters()}
     for name, p in checkpointed.named_parameters():
         assert torch.allclose(p.grad, grads[name.replace("_checkpoint_wrapped_module.", "")], atol=1e-6), name
+
+
+def _ops_in_backward(model, ids) -> dict[str, int]:
+    """How many times each aten op ran during backward (recomputation included)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    loss = model(input_ids=ids, labels=ids).loss
+    with Count() as count:
+        loss.backward()
+    return count.ops
+
+
+def test_selective_checkpointing_keeps_gradients_and_recomputes_the_cheap_ops_not_the_matmuls():
+    """selective: the layer's matmul outputs are kept, so backward runs no more matmuls than without checkpointing,
+    while the RMSNorms and the MLP's SiLU run again; full reruns the matmuls too. Gradients are the same."""
+    plain, selective = _twin_models()
+    _, full = _twin_models()
+    apply_ac(selective, decoder_layers(selective), "selective")
+    apply_ac(full, decoder_layers(full), "full")
+    ids = _global_batches()[0]
+    ops = {name: _ops_in_backward(model, ids) for name, model in (("plain", plain), ("sel", selective), ("full", full))}
+
+    assert ops["sel"]["mm"] == ops["plain"]["mm"] < ops["full"]["mm"]
+    assert ops["sel"]["silu"] > ops["plain"].get("silu", 0) and ops["sel"]["rsqrt"] > ops["plain"].get("rsqrt", 0)
+    assert list(selective.state_dict()) == list(plain.state_dict())
+    grads = {n: p.grad for n, p in plain.named_parameters()}
+    for model in (selective, full):
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(
+                p.grad, grads[name.replace("_checkpoint_wrapped_module.", "")], atol=1e-6, rtol=0
+            )
+
+
+def test_selective_checkpointing_under_compiled_layers_gives_the_same_gradients():
+    """The FSDP configuration of the 8B plan compiles each checkpointed block: the policy's saved ops must survive
+    tracing (aot_eager: inductor's tracing without its slow C++ codegen on 2 cores)."""
+    plain, compiled = _twin_models()
+    apply_ac(compiled, decoder_layers(compiled), "selective")
+    apply_compile(compiled, decoder_layers(compiled), backend="aot_eager")
+    torch._dynamo.reset()
+    ids = _global_batches()[0]
+    for model in (plain, compiled):
+        model(input_ids=ids, labels=ids).loss.backward()
+    grads = {n: p.grad for n, p in plain.named_parameters()}
+    for name, p in compiled.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name.replace("_checkpoint_wrapped_module.", "")], atol=1e-6, rtol=0)
+
+
+def test_activation_checkpointing_true_means_full_and_a_bad_mode_names_the_key():
+    from pydantic import ValidationError
+
+    assert ModelConfig(activation_checkpointing=True).activation_checkpointing == "full"
+    assert ModelConfig(activation_checkpointing=False).activation_checkpointing == "none"
+    with pytest.raises(ValidationError, match="activation_checkpointing"):
+        ModelConfig(activation_checkpointing="partial")
 
 
 def test_compiled_layers_keep_parameter_names_and_numerics():

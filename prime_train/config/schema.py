@@ -128,7 +128,21 @@ class ModelConfig(Section):
         "(HF parameter names; whole-model compile, flash SDPA, fused chunked loss); 'hf': transformers' class. "
         "'auto': native where it computes what transformers does for the architecture and rope scaling, else hf.",
     )
-    activation_checkpointing: bool = Field(False, description="Recompute decoder-layer activations in backward.")
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none",
+        description="Recompute decoder-layer activations in backward: 'full' keeps each layer's input only (true "
+        "means full); 'selective' keeps matmul and attention outputs and recomputes the cheap ops; false: 'none'.",
+    )
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing_from_bool(cls, value: object) -> object:
+        # true/false, the key's type before "selective" existed, keep their meaning
+        if value is True:
+            return "full"
+        if value is False:
+            return "none"
+        return value
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:

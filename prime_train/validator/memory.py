@@ -72,7 +72,7 @@ def inputs_from_config(cfg: Config, **overrides: Any) -> MemoryInputs:
         "num_nodes": nodes,
         "strategy": strategy,
         "precision": "fp32" if cfg.train.precision == "fp32" else "bf16",
-        "activation_checkpointing": "full" if cfg.model.activation_checkpointing else "none",
+        "activation_checkpointing": cfg.model.activation_checkpointing,
         "attention": attention,
         "loss": {"native": "chunked", "hf": "full"}.get(cfg.model.implementation, "auto"),
         "hsdp_shard_size": cfg.distributed.hsdp_shard_size,
@@ -245,8 +245,6 @@ def estimate(params: MemoryInputs, *, gpu_table: GpuTable | None = None) -> Memo
         notes.append("ZeRO family: bf16 weights and gradients, fp32 master weights inside the optimizer states")
     if params.strategy in ("none", "ddp") and params.precision == "bf16":
         notes.append("none/ddp in bf16: fp32 weights under autocast, as the embedded engine runs them")
-    if params.activation_checkpointing == "selective" and params.attention != "eager":
-        notes.append("selective checkpointing saves nothing with SDPA/flash attention: they keep no score matrix")
     if params.world_size == 1 and params.strategy not in ("none",):
         notes.append(f"strategy {params.strategy} on one GPU shards nothing")
     verdicts = gpu_verdicts(params, shape, trainer, inf, table)

@@ -58,8 +58,11 @@ kv = kv_heads × head_dim), per token, with A the activation bytes (2 bf16, 4 fp
   experts each token goes to).
 
 For the paper's own GPT layer this counting gives its 34sbh + 5as²b. Activation checkpointing: ``selective``
-recomputes the attention scores (drops the score-matrix term; nothing to drop with SDPA/flash), ``full`` keeps
-only each layer's input and rebuilds one layer's activations at a time in backward. Outside the layers: the
+is the engine's op-level policy (engine/parallel.py): each layer keeps its input and the outputs of its matmuls
+and attention kernel, (q + 2kv + 2h + 2f)A plus the attention output and its fp32 log-sum-exp, and recomputes the
+norms, rotary and the MLP's activation and product. This is the paper's selective idea applied to what is cheap to
+recompute rather than to the score matrix, which SDPA/flash never keeps. ``full`` keeps only each layer's input
+and rebuilds one layer's activations at a time in backward. Outside the layers: the
 final norm, and the logits: the loss is computed in fp32 (the engine and transformers both upcast), and at the
 start of backward the saved log-softmax, its incoming gradient and the gradient of the logits coexist, 12
 bytes per token per vocabulary entry. A fixed 1 GiB per GPU stands for the CUDA context, cuBLAS workspaces
@@ -193,6 +196,12 @@ def _activation_bytes_per_token(inputs: MemoryInputs, m: ModelShape) -> dict[str
         "scores": scores,
         "mlp": mlp,
         "layer_input": h * (4 if (autocast or not bf16) else a),  # the residual stream's dtype
+        # selective checkpointing (engine/parallel.py): a layer's input, the outputs of its matmuls (q, k, v and
+        # output projections, gate, up and down) and of its attention kernel (output and fp32 log-sum-exp; eager
+        # attention's two bmm outputs instead, the score matrix among them)
+        "selective": h * (4 if (autocast or not bf16) else a)
+        + (m.q_dim + 2 * m.kv_dim + 2 * h + 2 * m.mlp_width) * a
+        + (m.heads * s * a + m.q_dim * a if inputs.attention == "eager" else m.q_dim * a + 4 * m.heads),
         "final_norm": norm,
         "indices": 8,
         "logits": LOSS_BYTES_PER_VOCAB * m.vocab,
@@ -238,8 +247,8 @@ def trainer_memory(inputs: MemoryInputs, m: ModelShape, *, micro_batch: int | No
         per_token = m.layers * act["layer_input"] + layer
         how = f"{m.layers} layer inputs + one layer recomputed"
     elif ckpt == "selective":
-        per_token = m.layers * (layer - act["scores"])
-        how = f"{m.layers} layers, attention scores recomputed"
+        per_token = m.layers * act["selective"]
+        how = f"{m.layers} layers' inputs, matmul and attention outputs; the rest recomputed"
     else:
         per_token = m.layers * layer
         how = f"{m.layers} layers"
