@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 import textwrap
 
@@ -105,6 +106,28 @@ def test_builtin_env_args_reach_the_task_and_bad_ones_name_the_key():
     assert all(int(ch) < 3 for p in env.prompts("train", 50, 0) for ch in p.text if ch.isdigit())
     with pytest.raises(EnvironmentLoadError, match=r"rl\.env_args .*max_operand"):
         load_environment("reverse-text", {"max_operand": 3})
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "said"),
+    [
+        ("reverse-text", {"min_letters": "3"}, "rl.env_args.min_letters must be a whole number"),
+        (
+            "reverse-text",
+            {"min_letters": 5, "max_letters": 4},
+            "min_letters (5) must not exceed rl.env_args.max_letters",
+        ),
+        ("reverse-text", {"max_letters": 2}, "min_letters (3) must not exceed rl.env_args.max_letters (2)"),
+        ("arithmetic", {"max_operand": 0}, "rl.env_args.max_operand must be a whole number >= 1"),
+        ("sorting", {"alphabet": ""}, "rl.env_args.alphabet must be a non-empty string"),
+        ("sorting", {"eval_fraction": "0.1"}, "rl.env_args.eval_fraction must be a number in (0, 1)"),
+    ],
+)
+def test_builtin_env_args_of_the_wrong_type_or_range_name_the_key_before_any_prompt_is_made(name, args, said):
+    """Found by lint's fuzz test once configs/tiny-rl.toml set min_letters: a string there passed the config and
+    raised a TypeError inside random.randint when lint's token-budget check made the first prompt."""
+    with pytest.raises(EnvironmentLoadError, match=re.escape(said)):
+        load_environment(name, args)
 
 
 def test_unknown_environment_name_lists_the_accepted_forms():

@@ -134,6 +134,26 @@ def _in_eval_split(text: str, eval_fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < eval_fraction
 
 
+def _check_task_args(name: str, task_args: dict[str, Any]) -> None:
+    """EnvironmentLoadError unless each of a built-in task's arguments has its default's type and the ranges are
+    non-empty: rl.env_args come from a config, and a string where a count belongs would fail only when the first
+    prompt is generated (in lint's token-budget check, or at step 1)."""
+    params = inspect.signature(_TASK_CLASSES[name].__init__).parameters
+    for key, value in task_args.items():
+        default = params[key].default if key in params else None
+        if isinstance(default, int) and not isinstance(default, bool):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise EnvironmentLoadError(f"rl.env_args.{key} must be a whole number >= 1, got {value!r}")
+        elif isinstance(default, str) and (not isinstance(value, str) or not value):
+            raise EnvironmentLoadError(f"rl.env_args.{key} must be a non-empty string, got {value!r}")
+    for low in [k for k in params if k.startswith("min_")]:
+        high = "max_" + low[4:]
+        lo = task_args.get(low, params[low].default)
+        hi = task_args.get(high, params[high].default) if high in params else None
+        if hi is not None and lo > hi:
+            raise EnvironmentLoadError(f"rl.env_args.{low} ({lo}) must not exceed rl.env_args.{high} ({hi})")
+
+
 class BuiltinEnvironment:
     """A generated task from prime_train.tasks as an environment."""
 
@@ -142,10 +162,12 @@ class BuiltinEnvironment:
     def __init__(
         self, name: str, eval_fraction: float = DEFAULT_EVAL_FRACTION, partial_credit: bool = True, **task_args: Any
     ) -> None:
-        if not 0.0 < eval_fraction < 1.0:
-            raise EnvironmentLoadError(f"rl.env_args.eval_fraction must be in (0, 1), got {eval_fraction}")
+        number = isinstance(eval_fraction, (int, float)) and not isinstance(eval_fraction, bool)
+        if not number or not 0.0 < eval_fraction < 1.0:
+            raise EnvironmentLoadError(f"rl.env_args.eval_fraction must be a number in (0, 1), got {eval_fraction!r}")
         if not isinstance(partial_credit, bool):
             raise EnvironmentLoadError(f"rl.env_args.partial_credit must be true or false, got {partial_credit!r}")
+        _check_task_args(name, task_args)
         try:
             self.task = _TASK_CLASSES[name](**task_args)
         except TypeError:
