@@ -93,7 +93,7 @@ def test_run_spot_dry_run_prints_a_task_without_skypilot(tmp_path):
     else:
         assert result.returncode == 0, result.stderr
         assert "spot install" in result.stderr
-    assert "recover_on_exit_codes: [75]" in result.stdout and "num_nodes: 2" in result.stdout
+    assert "recover_on_exit_codes: [75]" in result.stdout and "num_nodes: 1" in result.stdout
     lambda_spot = cli("run", "--spot", "configs/examples/spot.toml", "--dry-run", "--spot.clouds", '["lambda"]',
                       env=env, cwd=REPO)  # fmt: skip
     assert lambda_spot.returncode == 78 and "lambda" in lambda_spot.stderr

@@ -52,6 +52,8 @@ def test_gpu_choices_follow_the_hardware(tmp_path):
     assert init(tmp_path, "-o", "a.toml", "--hardware", "H100:8", "--nodes", "2").returncode == 0
     cfg = load_config([str(tmp_path / "a.toml")])
     assert cfg.distributed.nproc_per_node == 8 and cfg.distributed.nnodes == 2
+    # checkpoints in a place every node mounts, one directory per run (lint refuses node-local ones above one node)
+    assert cfg.ckpt.dir == f"~/prime-train-checkpoints/{cfg.run.name}"
     assert cfg.train.precision == "bf16"
     assert cfg.train.global_batch_size % (cfg.train.micro_batch_size * 16) == 0
     # RL on 8 GPUs: some serve rollouts, the rest train, and the batch is whole groups

@@ -680,3 +680,37 @@ def test_lints_task_fields_mirror_the_records_the_engine_makes_of_a_task():
     for name in ("reverse-text", "arithmetic", "sorting"):
         [example] = tasks.generate_examples(name, 1, 0)
         assert set(task_record(example)) == TASK_FIELDS, name
+
+
+# ---------------------------------------------------------------- several nodes: where checkpoints go
+
+
+def test_several_nodes_with_checkpoints_in_each_run_directory_are_refused_until_ckpt_dir_is_shared(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    tiny = str(REPO / "prime_train" / "configs" / "tiny-sft.toml")
+    nodes = ["--run.output_dir", str(tmp_path / "runs"), "--distributed.nnodes", "2"]
+    nodes += ["--distributed.nproc_per_node", "1"]
+    problems, _ = lint_files([tiny], nodes)
+    assert [(p.key, p.severity) for p in problems] == [("distributed.nnodes", "error")], [p.format() for p in problems]
+    assert "set ckpt.dir to a directory every node mounts" in problems[0].message
+    # a bucket does not help: each node would upload its own run directory, which holds its own ranks' shards only
+    problems, _ = lint_files([tiny], [*nodes, "--ckpt.remote", "s3://bucket/run"])
+    assert [p.key for p in problems] == ["distributed.nnodes"], [p.format() for p in problems]
+    assert "ckpt.remote uploads what the node holds" in problems[0].message
+    assert lint_files([tiny], [*nodes, "--ckpt.dir", str(tmp_path / "shared")])[0] == []
+    # one node keeps its checkpoints where it likes
+    assert lint_files([tiny], ["--run.output_dir", str(tmp_path / "runs")])[0] == []
+
+    inside = str(tmp_path / "runs" / "tiny-sft" / "ckpt")
+    problems, _ = lint_files([tiny], [*nodes, "--run.name", "tiny-sft", "--ckpt.dir", inside])
+    assert [p.key for p in problems] == ["ckpt.dir"] and "inside the run directory" in problems[0].message
+
+
+def test_ckpt_dir_with_ckpt_remote_is_refused_as_nothing_would_be_uploaded(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tiny = str(REPO / "prime_train" / "configs" / "tiny-sft.toml")
+    args = ["--run.output_dir", str(tmp_path), "--ckpt.dir", str(tmp_path / "shared"), "--ckpt.remote", "s3://b/p"]
+    problems, _ = lint_files([tiny], args)
+    assert [(p.key, p.severity) for p in problems] == [("ckpt.remote", "error")], [p.format() for p in problems]

@@ -1,15 +1,39 @@
 """Several nodes (issue 20), with real processes on 127.0.0.1: a node notices when another node is gone, within a
-bounded time instead of the collective timeout. (The end of the node that holds the store is not pinned yet: torch's
-store client can hang on a server that went away instead of failing; see the issue 20 note.)"""
+bounded time instead of the collective timeout; two `prime-train run` supervisors (node-local run directories, one
+shared checkpoint directory) train, lose a node and resume together. (The end of the node that holds the store is not
+pinned yet: torch's store client can hang on a server that went away instead of failing; see the issue 20 note.)"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
+import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from enginetools import free_port
+import psutil
+import pytest
+import torch
+from enginetools import (
+    TINY,
+    cli,
+    final_weights,
+    free_port,
+    kill_group,
+    losses_by_step,
+    run_cli,
+    run_train,
+    start,
+    tiny_overrides,
+    wait_for,
+)
+
+from prime_train.contract import read_json
+from prime_train.resilience.events import read_events
 
 SRC = str(Path(__file__).resolve().parents[1])
 
@@ -21,8 +45,13 @@ from prime_train.engine.lifeline import watch_peers
 node, nnodes, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 def lost(reason):
     print("LOST " + reason, flush=True)
-watch_peers(lost, node=node, nnodes=nnodes, host="127.0.0.1", port=port, timeout_s=float(sys.argv[4]), beat_s=0.2)
+watch = watch_peers(lost, node=node, nnodes=nnodes, host="127.0.0.1", port=port, timeout_s=float(sys.argv[4]),
+                    beat_s=0.2)
 print("WATCHING", flush=True)
+if len(sys.argv) > 5:  # this node's part of the job ends as planned after that many seconds
+    time.sleep(float(sys.argv[5]))
+    watch.finish()
+    print("FINISHED", flush=True)
 time.sleep(600)
 """
 
@@ -90,3 +119,213 @@ def test_a_node_whose_trainer_is_killed_9_is_noticed_by_the_other_within_the_pee
         assert when - killed < 3.0 + 2.0, when - killed
     finally:
         _kill(*ranks, store)
+
+
+def test_a_node_that_finished_as_planned_is_never_taken_for_lost():
+    port = free_port()
+    store = _start(STORE, port)
+    ranks: list[subprocess.Popen] = []
+    try:
+        _wait_line(store, "SERVING", 60)
+        ranks = [_start(RANK.format(src=SRC), 0, 2, port, 2.0), _start(RANK.format(src=SRC), 1, 2, port, 2.0, 1.0)]
+        for r in ranks:
+            _wait_line(r, "WATCHING", 60)
+        _wait_line(ranks[1], "FINISHED", 30)
+        ranks[1].kill()  # gone for good, as a node is once its run ended
+        with pytest.raises(AssertionError, match="no 'LOST ' line"):
+            _wait_line(ranks[0], "LOST ", 2.0 + 3.0)
+    finally:
+        _kill(*ranks, store)
+
+
+# ---------------------------------------------------------------- two `prime-train run` supervisors, one a node
+
+
+def _run_dir(tmp_path: Path, node: int) -> Path:
+    return tmp_path / f"node{node}" / "job"
+
+
+def _start_nodes(tmp_path: Path, *, shared: bool = True, **extra) -> list[subprocess.Popen]:
+    """Node 1's supervisor, then node 0's: each with its own run directory (a node-local disk), one shared ckpt.dir
+    (shared=False: one of its own each, as two machines' local paths would be), one process a node, DDP over gloo,
+    meeting at a static rendezvous on 127.0.0.1."""
+    port = free_port()
+    settings = {
+        "distributed.nnodes": 2,
+        "distributed.nproc_per_node": 1,
+        "distributed.strategy": "ddp",
+        "distributed.rdzv_endpoint": f"127.0.0.1:{port}",
+        "distributed.join_timeout_s": 60,
+        "supervisor.poll_interval_s": 0.5,
+        "supervisor.backoff_initial_s": 0.5,
+        **extra,
+    }
+    procs = {}
+    for node in (1, 0):  # the node that does not hold rank 0 first: it waits for node 0 at the rendezvous
+        ckpt = tmp_path / ("shared" if shared else f"local-ckpt-{node}")
+        args = tiny_overrides(
+            tmp_path / f"node{node}", "job", **settings, **{"distributed.node_rank": node, "ckpt.dir": str(ckpt)}
+        )
+        procs[node] = start(cli("run", str(TINY), *args))
+    return [procs[0], procs[1]]
+
+
+def test_a_checkpoint_directory_the_nodes_do_not_share_stops_both_at_start_as_a_config_error(tmp_path):
+    """Each node names a ckpt.dir that exists and is writable where it runs, but they are two directories (as one
+    local path on two machines is): every checkpoint would lack the other node's shards, and the run would find
+    out at its first resume. Rank 0 writes a probe file there at start-up; rank 1 does not see it, and both nodes
+    stop with exit 78 (not retried) naming the directory."""
+    procs = _start_nodes(tmp_path, shared=False, **{"train.max_steps": 20})
+    outs = _finish(procs, 180)
+    assert [p.returncode for p in procs] == [78, 78], outs[0][-3000:] + outs[1][-3000:]
+    for node, out in enumerate(outs):
+        assert "is not one directory for every rank: rank(s) 1 do not see the file" in out, (node, out[-3000:])
+        assert "attempt 2" not in out  # a config error is not retried
+        assert not list((tmp_path / f"local-ckpt-{node}").glob(".shared-probe-*"))  # rank 0 cleaned its probe
+
+
+def _finish(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
+    """Each supervisor's output once it exited; kills what is left after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    finally:
+        for p in procs:
+            kill_group(p)
+    return outs
+
+
+def _step(run_dir: Path) -> int:
+    """The step in the node's heartbeat, 0 before there is one."""
+    return (read_json(run_dir / "progress.json") or {}).get("step") or 0
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    """A supervisor and every process under it (its children run in process groups of their own)."""
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+@pytest.mark.slow
+def test_two_nodes_train_to_the_end_like_one_node_and_each_supervisor_reports_the_true_step(tmp_path):
+    steps = {"train.max_steps": 20, "ckpt.interval": 10}
+    procs = _start_nodes(tmp_path, **steps)
+    outs = _finish(procs, 240)
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    for node, out in enumerate(outs):
+        run_dir = _run_dir(tmp_path, node)
+        beat = read_json(run_dir / "progress.json")
+        assert (beat["step"], beat["phase"]) == (20, "done"), (node, beat)
+        assert read_json(run_dir / "supervisor.json")["state"] == "done"
+        assert "step 20/20" in out, out[-3000:]
+        assert not list((run_dir / "checkpoints").iterdir())  # every rank's shards went to the shared directory
+    # `prime-train status` on node 1 says what the whole job did: its step, and the checkpoints in the shared place
+    shown = json.loads(run_cli("status", "--json", str(_run_dir(tmp_path, 1))).stdout)
+    assert (shown["step"], shown["state"], shown["checkpoints"]) == (20, "done", [10]), shown
+    # rank 0's metrics and export stay on node 0
+    assert not (_run_dir(tmp_path, 1) / "metrics.jsonl").exists() and not (_run_dir(tmp_path, 1) / "final").exists()
+    assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["step-10"]
+    assert {p.name for p in (tmp_path / "shared" / "step-10").glob("__*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+
+    one = run_train(tmp_path, "one", **steps)  # one process, the same global batch
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    a, b = losses_by_step(tmp_path / "one"), losses_by_step(_run_dir(tmp_path, 0))
+    assert sorted(a) == sorted(b) == list(range(1, 21))
+    for step in a:
+        assert math.isclose(a[step], b[step], rel_tol=1e-5), (step, a[step], b[step])
+    wa, wb = final_weights(tmp_path / "one"), final_weights(_run_dir(tmp_path, 0))
+    for key in wa:
+        torch.testing.assert_close(wa[key], wb[key], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_kill9_of_one_nodes_trainer_resumes_both_nodes_from_the_newest_checkpoint_with_every_shard(tmp_path):
+    procs = _start_nodes(tmp_path, **{"train.max_steps": 40, "ckpt.interval": 10})
+    shared = tmp_path / "shared"
+    try:
+        wait_for((shared / "step-20").is_dir, 180, "the step-20 checkpoint")
+        # the newest checkpoint loses node 1's shard (a disk that lost it): neither node may resume from it
+        (shared / "step-20" / "__1_0.distcp").unlink()
+        trainer = read_json(_run_dir(tmp_path, 1) / "progress.json")["pid"]  # node 1's rank: its local rank 0
+        os.kill(trainer, signal.SIGKILL)
+        killed = time.monotonic()
+    except BaseException:
+        _finish(procs, 0)
+        raise
+    outs = _finish(procs, 240)
+    took = time.monotonic() - killed
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    for node in (0, 1):
+        run_dir = _run_dir(tmp_path, node)
+        beat = read_json(run_dir / "progress.json")
+        assert (beat["step"], beat["phase"], beat["resumed_from"]) == (40, "done", 10), (node, beat)
+        failures = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "failure"]
+        # one failure a node, retried (how each node names it is the log scanner's reading of torchrun's output)
+        assert len(failures) == 1 and failures[0]["retryable"], [(f["kind"], f["message"]) for f in failures]
+    assert (shared / "step-20.corrupt").is_dir()
+    # far inside distributed.timeout_s (600 s) that a survivor waiting in a collective would have taken
+    assert took < 120, took
+
+
+@pytest.mark.slow
+def test_a_frozen_node_is_lost_by_the_other_within_peer_timeout_s_which_then_waits_for_it_and_fails_clearly(tmp_path):
+    procs = _start_nodes(
+        tmp_path,
+        **{"train.max_steps": 5000, "ckpt.interval": 1000, "distributed.peer_timeout_s": 3,
+           "distributed.join_timeout_s": 5, "supervisor.max_restarts": 1},
+    )  # fmt: skip
+    node0, node1 = _run_dir(tmp_path, 0), _run_dir(tmp_path, 1)
+    frozen: list[psutil.Process] = []
+    try:
+        wait_for(lambda: _step(node1) >= 5, 180, "node 1 training")
+        # a machine that vanished: its processes stop, their sockets stay open (no reset reaches node 0's gloo)
+        frozen = _tree(procs[1].pid)
+        for p in frozen:
+            p.suspend()
+        froze = time.time()
+        out = procs[0].communicate(timeout=120)[0]
+    finally:
+        for p in frozen:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        _finish(procs, 0)
+    assert procs[0].returncode == 1, out[-3000:]
+    failures = [e for e in read_events(node0 / "events.jsonl") if e["event"] == "failure"]
+    assert failures[0]["kind"] == "node_lost", failures
+    assert "node 1 has been silent for 3 s" in failures[0]["message"]
+    assert failures[0]["time"] - froze < 3 + 5, failures[0]["time"] - froze  # the bound, and a beat and a poll
+    # restarted, it waits for node 1 at the rendezvous for join_timeout_s, then says so
+    assert len(failures) == 2 and "clients joined" in failures[1]["message"], failures
+    assert "the ranks never all met" in out
+
+
+@pytest.mark.slow
+def test_kill9_of_one_nodes_supervisor_stops_both_with_a_checkpoint_and_the_other_waits_for_it_then_fails(tmp_path):
+    procs = _start_nodes(
+        tmp_path,
+        **{"train.max_steps": 5000, "ckpt.interval": 1000, "distributed.join_timeout_s": 5,
+           "supervisor.max_restarts": 1},
+    )  # fmt: skip
+    node0, node1 = _run_dir(tmp_path, 0), _run_dir(tmp_path, 1)
+    try:
+        wait_for(lambda: _step(node1) >= 5, 180, "node 1 training")
+        procs[1].kill()  # kill -9 of node 1's supervisor alone: its trainer's lifeline sees it gone
+        killed = time.time()
+        out = procs[0].communicate(timeout=120)[0]
+    finally:
+        _finish(procs, 0)
+    assert procs[0].returncode == 1, out[-3000:]
+    failures = [e for e in read_events(node0 / "events.jsonl") if e["event"] == "failure"]
+    # node 1's trainer stopped as on SIGTERM, and every rank agreed: both saved the same step and exited 75
+    assert failures[0]["kind"] == "preempted" and "another rank asked to stop" in failures[0]["message"], failures
+    assert failures[0]["time"] - killed < 15, failures[0]["time"] - killed
+    stopped_at = read_json(node1 / "progress.json")
+    assert stopped_at["phase"] == "stopped" and "supervisor" in stopped_at["reason"], stopped_at
+    assert (tmp_path / "shared" / f"step-{stopped_at['step']}").is_dir()
+    restart = [e for e in read_events(node0 / "events.jsonl") if e["event"] == "attempt_started"][1]
+    assert restart["resume_from"] == stopped_at["step"]
+    # node 0 restarted and waited join_timeout_s for node 1 at the rendezvous; it never came
+    assert len(failures) == 2 and "clients joined" in failures[1]["message"], failures
+    assert "the ranks never all met" in out

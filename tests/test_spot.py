@@ -54,13 +54,24 @@ name = "demo"
 [distributed]
 nnodes = 2
 [ckpt]
-remote = "s3://bucket/demo"
+dir = "/tmp/prime-train-tests/shared-ckpt/demo"   # several nodes: a directory every node mounts (lint)
 [spot]
 accelerators = "H100:8"
 clouds = ["gcp", "aws"]
 num_nodes = 2
 env = { NCCL_DEBUG = "WARN" }
 setup = ["nvidia-smi"]
+"""
+
+
+ONE_NODE = """
+[run]
+name = "demo"
+[ckpt]
+interval = 100
+[spot]
+accelerators = "H100:8"
+clouds = ["gcp", "aws"]
 """
 
 
@@ -474,11 +485,13 @@ def test_sigterm_to_the_node_script_reaches_prime_train_run_and_its_exit_code_co
 
 
 def test_lint_spot_guards_the_recovery_limit(tmp_path):
-    _, cfg = _config(tmp_path, TWO_NODES + "recover_on_exit_codes = [75, 1]\n")
+    # the recovery count lives in the bucket (one node here: above one, lint refuses ckpt.remote)
+    bucket = ONE_NODE.replace("[ckpt]\n", '[ckpt]\nremote = "s3://bucket/demo"\n')
+    _, cfg = _config(tmp_path, bucket + "recover_on_exit_codes = [75, 1]\n")
     [(key, severity, message)] = [p for p in sp.lint_spot(cfg) if "holds 1" in p[2]]
     assert key == ("spot", "recover_on_exit_codes") and severity == "error" and "without limit" in message
-    _, no_bucket = _config(tmp_path, TWO_NODES.replace('remote = "s3://bucket/demo"', ""))
+    _, no_bucket = _config(tmp_path, ONE_NODE)
     assert any(k == ("spot", "max_recoveries") and "not enforced without ckpt.remote" in m
                for k, _, m in sp.lint_spot(no_bucket))  # fmt: skip
-    _, sound = _config(tmp_path, TWO_NODES)
+    _, sound = _config(tmp_path, bucket)
     assert not any(k == ("spot", "max_recoveries") for k, _, _ in sp.lint_spot(sound))

@@ -264,6 +264,13 @@ class DistributedConfig(Section):
     join_timeout_s: float = Field(
         600.0, gt=0, description="With several nodes: how long a node waits at the rendezvous for the others."
     )
+    peer_timeout_s: float = Field(
+        15.0,
+        ge=1,
+        le=3600,
+        description="With several nodes: seconds a node may go without a beat before the others take it for "
+        "lost and end the attempt (failure node_lost) instead of waiting out distributed.timeout_s.",
+    )
     rdzv_endpoint: str | None = Field(
         None, description="host:port of the rendezvous; unset: first of SKYPILOT_NODE_IPS, or localhost."
     )
@@ -278,6 +285,11 @@ class DistributedConfig(Section):
 
 class CkptConfig(Section):
     interval: int = Field(100, ge=1, description="Steps between checkpoints.")
+    dir: str | None = Field(
+        None,
+        description="Directory of the step-N checkpoints; unset: <run dir>/checkpoints. With several nodes it "
+        "must be one every node sees (a shared filesystem): each rank writes its own shards, rank 0 the metadata.",
+    )
     keep_last: int | None = Field(3, ge=1, description="Whole checkpoints kept; unset: keep all.")
     keep_every: int | None = Field(
         None, ge=1, description="Also keep every checkpoint whose step is a multiple of this."
@@ -557,3 +569,10 @@ class Config(Section):
         import os
 
         return os.path.join(self.run.output_dir, self.run.name)
+
+    @property
+    def checkpoints_dir(self) -> str:
+        """Where the engine's step-N checkpoints are: ckpt.dir, else <run dir>/checkpoints."""
+        import os
+
+        return os.path.expanduser(self.ckpt.dir) if self.ckpt.dir else os.path.join(self.run_dir, "checkpoints")

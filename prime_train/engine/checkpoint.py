@@ -1,7 +1,7 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): sharded, reshardable, never half-visible.
 
-A save writes <run>/checkpoints/step-N.tmp from every rank (each rank its own shards, rank 0 the
-DCP `.metadata`, meta.json and hf/), and only when every rank reports its part written does rank 0
+A save writes <run>/checkpoints/step-N.tmp (ckpt.dir/step-N.tmp when set) from every rank (each rank its own shards,
+rank 0 the DCP `.metadata`, meta.json and hf/), and only when every rank reports its part written does rank 0
 rename it to step-N. So a directory named step-N is always whole, and a crash at any moment leaves
 at worst a step-N.tmp, which the next start deletes.
 
@@ -333,7 +333,9 @@ class Checkpointer:
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
-        self.ckpt_dir = run_dir.checkpoints_dir
+        # ckpt.dir: a place every node sees, when the run directories are node-local disks (several nodes);
+        # Config.checkpoints_dir states the same rule for the supervisor
+        self.ckpt_dir = Path(cfg.dir).expanduser() if cfg.dir else run_dir.checkpoints_dir
         self._distributed = dist.is_available() and dist.is_initialized()
         self._save_pg: dist.ProcessGroup | None = None
         self._sync_pg: dist.ProcessGroup | None = None
@@ -360,13 +362,46 @@ class Checkpointer:
         self._tokenizer = None
 
         newest = None
+        probe = None
         if rank == 0:
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
             clean_stale_tmp(self.ckpt_dir)
             found = newest_checkpoint(self.ckpt_dir)
             newest = found.step if found else None
+            if self._distributed:
+                probe = self._write_probe()
         # the broadcast also keeps other ranks from writing before the stale .tmp dirs are gone
-        self._latest_step: int | None = self._from_rank0(newest)
+        self._latest_step, probe = self._from_rank0((newest, probe))
+        if probe is not None:
+            self._check_shared(*probe)
+
+    def _write_probe(self) -> tuple[str, str]:
+        """A file only this start writes, for every rank to find in its own view of the checkpoint directory."""
+        token = os.urandom(8).hex()
+        name = f".shared-probe-{token}"
+        (self.ckpt_dir / name).write_text(token)
+        return name, token
+
+    def _check_shared(self, name: str, token: str) -> None:
+        """EngineConfigError (exit 78) on every rank unless every rank reads rank 0's probe file in the checkpoint
+        directory. DCP writes each rank's shards into its own view of that directory and rank 0 the metadata: with
+        several nodes and node-local directories no checkpoint would ever be whole, and a week-long run would find
+        out at its first resume. A few milliseconds at start-up instead."""
+        path = self.ckpt_dir / name
+        try:
+            seen = path.read_text() == token
+        except OSError:
+            seen = False
+        blind = [r for r, ok in enumerate(self._gather(seen)) if not ok]
+        if self.rank == 0:
+            path.unlink(missing_ok=True)
+        if blind:
+            raise EngineConfigError(
+                f"the checkpoint directory {self.ckpt_dir} is not one directory for every rank: rank(s) "
+                f"{', '.join(map(str, blind))} do not see the file rank 0 wrote there, so no checkpoint would ever "
+                "be whole; with several nodes set ckpt.dir to a directory every node mounts (NFS, a shared volume, "
+                "a bucket mount)"
+            )
 
     # ------------------------------------------------------------------ collectives
 

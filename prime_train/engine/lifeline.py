@@ -87,6 +87,27 @@ def watch_supervisor(on_gone: Callable[[str], None], poll_s: float = POLL_S) -> 
 PEER_TIMEOUT_S = 15.0
 BEAT_S = 1.0
 PEER_PREFIX = "prime_train/beat/"
+PEER_DONE_PREFIX = "prime_train/done/"
+# How a rank that ends itself because a node was lost exits: distinct from a crash (1) and from the contract's
+# codes, so its log and `echo $?` say so; its heartbeat names the failure (node_lost) for the supervisor.
+NODE_LOST_EXIT = 76
+
+
+class PeerWatch:
+    """A running watch of the other nodes (watch_peers); `finish()` ends it when this node's part of the job ended
+    as planned."""
+
+    def __init__(self, thread: threading.Thread, finished: threading.Event):
+        self.thread = thread
+        self._finished = finished
+
+    def finish(self, timeout_s: float = 5.0) -> None:
+        """Tell the other nodes this one is done (so its silence from now on is not a loss) and stop watching.
+
+        Called once the node's ranks have left their last collective together (the end of the run, a stop, a
+        divergence), never on a crash: a node that crashed must be seen as lost."""
+        self._finished.set()
+        self.thread.join(timeout_s)
 
 
 def watch_peers(
@@ -98,30 +119,33 @@ def watch_peers(
     port: int,
     timeout_s: float = PEER_TIMEOUT_S,
     beat_s: float = BEAT_S,
-) -> threading.Thread:
+) -> PeerWatch:
     """Beat for `node` and watch the other nodes' beats in the rendezvous store at host:port (a TCPStore: the one
     torchrun's agent on node 0 serves); call `on_lost(reason)` once, from a daemon thread, when a node has been
     silent for `timeout_s`, or a request to the store fails (node 0's agent ended; a client that hangs on a
     vanished server instead of failing is not bounded yet). One watcher a node (its local rank
-    0): a rank that exits makes torchrun end the node's other ranks.
+    0): a rank that exits makes torchrun end the node's other ranks. A node that finished (PeerWatch.finish) is
+    never taken for lost, nor the store's end once node 0 finished.
 
     Why: a trainer that dies on one node leaves the ranks of the others blocked in their next collective until its
     timeout (10 minutes by default, NCCL's or gloo's) with nothing to tell them apart from a slow step. A beat
     counter in the store (an add, so no clock is compared across machines) tells them within `timeout_s`; two
-    requests a beat whatever the node count (an add, and one multi_get of every node's counter). The watch has a
-    store client of its own, so it never waits behind the main thread's collectives.
+    requests a beat whatever the node count (an add, and one multi_get of every node's counter and done mark). The
+    watch has a store client of its own, so it never waits behind the main thread's collectives.
     """
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
     keys = [f"{PEER_PREFIX}{n}" for n in range(nnodes)]
+    done_keys = [f"{PEER_DONE_PREFIX}{n}" for n in range(nnodes)]
+    finished = threading.Event()
     reason = ""
     # connected before the thread starts: a watch that returned is a watch in place
     try:
         store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(5.0, 5 * beat_s)))
-        for key in keys:
-            store.add(key, 0)  # every counter exists, so multi_get never waits for a node that has not beaten yet
+        for key in keys + done_keys:
+            store.add(key, 0)  # every key exists, so multi_get never waits for a node that has not beaten yet
     except Exception as exc:  # any failure to reach the store means node 0's agent is gone
         store = None
         reason = f"the job's rendezvous store at {host}:{port} cannot be reached ({_first_line(exc)})"
@@ -131,26 +155,34 @@ def watch_peers(
             on_lost(reason)
             return
         seen: dict[int, tuple[bytes, float]] = {}
+        done: set[int] = set()
         while True:
             now = time.monotonic()
             try:
+                if finished.is_set():
+                    store.add(done_keys[node], 1)
+                    return
                 store.add(keys[node], 1)
-                counts = store.multi_get(keys)
+                values = store.multi_get(keys + done_keys)
             except Exception as exc:  # the store closed: its host (node 0's agent) is gone
-                on_lost(f"the job's rendezvous store at {host}:{port} is gone ({_first_line(exc)})")
+                # not a loss once node 0 finished (its agent ends the store as it exits) or this node did
+                if 0 not in done and not finished.is_set():
+                    on_lost(f"the job's rendezvous store at {host}:{port} is gone ({_first_line(exc)})")
                 return
+            counts, marks = values[:nnodes], values[nnodes:]
+            done = {n for n, mark in enumerate(marks) if mark not in (b"0", b"")}
             for n, count in enumerate(counts):
                 if n not in seen or seen[n][0] != count:
                     seen[n] = (count, now)
-            silent = [n for n in range(nnodes) if n != node and now - seen[n][1] > timeout_s]
+            silent = [n for n in range(nnodes) if n != node and n not in done and now - seen[n][1] > timeout_s]
             if silent:
                 on_lost(f"node {silent[0]} has been silent for {timeout_s:.0f} s: its trainer or its machine is gone")
                 return
-            time.sleep(beat_s)
+            finished.wait(beat_s)
 
     thread = threading.Thread(target=watch, name="peer-lifeline", daemon=True)
     thread.start()
-    return thread
+    return PeerWatch(thread, finished)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -12,7 +12,9 @@ SIGTERM/SIGINT only set a flag; the step in progress finishes, every rank agrees
 same step, a checkpoint is saved synchronously and the process exits 75 (engine/checkpoint.py has
 the full design). Before the first step there is nothing to save: a stop then ends start-up at once,
 also with 75. The job does not outlive the process that started it: when that supervisor is gone
-(engine/lifeline.py) the job stops the same way, and its last heartbeat says why. A loss or gradient
+(engine/lifeline.py) the job stops the same way, and its last heartbeat says why. With several nodes, local rank 0
+of each node writes the heartbeat into its node's run directory, beats for its node in the rendezvous store, and ends
+the process at once (failure node_lost) when another node goes silent for distributed.peer_timeout_s. A loss or gradient
 norm that is NaN or infinite ends the run at that step, before anything saves the diverged weights,
 with a heartbeat naming the failure (`loss_not_finite`: not retried). See docs/architecture.md for
 how the job meets the supervisor.
@@ -46,7 +48,7 @@ from prime_train.config.schema import Config
 from prime_train.contract import ExitCode, Heartbeat, Phase, RunDir, newest_checkpoint, write_heartbeat
 from prime_train.engine import parallel
 from prime_train.engine.checkpoint import Checkpointer, TrainState
-from prime_train.engine.lifeline import watch_supervisor
+from prime_train.engine.lifeline import NODE_LOST_EXIT, PeerWatch, watch_peers, watch_supervisor
 from prime_train.engine.metrics import EngineConfigError, MetricsLogger
 from prime_train.engine.model import num_parameters
 from prime_train.engine.optim import build_optimizer
@@ -96,7 +98,12 @@ class StopFlag:
 
     def describe(self) -> str:
         """Why the job stops, in words."""
-        return self.reason or f"{self.signal_name or 'a peer rank'} received"
+        if self.reason:
+            return self.reason
+        if self.signal_name:
+            return f"{self.signal_name} received"
+        # the agreement on stopping carries no reason: the rank that asked may be on another node
+        return "another rank asked to stop (a signal there, or its supervisor is gone)"
 
     def supervisor_gone(self, reason: str) -> None:
         """Called from the lifeline's thread: stop as on SIGTERM, handled on the main thread like one."""
@@ -155,8 +162,14 @@ class TrainingJob:
         self.resumed_from = 0
         self.dist = parallel.init_distributed(cfg.distributed)
         setup_logging(cfg, self.dist.rank)
-        if self.dist.is_rank0:
+        # every node's supervisor reads its own run directory: local rank 0 of each node keeps the heartbeat there
+        # (global rank 0's, on node 0, also writes the metrics and the export)
+        self._node_beat = self.dist.local_rank == 0
+        if self._node_beat:
             self.run_dir.create()
+        self.peers: PeerWatch | None = None
+        if cfg.distributed.nnodes > 1 and self._node_beat:
+            self.peers = self._watch_peers()
         parallel.set_seed(cfg.run.seed, self.dist.rank)
         self.strategy = parallel.resolve_strategy(cfg.distributed, self.dist.world_size)
         if self.strategy in ("fsdp", "hsdp"):
@@ -203,6 +216,64 @@ class TrainingJob:
             self.dist.world_size,
             self.device_name,
         )
+
+    def _watch_peers(self) -> PeerWatch:
+        """Beat for this node and watch the others' in the rendezvous store: the static rendezvous's TCPStore,
+        served by node 0's torchrun agent at the rendezvous endpoint, which torchrun hands the ranks as
+        MASTER_ADDR/MASTER_PORT."""
+        node = int(os.environ.get("GROUP_RANK", self.dist.rank // max(1, self.dist.local_world_size)))
+        return watch_peers(
+            self._node_lost,
+            node=node,
+            nnodes=self.cfg.distributed.nnodes,
+            host=os.environ["MASTER_ADDR"],
+            port=int(os.environ["MASTER_PORT"]),
+            timeout_s=self.cfg.distributed.peer_timeout_s,
+        )
+
+    def _node_lost(self, reason: str) -> None:
+        """Called from the peer lifeline's thread: another node is gone, so end this process now.
+
+        The main thread may be blocked in a collective with the lost node for distributed.timeout_s; a flag it reads
+        between steps would wait that long, so the thread itself leaves the verdict in the heartbeat (failure
+        node_lost, which the supervisor retries) and exits. torchrun then ends the node's other ranks.
+        """
+        message = (
+            f"{reason} (the bound: distributed.peer_timeout_s = {self.cfg.distributed.peer_timeout_s:g} s); "
+            f"ending this attempt now instead of waiting out distributed.timeout_s = "
+            f"{self.cfg.distributed.timeout_s} s in a collective"
+        )
+        logger.error("%s", message)
+        try:
+            state = getattr(self, "state", None)
+            self._beat(
+                state.step if state is not None else None,
+                Phase.FAILED,
+                exit_code=NODE_LOST_EXIT,
+                reason=message,
+                failure="node_lost",
+            )
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(NODE_LOST_EXIT)
+
+    def _beat(self, step: int | None, phase: Phase, **fields: Any) -> None:
+        """progress.json in this node's run directory: global rank 0 through the metrics logger, local rank 0 of
+        every other node directly (the same heartbeat: its step, phase and the all-reduced loss)."""
+        metrics = getattr(self, "metrics", None)  # a node can be lost before the logger exists
+        if metrics is not None and metrics.enabled:
+            metrics.heartbeat(step, phase=phase, **fields)
+        elif self._node_beat:
+            hb = Heartbeat.now(step, Phase(phase), max_steps=self.cfg.train.max_steps, **fields)
+            durable = Phase(phase) in (Phase.DONE, Phase.STOPPED, Phase.FAILED)
+            write_heartbeat(self.run_dir.progress_path, hb, durable=durable)
+
+    def finish_peers(self) -> None:
+        """This node's ranks have ended the run together: its silence from now on is not a lost node."""
+        if self.peers is not None:
+            self.peers.finish()
+            self.peers = None
 
     # ------------------------------------------------------------------ what a job supplies
 
@@ -264,9 +335,7 @@ class TrainingJob:
             return
         self.phase = phase
         self._last_beat = now
-        self.metrics.heartbeat(
-            self.state.step, phase=phase, tokens=self.state.tokens_seen, resumed_from=self.resumed_from, **fields
-        )
+        self._beat(self.state.step, phase, tokens=self.state.tokens_seen, resumed_from=self.resumed_from, **fields)
 
     def fit(self) -> int:
         """Resume, train to train.max_steps, save and export; returns the exit code."""
@@ -282,7 +351,7 @@ class TrainingJob:
     def _fit(self) -> int:
         cfg = self.cfg
         # no step yet: the one a resume starts from is known only once the checkpoint is loaded
-        self.metrics.heartbeat(None, phase=Phase.STARTUP)
+        self._beat(None, Phase.STARTUP)
         self.resume()
         self.before_training()
         if self.profile is not None:
@@ -463,7 +532,7 @@ class TrainingJob:
         return norm
 
     def _newest_saved_step(self) -> int | None:
-        newest = newest_checkpoint(self.run_dir.checkpoints_dir)
+        newest = newest_checkpoint(self.checkpointer.ckpt_dir)
         return newest.step if newest else None
 
     def _stop_agreed(self) -> bool:
@@ -557,7 +626,7 @@ def _not_finite(value: Any) -> bool:
 
 def _record_exit(cfg: Config, code: int, reason: str, phase: Phase = Phase.FAILED) -> None:
     """Leave the verdict in progress.json: torchrun turns every worker failure into exit 1."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # every node's supervisor reads its own run directory
         run_dir = RunDir(cfg.run_dir)
         run_dir.root.mkdir(parents=True, exist_ok=True)
         write_heartbeat(run_dir.progress_path, Heartbeat.now(None, phase, exit_code=code, reason=reason))
@@ -573,7 +642,9 @@ def run(job_class: type[TrainingJob], config_path: str) -> int:
     job = None
     try:
         job = job_class(cfg)
-        return job.fit()
+        code = job.fit()
+        job.finish_peers()  # every rank left the loop together (done, stopped, diverged); not on an exception
+        return code
     except StopRequested as exc:
         logger.warning("%s; exiting 75", exc)
         _record_exit(cfg, ExitCode.PREEMPTED, str(exc), Phase.STOPPED)

@@ -22,6 +22,7 @@ class FailureKind(StrEnum):
     PREEMPTED = "preempted"
     CONFIG_ERROR = "config_error"
     DISK_FULL = "disk_full"
+    NODE_LOST = "node_lost"  # another node of a multi-node job went silent: its trainer or its machine is gone
 
 
 # Whether a restart from the newest checkpoint can help. A config error fails the same way every
@@ -43,6 +44,7 @@ RETRYABLE = {
     FailureKind.PREEMPTED: True,
     FailureKind.CONFIG_ERROR: False,
     FailureKind.DISK_FULL: True,
+    FailureKind.NODE_LOST: True,
 }
 
 HINTS = {
@@ -70,6 +72,9 @@ HINTS = {
     FailureKind.PREEMPTED: "the instance is going away; the job checkpointed and will resume",
     FailureKind.CONFIG_ERROR: "fix the config (prime-train lint) and start again; retrying cannot help",
     FailureKind.DISK_FULL: "free disk or lower ckpt.keep_last / supervisor.max_disk_gb",
+    FailureKind.NODE_LOST: "another node stopped beating (its trainer, its supervisor or its machine is gone): "
+    "its own log and `prime-train status` there say why; this node restarts and waits for it at the rendezvous "
+    "for distributed.join_timeout_s",
 }
 
 

@@ -616,8 +616,9 @@ GRAD_NORM_STUCK = Pattern(
 
 # Kinds in the order root_cause() trusts them: an earlier tier is a cause, a later one usually a
 # consequence of it. An NCCL timeout or a dead inference engine follows a rank's or the engine's
-# own death; "remote process exited" is another rank's death seen over the network; a bare
-# traceback is the least specific. Within a tier the earliest finding wins.
+# own death; "remote process exited" is another rank's death seen over the network, and a lost node
+# (silent in the rendezvous store) another node's; a bare traceback is the least specific. Within a
+# tier the earliest finding wins.
 ROOT_CAUSE_TIERS: tuple[frozenset[FailureKind], ...] = (
     frozenset(
         {
@@ -632,6 +633,6 @@ ROOT_CAUSE_TIERS: tuple[frozenset[FailureKind], ...] = (
         }
     ),
     frozenset({K.NCCL_ERROR}),
-    frozenset({K.NCCL_TIMEOUT, K.INFERENCE_DIED, K.HANG, K.PREEMPTED}),
+    frozenset({K.NCCL_TIMEOUT, K.INFERENCE_DIED, K.HANG, K.PREEMPTED, K.NODE_LOST}),
     frozenset({K.CRASH}),
 )

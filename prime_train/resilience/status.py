@@ -112,9 +112,20 @@ def _job_table(rd: RunDir) -> dict:
     return job if isinstance(job, dict) and job.get("command") else {}
 
 
+def _checkpoints_dir(rd: RunDir) -> Path:
+    """Where the engine kept the run's checkpoints: config.toml's ckpt.dir (several nodes share one), else
+    checkpoints/ (a relative ckpt.dir is read from here, as the supervisor that ran it did from its directory)."""
+    try:
+        ckpt = tomllib.loads(rd.config_path.read_bytes().decode("utf-8", "replace")).get("ckpt")
+    except (OSError, tomllib.TOMLDecodeError):
+        ckpt = None
+    shared = ckpt.get("dir") if isinstance(ckpt, dict) else None
+    return Path(shared).expanduser() if isinstance(shared, str) else rd.checkpoints_dir
+
+
 def _checkpoint_steps(rd: RunDir, job: dict) -> list[int]:
     """Steps of the whole checkpoints: the run's own, and an external job's in its job.checkpoint_dir."""
-    steps = {c.step for c in list_checkpoints(rd.checkpoints_dir)}
+    steps = {c.step for c in list_checkpoints(_checkpoints_dir(rd))}
     directory, pattern = job.get("checkpoint_dir"), job.get("checkpoint_pattern", r"step[-_]?(\d+)$")
     if isinstance(directory, str) and isinstance(pattern, str):
         try:  # relative to where the supervisor ran, as it reads it; from elsewhere it may not be found

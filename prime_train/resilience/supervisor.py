@@ -310,7 +310,7 @@ class Supervisor:
                 else None
             )
             return found[0] if found else None
-        newest = newest_checkpoint(self.run_dir.checkpoints_dir)
+        newest = newest_checkpoint(self.cfg.checkpoints_dir)  # ckpt.dir, where several nodes share them
         return newest.step if newest else None
 
     def _job_kind(self) -> str:
@@ -321,7 +321,7 @@ class Supervisor:
         if attempt is self.attempts[0] or self.cfg.ckpt.resume == "auto":
             return self.run_dir.config_path
         cfg = self.cfg.model_copy(deep=True)
-        if newest_checkpoint(self.run_dir.checkpoints_dir) is not None:
+        if newest_checkpoint(self.cfg.checkpoints_dir) is not None:
             cfg.ckpt.resume = "auto"
         path = self.run_dir.root / f"config.attempt-{attempt.number}.toml"
         path.write_text(self.redactor.masked_config(cfg).text)

@@ -57,9 +57,13 @@ def exit_verdict(
     if code == ExitCode.PREEMPTED:
         if stop_requested:
             return None
+        # the job's own word on who asked (with several nodes, often a rank on another node)
+        said = heartbeat.reason if heartbeat is not None and (heartbeat.time or 0) >= started_at else None
         return Failure(
             FailureKind.PREEMPTED,
-            "the job checkpointed and stopped on request" + (" (cloud preemption notice)" if preempted else ""),
+            "the job checkpointed and stopped on request"
+            + (" (cloud preemption notice)" if preempted else "")
+            + (f": {said}" if said else ""),
             tail,
             name,
             exit_code=code,

@@ -250,6 +250,8 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
             )
         )
 
+    problems.extend(_checkpoint_dir_problems(cfg, sources))
+
     sup = cfg.supervisor
     if sup.backoff_max_s < sup.backoff_initial_s:
         problems.append(
@@ -301,6 +303,52 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
     problems.extend(token_budget_problems(cfg, sources))
     if spot or "spot" in cfg.model_fields_set:  # a [spot] table: this config is meant for `run --spot`
         problems.extend(spot_problems(cfg, sources))
+    return problems
+
+
+def _checkpoint_dir_problems(cfg: Config, sources: Sources) -> list[Problem]:
+    """Where checkpoints go with several nodes: DCP writes each rank's shards where that rank runs and the metadata on
+    rank 0 only, so checkpoints in each node's run directory (a node-local disk) are never whole on any node."""
+    ck, nnodes = cfg.ckpt, cfg.distributed.nnodes
+    if not ck.dir:  # unset, or "": the run directory's checkpoints/, as the engine reads it
+        if nnodes > 1 and not cfg.job.command:
+            # ckpt.remote does not help: each node's supervisor would upload its own run directory's checkpoints/,
+            # which hold that node's ranks' shards only (the engine's start-up probe stops such a run with 78)
+            also = " (ckpt.remote uploads what the node holds, so it does not help)" if ck.remote else ""
+            return [
+                sources.problem(
+                    ("distributed", "nnodes"),
+                    "error",
+                    f"distributed.nnodes = {nnodes} with checkpoints in each node's run directory{also}: every rank "
+                    "writes its shards where it runs and rank 0 the metadata, so no node would hold a whole "
+                    "checkpoint; set ckpt.dir to a directory every node mounts (NFS, a shared volume), outside "
+                    "run.output_dir",
+                )
+            ]
+        return []
+    problems = []
+    shared = Path(os.path.abspath(os.path.expanduser(ck.dir)))
+    run_dir = Path(os.path.abspath(os.path.expanduser(cfg.run_dir)))
+    if nnodes > 1 and (shared == run_dir or run_dir in shared.parents):
+        problems.append(
+            sources.problem(
+                ("ckpt", "dir"),
+                "error",
+                f"ckpt.dir = {ck.dir!r} is inside the run directory {cfg.run_dir}, which is each node's own with "
+                f"distributed.nnodes = {nnodes}: choose a directory every node mounts, outside run.output_dir",
+            )
+        )
+    elif why := _writable_dir(shared):
+        problems.append(sources.problem(("ckpt", "dir"), "error", f"ckpt.dir cannot be written: {why}; choose another"))
+    if ck.remote is not None:
+        problems.append(
+            sources.problem(
+                ("ckpt", "remote"),
+                "error",
+                "ckpt.remote uploads the run directory's checkpoints/, but ckpt.dir puts them elsewhere: nothing "
+                "would be uploaded; unset one of them",
+            )
+        )
     return problems
 
 

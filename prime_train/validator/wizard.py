@@ -202,6 +202,12 @@ def build_config(a: Answers) -> str:
         f"interval = {interval}",
         "keep_last = 3   # the newest whole checkpoint is never deleted",
     ]
+    if a.nodes > 1:
+        # DCP writes each rank's shards where it runs: with node-local disks no node would hold a whole checkpoint
+        lines.append(
+            f'dir = "~/prime-train-checkpoints/{name}"   # several nodes: a directory EVERY node mounts (NFS home, '
+            "a shared volume or a bucket mount); change it to yours"
+        )
 
     # ---- RL
     if a.job == "rl":
