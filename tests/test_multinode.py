@@ -224,6 +224,8 @@ def test_two_nodes_train_to_the_end_like_one_node_and_each_supervisor_reports_th
     # `prime-train status` on node 1 says what the whole job did: its step, and the checkpoints in the shared place
     shown = json.loads(run_cli("status", "--json", str(_run_dir(tmp_path, 1))).stdout)
     assert (shown["step"], shown["state"], shown["checkpoints"]) == (20, "done", [10]), shown
+    assert shown["node"] == {"node_rank": 1, "nnodes": 2}
+    assert "1 of 2 (metrics and the export are on node 0)" in run_cli("status", str(_run_dir(tmp_path, 1))).stdout
     # rank 0's metrics and export stay on node 0
     assert not (_run_dir(tmp_path, 1) / "metrics.jsonl").exists() and not (_run_dir(tmp_path, 1) / "final").exists()
     assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["step-10"]

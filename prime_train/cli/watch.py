@@ -85,6 +85,10 @@ def render_status(s: dict, console: Console) -> None:
     table.add_column(overflow="fold")
     for key in STATUS_FIELDS:
         table.add_row(key, literal(_cell(key, s[key])))
+    if s.get("node"):  # one node of several: the step and checkpoints are the job's, metrics and export on node 0
+        node = s["node"]
+        rank = "?" if node["node_rank"] is None else node["node_rank"]
+        table.add_row("node", literal(f"{rank} of {node['nnodes']} (metrics and the export are on node 0)"))
     for key, value in status_rows(s.get("rl")):  # an RL run's reward and pass rate, and their trend
         table.add_row(key, literal(value))
     if s["last_failure"]:

@@ -112,15 +112,31 @@ def _job_table(rd: RunDir) -> dict:
     return job if isinstance(job, dict) and job.get("command") else {}
 
 
+def _config_section(rd: RunDir, name: str) -> dict:
+    """A table of the run's config.toml, {} where there is none or it is not TOML."""
+    try:
+        section = tomllib.loads(rd.config_path.read_bytes().decode("utf-8", "replace")).get(name)
+    except (OSError, tomllib.TOMLDecodeError):
+        section = None
+    return section if isinstance(section, dict) else {}
+
+
 def _checkpoints_dir(rd: RunDir) -> Path:
     """Where the engine kept the run's checkpoints: config.toml's ckpt.dir (several nodes share one), else
     checkpoints/ (a relative ckpt.dir is read from here, as the supervisor that ran it did from its directory)."""
-    try:
-        ckpt = tomllib.loads(rd.config_path.read_bytes().decode("utf-8", "replace")).get("ckpt")
-    except (OSError, tomllib.TOMLDecodeError):
-        ckpt = None
-    shared = ckpt.get("dir") if isinstance(ckpt, dict) else None
-    return Path(shared).expanduser() if isinstance(shared, str) else rd.checkpoints_dir
+    shared = _config_section(rd, "ckpt").get("dir")
+    return Path(shared).expanduser() if isinstance(shared, str) and shared else rd.checkpoints_dir
+
+
+def _node(rd: RunDir) -> dict | None:
+    """Which node of a multi-node job this run directory is ({node_rank, nnodes}; node_rank None when SkyPilot's
+    environment gave it), None for one node. The step and checkpoints shown are the job's: ranks step together."""
+    dist = _config_section(rd, "distributed")
+    nnodes = dist.get("nnodes")
+    if not _is_int(nnodes) or nnodes < 2:
+        return None
+    rank = dist.get("node_rank")
+    return {"node_rank": rank if _is_int(rank) else None, "nnodes": nnodes}
 
 
 def _checkpoint_steps(rd: RunDir, job: dict) -> list[int]:
@@ -176,6 +192,7 @@ def run_status(run_dir: Path, redactor: Redactor | None = None) -> dict:
         "loss": hb.loss if hb is not None else None,
         "heartbeat_age_s": round(age, 1) if age is not None else None,
         "checkpoints": _checkpoint_steps(rd, job),
+        "node": _node(rd),
         "last_failure": _newest_failure(sup, events),
         "recent_events": events[-8:],
         "rl": rl_summary(rd.metrics_path),  # RL runs: reward and pass rate, start against now (rl_summary.py)
