@@ -81,6 +81,8 @@ def tiny_overrides(out: Path, name: str, **extra) -> list[str]:
     base.update(extra)
     args: list[str] = []
     for key, value in base.items():
+        if value is None:  # a key this config must not get (tiny-rl.toml has no data.datasets)
+            continue
         args += [f"--{key}", str(value)]
     return args
 

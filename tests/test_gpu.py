@@ -14,7 +14,19 @@ import subprocess
 
 import pytest
 import torch
-from enginetools import TINY, TINY_RL, cli, env, kill_group, losses_by_step, run_train, start, tiny_overrides, wait_for
+from enginetools import (
+    TINY,
+    TINY_RL,
+    cli,
+    env,
+    free_port,
+    kill_group,
+    losses_by_step,
+    run_train,
+    start,
+    tiny_overrides,
+    wait_for,
+)
 
 from prime_train.contract import read_json
 from prime_train.resilience.events import read_events
@@ -72,9 +84,11 @@ def test_rl_on_one_gpu_runs(tmp_path):
     # on the H100: a traceback from the GPU split ("inference needs 1 GPU(s) ... but 1 are visible")
     sft = run_train(tmp_path, "gpu-sft", **{"train.max_steps": 60, "data.datasets.0.num_examples": 20000})
     assert sft.returncode == 0, sft.stdout[-3000:]
-    result = supervised(
-        tmp_path, "gpu-rl", config=TINY_RL, **{"train.max_steps": 6, "model.path": str(tmp_path / "gpu-sft" / "final")}
-    )
+    # tiny-rl.toml has no data.datasets (its prompts come from the environment): that override is left out
+    result = supervised(tmp_path, "gpu-rl", config=TINY_RL, **{
+        "train.max_steps": 6, "model.path": str(tmp_path / "gpu-sft" / "final"), "data.datasets.0.num_examples": None,
+        "inference.base_port": free_port(),
+    })  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert read_json(tmp_path / "gpu-rl" / "progress.json")["step"] == 6
 
