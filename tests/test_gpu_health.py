@@ -1,8 +1,10 @@
-"""GPU health from GPU traces (tests/data/gpu, one measured on an H100): readings in, events and decisions out.
+"""GPU health from GPU traces (tests/data/gpu: measured on an H100 and an H200, the rest constructed from them):
+readings in, events and decisions out.
 
-The watcher never matches NVML's process list against the job's PIDs (in a container NVML lists host PIDs):
-a GPU is the trainer's or a worker's because CUDA_VISIBLE_DEVICES says so, and "empty" means back at the
-memory it held before the attempt started.
+A GPU is the trainer's or a worker's because CUDA_VISIBLE_DEVICES says so, and "empty" means back at the
+memory it held before the attempt started (or less since). NVML's process list only ever says "the role is
+here": where it lists a PID of the role (a VM, as on the H200); in a container it lists host PIDs and says
+nothing.
 """
 
 from __future__ import annotations
@@ -39,13 +41,16 @@ class Clock:
         return self.now
 
 
-def watch(trace: str, roles: dict, may_judge=lambda role: True, step=lambda: 41, polls=(), broken_polls=3):
+def watch(
+    trace: str, roles: dict, may_judge=lambda role: True, step=lambda: 41, polls=(), broken_polls=3, role_pids=None
+):
     """Replay `trace`: baseline at t=0, then one poll at each time in `polls`; returns (watcher, events per poll)."""
     clock = Clock()
     source = ReplaySource(TRACES / trace, clock=clock)
     watcher = GpuHealthWatcher(
-        source, roles=lambda: roles, may_judge=may_judge, current_step=step, broken_polls=broken_polls
-    )
+        source, roles=lambda: roles, may_judge=may_judge, current_step=step, broken_polls=broken_polls,
+        role_pids=role_pids,
+    )  # fmt: skip
     watcher.take_baseline()
     per_poll = []
     for t in polls:
@@ -293,3 +298,58 @@ def test_broken_polls_must_be_positive():
 def test_the_baseline_margin_is_below_a_cuda_context():
     # 518 MiB measured for a bare CUDA context on an H100: anything at or above it is a process on the GPU
     assert BASELINE_MARGIN_MIB < 518
+
+
+# ---------------------------------------------------------------- measured on an H200 (a VM), a GPU shared by jobs
+
+TENANT_LEFT = "h200_tenant_left.jsonl"  # baseline 1506 MiB with another job's 882; that job gone at t=2
+STALLED = [6.1, 6.6, 7.1, 7.6]  # four polls of the t=6.03 line: 1665 MiB, 0 %, the trainer's context and another job's
+
+
+def test_a_stalled_trainer_that_nvml_lists_on_its_gpu_is_not_called_empty():
+    # the memory rule alone is fooled: the baseline held another job's 882 MiB, so the trainer's own 518 MiB
+    # context plus a third job's stay within 256 MiB of it
+    fooled, _ = watch(TENANT_LEFT, {"trainer": ["0"]}, polls=STALLED, role_pids=lambda role: set())
+    assert fooled.failure is not None and "alive but broken" in fooled.failure.message
+    # NVML lists the trainer's PID (1285, the resumed attempt's trainer): the role is on its GPU
+    listed, per_poll = watch(TENANT_LEFT, {"trainer": ["0"]}, polls=STALLED, role_pids=lambda role: {1285, 1290})
+    assert listed.failure is None and not any(per_poll)
+    # a worker named in the list is there too; the trainer's PIDs do not vouch for a worker's GPU
+    pids = {"inference-0": {1253}, "trainer": {99}}
+    worker, per_poll = watch(TENANT_LEFT, {"inference-0": ["0"]}, polls=STALLED, role_pids=pids.__getitem__)
+    assert not any(per_poll) and worker.emptied == set()
+
+
+def test_the_baseline_follows_the_gpu_down_when_another_jobs_memory_is_freed():
+    # polled from t=2.1 as the supervisor polls: the other job's memory leaves the baseline, the trainer's stays out
+    watcher, per_poll = watch(TENANT_LEFT, {"trainer": ["0"]}, polls=[2.1, *STALLED], role_pids=None)
+    assert watcher.failure is None
+    assert per_poll[0] == [
+        {"event": "gpu_baseline", "memory_used_mib": {"0": 618.4}, "reason": per_poll[0][0]["reason"]}
+    ]
+    assert watcher.baseline == {0: 618.375} and not any(per_poll[1:])
+    # it never rises again: once the job's own memory is gone the GPU is empty against the lowered baseline
+    gone = GpuReading(0, "GPU-x", "NVIDIA H200", 0.0, 620.0, 143771.0)
+    watcher.source.read = lambda: [gone]
+    for _ in range(3):
+        watcher.poll()
+    assert watcher.failure is not None and "holds 620 MiB, its 618 MiB from before" in watcher.failure.message
+    assert watcher.baseline == {0: 618.375}
+
+
+def test_small_moves_below_the_baseline_lower_it_quietly():
+    watcher, _ = watch(TENANT_LEFT, {"trainer": ["0"]}, may_judge=lambda r: False)
+    watcher.source.read = lambda: [GpuReading(0, "GPU-x", "NVIDIA H200", 0.0, 1400.0, 143771.0)]
+    assert watcher.poll() == [] and watcher.baseline == {0: 1400.0}
+
+
+def test_rl_on_one_h200_worker_and_trainer_sharing_gpu_0_is_healthy():
+    # measured: tiny-rl with its embedded worker and the trainer on one H200, 0-22 % busy, judged from t=10 on
+    roles = {"trainer": ["0"], "inference-0": ["0"]}
+    watcher, per_poll = watch("h200_rl_one_gpu.jsonl", roles, polls=[t / 2 for t in range(20, 44)],
+                              role_pids={"inference-0": {1493}, "trainer": {1496}}.__getitem__)  # fmt: skip
+    assert watcher.failure is None and watcher.emptied == set() and not any(per_poll)
+    assert {p.pid for p in watcher.last_readings[0].processes} == {1493, 1496}
+    # the same readings judged by memory alone (a container): the two contexts keep the GPU above its baseline
+    alone, per_poll = watch("h200_rl_one_gpu.jsonl", roles, polls=[t / 2 for t in range(20, 44)])
+    assert alone.failure is None and not any(per_poll)

@@ -22,10 +22,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prime_train.contract import newest_checkpoint
+from prime_train.contract import RunDir, newest_checkpoint
 from prime_train.integrations.storage import CheckpointStore, EventSink, StorageError, remove_stale_staging
+
+if TYPE_CHECKING:
+    from prime_train.config.schema import CkptConfig
 
 logger = logging.getLogger("prime_train.backup")
 
@@ -296,3 +299,31 @@ def restore_before_start(
     if step is None and events is not None:
         events.emit("remote_restore_skipped", reason=f"no whole checkpoint in {store.url}", step=None)
     return step
+
+
+def start_backup(
+    ck: CkptConfig, run_dir: RunDir, events: EventSink, say: Callable[[str], None]
+) -> tuple[BackupWatcher | None, str | None]:
+    """With ckpt.remote: pull the newest whole checkpoint when there is none here, then a watcher that backs up
+    each new one. Returns (watcher, None), or (None, why) when the bucket cannot be read: a run must not silently
+    start from scratch."""
+    try:
+        store = CheckpointStore(ck.remote, endpoint_url=ck.remote_endpoint_url, compression=ck.remote_compression)
+        if ck.resume == "auto":
+            step = restore_before_start(run_dir.checkpoints_dir, store, events)
+            if step is not None:
+                say(f"restored checkpoint step-{step} from {ck.remote}")
+    except (StorageError, ImportError) as exc:
+        message = f"cannot read checkpoints from ckpt.remote = {ck.remote!r}: {exc}"
+        events.emit("remote_restore_failed", reason=message)
+        say(message)
+        return None, message
+    watcher = BackupWatcher(
+        run_dir.checkpoints_dir,
+        store,
+        keep_last=ck.remote_keep_last,
+        keep_every=ck.keep_every,
+        heartbeat_path=run_dir.progress_path,
+        heartbeat_interval_s=ck.heartbeat_interval_s,
+    )
+    return watcher, None

@@ -461,13 +461,19 @@ class GpuHealthWatcher:
     """Turns GPU readings into events; a GPU_BROKEN failure for the trainer, an emptied GPU for a rollout worker.
 
     Fatal on any GPU: a fatal XID, a rising count of uncorrected ECC errors. "Alive but broken" is judged per
-    role (the trainer, inference-<i>) on the GPUs its CUDA_VISIBLE_DEVICES names, never from NVML's process
-    list (in a container it holds host PIDs): every GPU of the role at 0 % and back at the memory it held
-    before the attempt started (`take_baseline`), for `broken_polls` polls in a row, while `may_judge(role)`
-    says the role should be using it now (the supervisor: its process is alive, and for the trainer a step
-    is overdue in the step phase past the attempt's first step; for a worker, it answered /health before).
-    The trainer's GPU going empty is the attempt's failure; a worker's is reported in `emptied`, for the
-    supervisor to restart that worker.
+    role (the trainer, inference-<i>) on the GPUs its CUDA_VISIBLE_DEVICES names: every GPU of the role at 0 %
+    and back at the memory it held before the attempt started (`take_baseline`), for `broken_polls` polls in a
+    row, while `may_judge(role)` says the role should be using it now (the supervisor: its process is alive,
+    and for the trainer a step is overdue in the step phase past the attempt's first step; for a worker, it
+    answered /health before). The trainer's GPU going empty is the attempt's failure; a worker's is reported in
+    `emptied`, for the supervisor to restart that worker.
+
+    NVML's process list is evidence one way only. A PID of the role's process tree (`role_pids`) listed on one
+    of its GPUs means the role is there, whatever the memory says: on a VM or bare metal NVML lists the PIDs
+    the supervisor sees (an H200 VM did). A list without them proves nothing: in a container it holds host PIDs.
+    The baseline follows the GPU down: on a shared GPU another job's memory in the baseline leaves when that
+    job ends (seen on the H200, tests/data/gpu/h200_tenant_left.jsonl), and a baseline still holding it would
+    hide the role's own context.
     """
 
     def __init__(
@@ -479,6 +485,7 @@ class GpuHealthWatcher:
         current_step: Callable[[], int | None],
         broken_polls: int = 3,
         recorder: GpuRecorder | None = None,
+        role_pids: Callable[[str], set[int]] | None = None,
     ):
         if broken_polls < 1:
             raise ValueError(f"broken_polls must be at least 1, got {broken_polls}")
@@ -488,9 +495,11 @@ class GpuHealthWatcher:
         self.current_step = current_step
         self.broken_polls = broken_polls
         self.recorder = recorder
+        self.role_pids = role_pids
         self.failure: Failure | None = None
         self.emptied: set[str] = set()  # workers whose GPUs went empty while they should be serving
-        self.baseline: dict[int, float] = {}  # memory used per GPU index before the attempt started
+        self.baseline: dict[int, float] = {}  # memory used per GPU index before the attempt started (or less since)
+        self._reported_baseline: dict[int, float] = {}
         self.last_readings: list[GpuReading] = []
         self.last_summary: dict[str, Any] | None = None
         self._empty_polls: dict[str, deque[list[GpuReading]]] = {}
@@ -505,6 +514,7 @@ class GpuHealthWatcher:
         if readings is None:
             return []
         self.baseline = {r.index: r.memory_used_mib for r in readings if r.memory_used_mib is not None}
+        self._reported_baseline = dict(self.baseline)
         self._record(readings, force=True)
         return [{"event": "gpu_baseline", "memory_used_mib": {str(i): round(m, 1) for i, m in self.baseline.items()}}]
 
@@ -537,7 +547,7 @@ class GpuHealthWatcher:
         self.last_summary = summary(readings) if readings else None
         if not readings:
             return []
-        events: list[dict[str, Any]] = []
+        events: list[dict[str, Any]] = self._follow_baseline_down(readings)
         for reading in readings:
             events += self._check_xids(reading)
             events += self._check_ecc(reading)
@@ -601,6 +611,34 @@ class GpuHealthWatcher:
             }
         ]
 
+    def _follow_baseline_down(self, readings: list[GpuReading]) -> list[dict[str, Any]]:
+        """Lower a GPU's baseline to what it holds now when that is less: memory of another job that has ended.
+
+        Only ever down, so the baseline never takes in memory the job added; reported once it fell by more than
+        the margin (smaller moves are the driver's own).
+        """
+        lowered = {}
+        for r in readings:
+            base = self.baseline.get(r.index)
+            if base is None or r.memory_used_mib is None or r.memory_used_mib >= base:
+                continue
+            self.baseline[r.index] = r.memory_used_mib
+            reported = self._reported_baseline.setdefault(r.index, base)
+            if reported - r.memory_used_mib > BASELINE_MARGIN_MIB:
+                self._reported_baseline[r.index] = r.memory_used_mib
+                lowered[str(r.index)] = round(r.memory_used_mib, 1)
+        if not lowered:
+            return []
+        return [{"event": "gpu_baseline", "memory_used_mib": lowered, "reason": "lowered: memory of another "
+                 "process that was on the GPU before this attempt has been freed"}]  # fmt: skip
+
+    def _role_listed(self, role: str, gpus: list[GpuReading]) -> bool:
+        """Whether NVML lists a process of the role on one of its GPUs (never true in a container: host PIDs)."""
+        if self.role_pids is None:
+            return False
+        listed = {p.pid for r in gpus for p in r.processes}
+        return bool(listed and listed & self.role_pids(role))
+
     def _at_baseline(self, r: GpuReading) -> bool:
         """0 % utilisation and no more memory than before the attempt: nothing of the job is on this GPU."""
         if r.utilization_pct is None or r.utilization_pct >= 1.0 or r.memory_used_mib is None:
@@ -610,7 +648,13 @@ class GpuHealthWatcher:
 
     def _check_empty(self, role: str, gpus: list[GpuReading]) -> list[dict[str, Any]]:
         history = self._empty_polls.setdefault(role, deque(maxlen=self.broken_polls))
-        if not gpus or role in self.emptied or not all(self._at_baseline(r) for r in gpus) or not self.may_judge(role):
+        if (
+            not gpus
+            or role in self.emptied
+            or not all(self._at_baseline(r) for r in gpus)
+            or not self.may_judge(role)
+            or self._role_listed(role, gpus)
+        ):
             history.clear()
             return []
         history.append(gpus)

@@ -255,36 +255,13 @@ class Supervisor:
     # ------------------------------------------------------------------ object storage
 
     def _start_backup(self) -> str | None:
-        """With ckpt.remote: pull the newest whole checkpoint when there is none here, then back up each new one.
-
-        Returns an error message when the bucket cannot be read (a run must not silently start from scratch).
-        """
-        ck = self.cfg.ckpt
-        if ck.remote is None or self.cfg.job.command:
+        """With ckpt.remote (resilience/backup.start_backup): an error message when the bucket cannot be read."""
+        if self.cfg.ckpt.remote is None or self.cfg.job.command:
             return None
-        from prime_train.integrations.storage import CheckpointStore, StorageError
-        from prime_train.resilience.backup import BackupWatcher, restore_before_start
+        from prime_train.resilience.backup import start_backup
 
-        try:
-            store = CheckpointStore(ck.remote, endpoint_url=ck.remote_endpoint_url, compression=ck.remote_compression)
-            if ck.resume == "auto":
-                step = restore_before_start(self.run_dir.checkpoints_dir, store, self.events)
-                if step is not None:
-                    self.observer.message(f"restored checkpoint step-{step} from {ck.remote}")
-        except (StorageError, ImportError) as exc:
-            message = f"cannot read checkpoints from ckpt.remote = {ck.remote!r}: {exc}"
-            self.events.emit("remote_restore_failed", reason=message)
-            self.observer.message(message)
-            return message
-        self._backup = BackupWatcher(
-            self.run_dir.checkpoints_dir,
-            store,
-            keep_last=ck.remote_keep_last,
-            keep_every=ck.keep_every,
-            heartbeat_path=self.run_dir.progress_path,
-            heartbeat_interval_s=ck.heartbeat_interval_s,
-        )
-        return None
+        self._backup, error = start_backup(self.cfg.ckpt, self.run_dir, self.events, self.observer.message)
+        return error
 
     def _uploading_steps(self) -> set[int]:
         step = getattr(self._backup, "uploading_step", None)
@@ -644,10 +621,14 @@ class Supervisor:
                 return False
             return progress.step > progress.first_step and progress.idle_s() > self._step_overdue_s()
 
+        def role_pids(role: str) -> set[int]:  # the role's process tree, looked for in NVML's process list
+            return {p.pid for c in self.children if c.name == role for p in c.alive_descendants()}
+
         recorder = GpuRecorder(self.run_dir.gpu_log_path, attempt.number)
         return GpuHealthWatcher(
-            source, roles=roles, may_judge=may_judge, current_step=lambda: progress.step, recorder=recorder
-        )
+            source, roles=roles, may_judge=may_judge, current_step=lambda: progress.step, recorder=recorder,
+            role_pids=role_pids,
+        )  # fmt: skip
 
     def _step_overdue_s(self) -> float:
         """How long without progress is longer than a real step takes: three mean steps, at least three polls."""
