@@ -1,7 +1,8 @@
 """Several nodes (issue 20), with real processes on 127.0.0.1: a node notices when another node is gone, within a
 bounded time instead of the collective timeout; two `prime-train run` supervisors (node-local run directories, one
-shared checkpoint directory) train, lose a node and resume together. (The end of the node that holds the store is not
-pinned yet: torch's store client can hang on a server that went away instead of failing; see the issue 20 note.)"""
+shared checkpoint directory) train, lose a node and resume together. The node that holds the store (node 0's agent)
+is noticed too, killed (the connection is reset) or frozen (nothing answers: torch's client would wait for minutes,
+so the lifeline times its requests)."""
 
 from __future__ import annotations
 
@@ -67,10 +68,11 @@ time.sleep(600)
 
 
 def _start(code: str, *args: object) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    # unbuffered bytes: _wait_line selects on the pipe, and a buffered reader would hold a second line (the store
+    # client's warning and LOST arriving together) where select no longer sees it
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0
     )
-    return proc
 
 
 def _wait_line(proc: subprocess.Popen, prefix: str, timeout_s: float) -> tuple[str, float]:
@@ -85,7 +87,7 @@ def _wait_line(proc: subprocess.Popen, prefix: str, timeout_s: float) -> tuple[s
     while time.monotonic() < deadline:
         if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
             break
-        line = proc.stdout.readline()
+        line = proc.stdout.readline().decode(errors="replace")  # unbuffered: reads up to the newline, no further
         if not line:
             break
         seen.append(line)
@@ -118,6 +120,35 @@ def test_a_node_whose_trainer_is_killed_9_is_noticed_by_the_other_within_the_pee
         assert "node 1 has been silent for 3 s" in reason, reason
         assert when - killed < 3.0 + 2.0, when - killed
     finally:
+        _kill(*ranks, store)
+
+
+@pytest.mark.parametrize(
+    ("sig", "expected"),
+    [
+        (signal.SIGKILL, "is gone"),  # node 0's agent killed: its machine resets the connections
+        (signal.SIGSTOP, "has not answered for 3 s"),  # node 0's machine frozen or gone: nothing answers at all
+    ],
+)
+def test_the_end_of_the_node_that_holds_the_store_is_noticed_within_the_peer_timeout(sig, expected):
+    # the store's host is node 0's torchrun agent; here a TCPStore server of its own, killed or frozen
+    port = free_port()
+    store = _start(STORE, port)
+    ranks: list[subprocess.Popen] = []
+    try:
+        _wait_line(store, "SERVING", 60)
+        ranks = [_start(RANK.format(src=SRC), 1, 2, port, 3.0), _start(RANK.format(src=SRC), 0, 2, port, 3.0)]
+        for r in ranks:
+            _wait_line(r, "WATCHING", 60)
+        time.sleep(1.0)
+        ended = time.monotonic()
+        os.kill(store.pid, sig)
+        reason, when = _wait_line(ranks[0], "LOST ", 30)
+        assert expected in reason and f"127.0.0.1:{port}" in reason, reason
+        assert when - ended < 3.0 + 2.0, when - ended
+    finally:
+        if store.poll() is None:
+            os.kill(store.pid, signal.SIGCONT)
         _kill(*ranks, store)
 
 

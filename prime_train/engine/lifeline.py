@@ -122,10 +122,12 @@ def watch_peers(
 ) -> PeerWatch:
     """Beat for `node` and watch the other nodes' beats in the rendezvous store at host:port (a TCPStore: the one
     torchrun's agent on node 0 serves); call `on_lost(reason)` once, from a daemon thread, when a node has been
-    silent for `timeout_s`, or a request to the store fails (node 0's agent ended; a client that hangs on a
-    vanished server instead of failing is not bounded yet). One watcher a node (its local rank
-    0): a rank that exits makes torchrun end the node's other ranks. A node that finished (PeerWatch.finish) is
-    never taken for lost, nor the store's end once node 0 finished.
+    silent for `timeout_s`, when a request to the store fails (node 0's agent ended: the connection is reset), or
+    when one has had no answer for `timeout_s` (node 0's machine gone or frozen: torch's client then waits on the
+    socket past its own timeout, seen for minutes on torch 2.13 with a SIGSTOPped server, so a second thread
+    times the request). One watcher a node (its local rank 0): a rank that exits makes torchrun end the node's
+    other ranks. A node that finished (PeerWatch.finish) is never taken for lost, nor the store's end once node 0
+    finished.
 
     Why: a trainer that dies on one node leaves the ranks of the others blocked in their next collective until its
     timeout (10 minutes by default, NCCL's or gloo's) with nothing to tell them apart from a slow step. A beat
@@ -150,24 +152,43 @@ def watch_peers(
         store = None
         reason = f"the job's rendezvous store at {host}:{port} cannot be reached ({_first_line(exc)})"
 
+    told = threading.Lock()  # on_lost is called once, by whichever thread sees the loss first
+    request_since: list[float | None] = [None]  # when the store request in flight was sent
+
+    def lost(why: str) -> None:
+        if told.acquire(blocking=False):
+            on_lost(why)
+
+    def time_requests() -> None:
+        while not finished.is_set():
+            since = request_since[0]
+            if since is not None and time.monotonic() - since > timeout_s:
+                lost(f"the job's rendezvous store at {host}:{port} has not answered for {timeout_s:.0f} s: node 0's "
+                     "machine is gone or frozen")  # fmt: skip
+                return
+            finished.wait(min(beat_s, timeout_s / 4))
+
     def watch() -> None:
         if store is None:
-            on_lost(reason)
+            lost(reason)
             return
+        threading.Thread(target=time_requests, name="peer-lifeline-timer", daemon=True).start()
         seen: dict[int, tuple[bytes, float]] = {}
         done: set[int] = set()
         while True:
             now = time.monotonic()
             try:
+                request_since[0] = now
                 if finished.is_set():
                     store.add(done_keys[node], 1)
                     return
                 store.add(keys[node], 1)
                 values = store.multi_get(keys + done_keys)
+                request_since[0] = None
             except Exception as exc:  # the store closed: its host (node 0's agent) is gone
                 # not a loss once node 0 finished (its agent ends the store as it exits) or this node did
                 if 0 not in done and not finished.is_set():
-                    on_lost(f"the job's rendezvous store at {host}:{port} is gone ({_first_line(exc)})")
+                    lost(f"the job's rendezvous store at {host}:{port} is gone ({_first_line(exc)})")
                 return
             counts, marks = values[:nnodes], values[nnodes:]
             done = {n for n, mark in enumerate(marks) if mark not in (b"0", b"")}
@@ -176,7 +197,7 @@ def watch_peers(
                     seen[n] = (count, now)
             silent = [n for n in range(nnodes) if n != node and n not in done and now - seen[n][1] > timeout_s]
             if silent:
-                on_lost(f"node {silent[0]} has been silent for {timeout_s:.0f} s: its trainer or its machine is gone")
+                lost(f"node {silent[0]} has been silent for {timeout_s:.0f} s: its trainer or its machine is gone")
                 return
             finished.wait(beat_s)
 
