@@ -156,6 +156,18 @@ def test_fsdp2_with_activation_checkpointing_trains_like_a_single_process(tmp_pa
     assert r0["replica_count"] == 1
 
 
+@pytest.mark.slow
+def test_fsdp2_over_blocks_compiled_with_fullgraph_trains_like_eager_fsdp(tmp_path):
+    # issue 17: under FSDP the native blocks compile one by one with fullgraph (a graph break would be an error)
+    (r0, r1), output = _torchrun("fsdp_compile", tmp_path)
+    assert "Applied torch.compile to 2 decoder layers (fullgraph)" in output
+    assert "Applied FSDP over mesh {'shard': 2}" in output
+    assert r0["compiled_losses"] == r1["compiled_losses"]
+    assert r0["compiled_losses"] == pytest.approx(r0["eager_losses"], rel=1e-5)
+    assert r0["compiled_losses"][-1] < r0["compiled_losses"][0]
+    assert r0["graph_breaks"] == 0 and r0["unique_graphs"] >= 1
+
+
 def test_hsdp_builds_and_trains_with_shard_groups_of_one_and_two(tmp_path):
     (r0, r1), output = _torchrun("hsdp", tmp_path)
 
@@ -479,6 +491,30 @@ def _worker_fsdp(dist: DistInfo) -> dict:
     }
 
 
+def _worker_fsdp_compile(dist: DistInfo) -> dict:
+    """FSDP2 with train.compile: each native block compiled with fullgraph before fully_shard, as parallelize does
+    it, so FSDP2's all-gather and reshard hooks run around (and, through Module.compile, inside) each block's
+    graph. aot_eager traces forward and backward as inductor does, without its slow C++ codegen on this CPU."""
+    real = parallel_module.apply_compile
+    parallel_module.apply_compile = functools.partial(real, backend="aot_eager")
+    try:
+        torch._dynamo.reset()
+        counters.clear()
+        cfg = _config("fsdp")
+        cfg.train.compile = True
+        compiled = _train_steps(*_build(cfg, dist), _rank_batches(dist.rank, dist.world_size))
+        graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    finally:
+        parallel_module.apply_compile = real
+    eager = _train_steps(*_build(_config("fsdp"), dist), _rank_batches(dist.rank, dist.world_size))
+    return {
+        "compiled_losses": [all_reduce_mean(x, dist) for x in compiled],
+        "eager_losses": [all_reduce_mean(x, dist) for x in eager],
+        "unique_graphs": graphs,
+        "graph_breaks": breaks,
+    }
+
+
 def _worker_hsdp(dist: DistInfo) -> dict:
     losses, replicas = {}, {}
     for shard_size in (1, 2):
@@ -498,7 +534,8 @@ def _worker(mode: str, out_dir: str) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     dist = init_distributed(DistributedConfig())
     # the models live only inside the mode's function: gone before the group is destroyed
-    result = {"ddp": _worker_ddp, "fsdp": _worker_fsdp, "hsdp": _worker_hsdp}[mode](dist)
+    workers = {"ddp": _worker_ddp, "fsdp": _worker_fsdp, "fsdp_compile": _worker_fsdp_compile, "hsdp": _worker_hsdp}
+    result = workers[mode](dist)
     destroy_distributed()
     Path(out_dir, f"{mode}-rank{dist.rank}.json").write_text(json.dumps(result))
 
