@@ -15,6 +15,7 @@ from enginetools import free_port
 
 from prime_train.config.loader import load_config
 from prime_train.integrations import skypilot as sp
+from prime_train.integrations.spot_lint import lint_spot
 
 SECRET = "wandb-secret-value-0123456789abcdef"
 
@@ -315,7 +316,7 @@ num_nodes = 2
 
 def test_lint_spot_passes_a_sound_config(tmp_path):
     _, cfg = _config(tmp_path, GOOD)
-    assert sp.lint_spot(cfg) == []
+    assert lint_spot(cfg) == []
 
 
 @pytest.mark.parametrize(
@@ -344,7 +345,7 @@ def test_lint_spot_known_limits(tmp_path, extra, severity, key, words):
     base.update(dict(line.split(" = ", 1) for line in extra.splitlines()))
     text = GOOD.split("[spot]\n")[0] + "[spot]\n" + "\n".join(f"{k} = {v}" for k, v in base.items()) + "\n"
     _, cfg = _config(tmp_path, text)
-    found = _keys(sp.lint_spot(cfg), severity)
+    found = _keys(lint_spot(cfg), severity)
     assert any(k == key and words in m for k, m in found), found
     # the value of a variable is never in a message
     assert all('"x"' not in m for _, m in found)
@@ -352,12 +353,12 @@ def test_lint_spot_known_limits(tmp_path, extra, severity, key, words):
 
 def test_lint_spot_warns_without_a_bucket_and_on_gpu_count(tmp_path):
     _, cfg = _config(tmp_path, '[distributed]\nnproc_per_node = 4\n[spot]\naccelerators = "A100:8"\n')
-    warnings = _keys(sp.lint_spot(cfg), "warning")
+    warnings = _keys(lint_spot(cfg), "warning")
     assert any(k == "ckpt.remote" and "preempted" in m for k, m in warnings)
     assert any(k == "distributed.nproc_per_node" and "8 GPU" in m for k, m in warnings)
     _, on_demand = _config(tmp_path, '[spot]\nuse_spot = false\nclouds = ["lambda"]\n')
-    assert not any(k == "ckpt.remote" for k, _ in _keys(sp.lint_spot(on_demand), "warning"))
-    assert _keys(sp.lint_spot(on_demand), "error") == []
+    assert not any(k == "ckpt.remote" for k, _ in _keys(lint_spot(on_demand), "warning"))
+    assert _keys(lint_spot(on_demand), "error") == []
 
 
 @pytest.mark.slow
@@ -488,10 +489,10 @@ def test_lint_spot_guards_the_recovery_limit(tmp_path):
     # the recovery count lives in the bucket (one node here: above one, lint refuses ckpt.remote)
     bucket = ONE_NODE.replace("[ckpt]\n", '[ckpt]\nremote = "s3://bucket/demo"\n')
     _, cfg = _config(tmp_path, bucket + "recover_on_exit_codes = [75, 1]\n")
-    [(key, severity, message)] = [p for p in sp.lint_spot(cfg) if "holds 1" in p[2]]
+    [(key, severity, message)] = [p for p in lint_spot(cfg) if "holds 1" in p[2]]
     assert key == ("spot", "recover_on_exit_codes") and severity == "error" and "without limit" in message
     _, no_bucket = _config(tmp_path, ONE_NODE)
     assert any(k == ("spot", "max_recoveries") and "not enforced without ckpt.remote" in m
-               for k, _, m in sp.lint_spot(no_bucket))  # fmt: skip
+               for k, _, m in lint_spot(no_bucket))  # fmt: skip
     _, sound = _config(tmp_path, bucket)
-    assert not any(k == ("spot", "max_recoveries") for k, _, _ in sp.lint_spot(sound))
+    assert not any(k == ("spot", "max_recoveries") for k, _, _ in lint_spot(sound))

@@ -398,7 +398,7 @@ def _job_command_problems(cfg: Config, sources: Sources) -> list[Problem]:
 
 def spot_problems(cfg: Config, sources: Sources) -> list[Problem]:
     """SkyPilot's known limits for this config (`run --spot` checks them whether or not [spot] was written)."""
-    from prime_train.integrations.skypilot import lint_spot
+    from prime_train.integrations.spot_lint import lint_spot
     from prime_train.validator.gpus import spot_gpu_problems
 
     found = [*lint_spot(cfg), *spot_gpu_problems(cfg)]  # SkyPilot's limits; the GPU against the one GPU table

@@ -1,0 +1,176 @@
+"""What lint knows of `[spot]`: SkyPilot's and the clouds' limits, checked without SkyPilot (laptops, pre-commit hooks).
+
+`lint_spot` returns (key path, "error"|"warning", message) for validator/lint.py to attach to the config's lines.
+"""
+
+from __future__ import annotations
+
+import re
+
+from prime_train.config.accelerators import parse_accelerators
+from prime_train.config.schema import Config
+from prime_train.contract import ExitCode
+from prime_train.resilience.redact import is_secret_name
+
+NO_SPOT = {"lambda": "Lambda Cloud has no spot instances", "kubernetes": "spot on Kubernetes needs spot-labelled nodes"}
+NO_MULTI_NODE = {"runpod", "vast", "primeintellect"}
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _candidate_clouds(cfg: Config) -> list[str] | None:
+    """Clouds the job may land on; None when any cloud with credentials may be used."""
+    if cfg.spot.infra:
+        cloud = cfg.spot.infra.split("/", 1)[0].lower()
+        return ["kubernetes" if cloud == "k8s" else cloud]
+    return list(dict.fromkeys(cfg.spot.clouds)) or None
+
+
+def _limit(
+    problems: list[tuple[tuple[str, ...], str, str]],
+    key: tuple[str, ...],
+    clouds: list[str],
+    bad: list[str],
+    what: str,
+    because: str,
+) -> None:
+    if not bad:
+        return
+    if len(bad) == len(clouds):
+        problems.append((key, "error", f"{what}: {because} ({', '.join(bad)})"))
+    else:
+        rest = [c for c in clouds if c not in bad]
+        problems.append(
+            (key, "warning", f"{what}: {because} ({', '.join(bad)}); SkyPilot will only use {', '.join(rest)}")
+        )
+
+
+def _gpus_per_node(text: str) -> tuple[int | None, str | None]:
+    """The whole GPUs per node that spot.accelerators asks for, or the reason it asks for none that can train."""
+    what = "spot.accelerators"
+    try:
+        accelerators = parse_accelerators(text, what=what)
+        if accelerators.is_cpu:  # the task hands the string to SkyPilot, which has no accelerator called cpu
+            return None, f"{what} {text!r}: a managed job asks SkyPilot for GPUs by name: name one, e.g. 'H100:8'"
+        # SkyPilot allows a fraction of a GPU (shared by tasks); torchrun starts one training process per whole GPU
+        return accelerators.whole_count("a training node runs one process per GPU", what=what), None
+    except ValueError as exc:
+        return None, str(exc)
+
+
+def lint_spot(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
+    """Known limits of `[spot]` as (key path, "error"|"warning", message); key paths suit Sources.problem.
+
+    Meant for configs that use spot (a [spot] table, or `run --spot`): the defaults alone would
+    otherwise warn on every config.
+    """
+    spot = cfg.spot
+    problems: list[tuple[tuple[str, ...], str, str]] = []
+    clouds = _candidate_clouds(cfg)
+    key_clouds = ("spot", "infra") if spot.infra else ("spot", "clouds")
+
+    gpus, problem = _gpus_per_node(spot.accelerators)
+    if problem:
+        problems.append((("spot", "accelerators"), "error", problem))
+    nproc = cfg.distributed.nproc_per_node
+    if gpus is not None and nproc is not None and nproc != gpus:
+        problems.append(
+            (
+                ("distributed", "nproc_per_node"),
+                "warning",
+                f"distributed.nproc_per_node ({nproc}) differs from the {gpus} GPU(s) per node in spot.accelerators; "
+                "unset it to use one process per GPU",
+            )
+        )
+
+    if clouds is not None:
+        if spot.use_spot:
+            bad = [c for c in clouds if c == "lambda"]
+            _limit(problems, key_clouds, clouds, bad, "spot.use_spot = true", NO_SPOT["lambda"])
+            if "kubernetes" in clouds:
+                problems.append((key_clouds, "warning", f"spot.use_spot on kubernetes: {NO_SPOT['kubernetes']}"))
+        if spot.num_nodes > 1:
+            bad = [c for c in clouds if c in NO_MULTI_NODE]
+            _limit(
+                problems,
+                key_clouds,
+                clouds,
+                bad,
+                f"spot.num_nodes = {spot.num_nodes}",
+                "SkyPilot cannot run multi-node clusters there",
+            )
+    if spot.infra and spot.clouds:
+        problems.append((("spot", "clouds"), "warning", "spot.clouds is ignored because spot.infra is set"))
+
+    if spot.num_nodes != cfg.distributed.nnodes:
+        problems.append(
+            (
+                ("spot", "num_nodes"),
+                "warning",
+                f"spot.num_nodes ({spot.num_nodes}) differs from distributed.nnodes ({cfg.distributed.nnodes}); "
+                f"the job runs on {spot.num_nodes} node(s): set distributed.nnodes = {spot.num_nodes} so lint "
+                "checks the batch arithmetic at that size",
+            )
+        )
+    if spot.use_spot and cfg.ckpt.remote is None:
+        problems.append(
+            (
+                ("ckpt", "remote"),
+                "warning",
+                "spot.use_spot without ckpt.remote: a preempted node takes its local disk and checkpoints with it; "
+                "set ckpt.remote = 's3://bucket/prefix' so the recovered job resumes",
+            )
+        )
+    if ExitCode.PREEMPTED not in spot.recover_on_exit_codes:
+        preempted = int(ExitCode.PREEMPTED)
+        problems.append(
+            (
+                ("spot", "recover_on_exit_codes"),
+                "warning",
+                f"spot.recover_on_exit_codes lacks {preempted}: a job that checkpointed and stopped on a preemption "
+                f"notice exits {preempted} and would count as an error instead of being recovered",
+            )
+        )
+    recovered = sorted(set(spot.recover_on_exit_codes))
+    if ExitCode.FAILED in recovered:
+        problems.append(
+            (
+                ("spot", "recover_on_exit_codes"),
+                "error",
+                f"spot.recover_on_exit_codes holds {int(ExitCode.FAILED)}, the code a job ends with when its restarts "
+                "are exhausted or spot.max_recoveries is reached: SkyPilot would recover it without limit",
+            )
+        )
+    if recovered and cfg.ckpt.remote is None:
+        problems.append(
+            (
+                ("spot", "max_recoveries"),
+                "warning",
+                f"spot.max_recoveries is not enforced without ckpt.remote (recoveries are counted in the bucket): "
+                f"SkyPilot recovers exit codes {recovered} without limit",
+            )
+        )
+    for name in spot.secrets:
+        if not _ENV_NAME.match(name):
+            problems.append(
+                (("spot", "secrets"), "error", f"spot.secrets: {name!r} is not an environment variable name")
+            )
+        elif name in spot.env:
+            problems.append(
+                (
+                    ("spot", "env", name),
+                    "error",
+                    f"{name} is in both spot.env and spot.secrets: remove it from spot.env (its value would be "
+                    "written to the task YAML)",
+                )
+            )
+    for name in spot.env:
+        if name not in spot.secrets and is_secret_name(name):
+            problems.append(
+                (
+                    ("spot", "env", name),
+                    "warning",
+                    f"spot.env.{name} looks like a credential: its value goes into the task YAML; list the name in "
+                    "spot.secrets instead and export it where you launch",
+                )
+            )
+    return problems
