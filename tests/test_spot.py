@@ -306,11 +306,12 @@ GOOD = """
 [distributed]
 nnodes = 2
 [ckpt]
-remote = "s3://bucket/x"
+dir = "/checkpoints/demo"
 [spot]
 accelerators = "H100:8"
 clouds = ["aws", "gcp"]
 num_nodes = 2
+ckpt_mount = "s3://bucket/x"
 """
 
 
@@ -349,6 +350,48 @@ def test_lint_spot_known_limits(tmp_path, extra, severity, key, words):
     assert any(k == key and words in m for k, m in found), found
     # the value of a variable is never in a message
     assert all('"x"' not in m for _, m in found)
+
+
+def test_several_spot_nodes_share_checkpoints_through_a_bucket_mounted_at_ckpt_dir(tmp_path):
+    # ckpt.remote uploads one node's run directory; above one node the checkpoint lives in ckpt.dir on every node
+    _, unmounted = _config(tmp_path, GOOD.replace('ckpt_mount = "s3://bucket/x"\n', ""))
+    warnings = _keys(lint_spot(unmounted), "warning")
+    assert any(k == "spot.ckpt_mount" and "a recovery replaces every node" in m for k, m in warnings), warnings
+    assert not any(k == "ckpt.remote" for k, _ in warnings)
+    _, on_demand = _config(tmp_path, GOOD.replace('ckpt_mount = "s3://bucket/x"\n', "use_spot = false\n"))
+    # nothing is preempted: a filesystem of the cluster's own is fine
+    assert not [k for k, _ in _keys(lint_spot(on_demand), "warning") if k in ("spot.ckpt_mount", "ckpt.remote")]
+    # the mount needs a place on the nodes
+    _, nowhere = _config(tmp_path, GOOD.replace('dir = "/checkpoints/demo"\n', ""))
+    assert any(k == "ckpt.dir" and "unset" in m for k, m in _keys(lint_spot(nowhere), "error"))
+    with pytest.raises(sp.SpotConfigError, match=r"set ckpt\.dir to where the nodes should see it"):
+        sp.task_from_config(nowhere, config_files=[], overrides=[])
+    _, relative = _config(tmp_path, GOOD.replace("/checkpoints/demo", "ckpts"))
+    assert any(k == "ckpt.dir" and "not an absolute path" in m for k, m in _keys(lint_spot(relative), "error"))
+    # the whole lint: the mount point is on the nodes, so it is not asked to be writable here
+    path, _ = _config(tmp_path, GOOD)
+    result = subprocess.run([sys.executable, "-m", "prime_train", "lint", path, "--json"], capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    problems = json.loads(result.stdout)
+    assert not [p for p in problems if p.get("severity") == "error"], problems
+
+
+@pytest.mark.parametrize("url", ["/mnt/bucket", "s3://", "ftp://host/x", "bucket/x"])
+def test_a_ckpt_mount_that_is_no_bucket_url_is_refused_naming_the_key(tmp_path, url):
+    with pytest.raises(Exception, match=r"spot\.ckpt_mount"):
+        _config(tmp_path, GOOD.replace("s3://bucket/x", url))
+
+
+@needs_sky
+def test_skypilot_mounts_the_checkpoint_bucket_at_ckpt_dir_on_every_node(tmp_path, sky_python):
+    cfg_path, cfg = _config(tmp_path, GOOD)
+    task = sp.task_from_config(cfg, config_files=[cfg_path], overrides=[])
+    assert task["num_nodes"] == 2
+    assert task["file_mounts"]["/checkpoints/demo"] == {"source": "s3://bucket/x", "mode": "MOUNT_CACHED"}
+    assert sp.validate_task(task, sky_python) == []
+    wrong = json.loads(json.dumps(task))
+    wrong["file_mounts"]["/checkpoints/demo"]["mode"] = "MOUNT_LATER"
+    assert sp.validate_task(wrong, sky_python)  # SkyPilot's own schema judges the mount
 
 
 def test_lint_spot_warns_without_a_bucket_and_on_gpu_count(tmp_path):

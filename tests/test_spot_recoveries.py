@@ -14,7 +14,7 @@ from test_storage import aws_env, bucket, make_checkpoint, s3_endpoint  # noqa: 
 from prime_train.config.loader import load_config
 from prime_train.integrations import monitor as mon
 from prime_train.integrations import skypilot as sp
-from prime_train.integrations.storage import CheckpointStore
+from prime_train.integrations.storage import CheckpointStore, DirectoryRecoveries
 
 
 class Node:
@@ -116,3 +116,53 @@ def test_the_monitor_does_not_relaunch_a_job_that_stopped_itself(tmp_path, s3_en
         recoveries_reader=mon.storage_recoveries_reader(node.cfg),
     )
     assert later.action == "relaunched"
+
+
+# ---------------------------------------------------------------- several nodes: the count in the mounted ckpt.dir
+
+
+class MountedNode(Node):
+    """A node of a two-node job whose checkpoints are a bucket SkyPilot mounts at ckpt.dir (spot.ckpt_mount): here
+    the mount is a directory both nodes' scripts see, as every node sees the one bucket."""
+
+    def __init__(self, tmp_path: Path, *, max_recoveries: int = 1):
+        self.shared = tmp_path / "mounted-bucket"
+        self.tmp = tmp_path
+        self.config = tmp_path / "spot.toml"
+        self.config.write_text(
+            f'[run]\nname = "capped"\n[distributed]\nnnodes = 2\n[ckpt]\ndir = "{self.shared}"\n[spot]\n'
+            f'accelerators = "H100:1"\nnum_nodes = 2\nckpt_mount = "s3://bucket/capped"\n'
+            f"max_recoveries = {max_recoveries}\n"
+        )
+        self.cfg = load_config([str(self.config)])
+        self.task = sp.task_from_config(self.cfg, config_files=[str(self.config)], overrides=[])
+        self.home = tmp_path / "home"
+        remote = next(k for k in self.task["file_mounts"] if k.startswith(sp.REMOTE_CONFIG_DIR))
+        (self.home / remote[2:]).parent.mkdir(parents=True)
+        (self.home / remote[2:]).write_text(self.config.read_text())
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        self.record = _fake_prime_train(bin_dir, exit_code=75)
+        self.path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+        self.store = DirectoryRecoveries(self.shared)
+
+
+def test_a_two_node_job_counts_its_recoveries_in_the_mounted_checkpoint_directory(tmp_path):
+    node = MountedNode(tmp_path, max_recoveries=1)
+    assert node.task["file_mounts"][str(node.shared)] == {"source": "s3://bucket/capped", "mode": "MOUNT_CACHED"}
+    # both nodes exit 75 at a preemption; node 1 never counts, node 0 counts once per recovery
+    assert node.start(rank=1).returncode == 75 and node.store.get_recoveries() is None
+    assert node.start(rank=0).returncode == 75
+    assert node.store.get_recoveries()["in_a_row"] == 1 and (node.shared / "spot-recoveries.json").is_file()
+    # a recovery that left a new whole checkpoint in the shared directory is progress
+    make_checkpoint(node.shared, 100)
+    assert node.start(rank=0).returncode == 75
+    record = node.store.get_recoveries()
+    assert (record["recoveries"], record["in_a_row"], record["newest_step"]) == (2, 0, 100)
+    # then two in a row without one: past max_recoveries (1) node 0 stops the job, and node 1 stops at the gate
+    assert node.start(rank=0).returncode == 75
+    stopped = node.start(rank=0)
+    assert stopped.returncode == 1 and "spot.max_recoveries (1) reached" in stopped.stderr, stopped.stderr
+    assert "mounted-bucket" in stopped.stderr
+    assert node.start(rank=1).returncode == 1
+    assert node.runs() == 5, "the run after the verdict never started"

@@ -179,9 +179,10 @@ def spot_recovery_gate(
     """On the nodes of a managed job: stop a job SkyPilot would recover forever (spot.max_recoveries).
 
     The task `run --spot` generates runs it before `prime-train run` (exit 1 when this job already gave up) and
-    after it with --exited CODE: a code in spot.recover_on_exit_codes is counted in the bucket (ckpt.remote) by
-    node 0, and more than spot.max_recoveries in a row without a new checkpoint end the job with exit 1 instead
-    of CODE. Needs SKYPILOT_TASK_ID (set by SkyPilot); elsewhere it only passes CODE through.
+    after it with --exited CODE: a code in spot.recover_on_exit_codes is counted by node 0 in the bucket
+    (ckpt.remote, or the checkpoint directory spot.ckpt_mount mounts), and more than spot.max_recoveries in a row
+    without a new checkpoint end the job with exit 1 instead of CODE. Needs SKYPILOT_TASK_ID (set by SkyPilot);
+    elsewhere it only passes CODE through.
 
     Examples:
 
@@ -191,22 +192,32 @@ def spot_recovery_gate(
     """
     import os
 
-    from prime_train.integrations.storage import CheckpointStore, StorageError, recovery_gate
+    from prime_train.integrations.storage import CheckpointStore, DirectoryRecoveries, StorageError, recovery_gate
 
     paths, overrides = split_overrides(files, ctx.args)
     cfg = load(paths, overrides)
     passed = ExitCode.OK if exited is None else exited
     task_id = os.environ.get("SKYPILOT_TASK_ID", "")
-    if not cfg.ckpt.remote or not task_id:
+    # the bucket (ckpt.remote), else the shared checkpoint directory SkyPilot mounts at ckpt.dir (spot.ckpt_mount)
+    mounted = cfg.spot.ckpt_mount is not None and cfg.ckpt.dir is not None
+    if not (cfg.ckpt.remote or mounted) or not task_id:
         if exited is None:
-            why = "no ckpt.remote to count them in" if task_id else "not on a SkyPilot node (no SKYPILOT_TASK_ID)"
+            why = (
+                "no ckpt.remote or spot.ckpt_mount to count them in"
+                if task_id
+                else "not on a SkyPilot node (no SKYPILOT_TASK_ID)"
+            )
             output.note(f"recoveries are not counted: {why}; SkyPilot recovers exit codes "
                         f"{sorted(cfg.spot.recover_on_exit_codes)} without limit")  # fmt: skip
         if as_json:
             output.print_json({"ok": True, "exit_code": passed, "counted": False})
         raise typer.Exit(passed)
     try:
-        store = CheckpointStore(cfg.ckpt.remote, endpoint_url=cfg.ckpt.remote_endpoint_url)
+        store = (
+            CheckpointStore(cfg.ckpt.remote, endpoint_url=cfg.ckpt.remote_endpoint_url)
+            if cfg.ckpt.remote
+            else DirectoryRecoveries(cfg.checkpoints_dir)
+        )
         why = recovery_gate(
             store, task_id=task_id, max_recoveries=cfg.spot.max_recoveries, exit_code=exited,
             recover_codes=cfg.spot.recover_on_exit_codes, count=os.environ.get("SKYPILOT_NODE_RANK", "0") == "0",

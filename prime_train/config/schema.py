@@ -498,6 +498,10 @@ class RLConfig(Section):
 SKY_CLOUDS = ("aws", "gcp", "azure", "lambda", "runpod", "vast", "primeintellect", "kubernetes")
 
 
+# the bucket stores SkyPilot 0.14 mounts (sky/data/storage.py); https:// is an Azure blob container
+CKPT_MOUNT_SCHEMES = ("s3", "gs", "r2", "cos", "oci", "https")
+
+
 class SpotConfig(Section):
     name: str | None = Field(None, description="Managed job name; unset: run.name.")
     accelerators: str = Field("H100:8", description="SkyPilot accelerators per node, e.g. 'H100:8' or 'A100-80GB:4'.")
@@ -538,6 +542,25 @@ class SpotConfig(Section):
         "read at launch, never written to the YAML or printed).",
     )
     workdir: str | None = Field(None, description="Local directory synced to the nodes (your config files).")
+    ckpt_mount: str | None = Field(
+        None,
+        description="A bucket (s3://, gs://, r2://, cos://, oci://, or an Azure container's https:// URL) that "
+        "SkyPilot mounts at ckpt.dir on every node (MOUNT_CACHED: writes go to a local cache, then to the bucket): "
+        "the one checkpoint directory a multi-node job needs, and it outlives a recovery. Counts recoveries there "
+        "too when ckpt.remote is unset.",
+    )
+
+    @field_validator("ckpt_mount")
+    @classmethod
+    def _a_bucket_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        scheme, sep, rest = value.partition("://")
+        if not sep or scheme not in CKPT_MOUNT_SCHEMES or not rest.strip("/"):
+            raise ValueError(
+                f"spot.ckpt_mount {value!r} is not a bucket URL: use {', '.join(s + '://' for s in CKPT_MOUNT_SCHEMES)}"
+            )
+        return value
 
     @model_validator(mode="after")
     def _infra_names_a_cloud(self) -> SpotConfig:

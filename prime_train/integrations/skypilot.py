@@ -450,6 +450,22 @@ def _run_script(cfg: Config, remote_configs: list[str], overrides: list[str]) ->
     )
 
 
+def _ckpt_mount(cfg: Config) -> dict[str, Any]:
+    """spot.ckpt_mount as a file mount: the bucket at ckpt.dir on every node, cached locally (SkyPilot's
+    MOUNT_CACHED: a checkpoint is written at local disk speed and uploaded behind it)."""
+    bucket = cfg.spot.ckpt_mount
+    if bucket is None:
+        return {}
+    where = cfg.ckpt.dir
+    if not where or not (where.startswith("/") or where.startswith("~/")):
+        raise SpotConfigError(
+            f"spot.ckpt_mount mounts {bucket} at ckpt.dir on every node, and ckpt.dir is "
+            f"{'unset' if not where else repr(where) + ', not an absolute path'}: set ckpt.dir to where the nodes "
+            f"should see it, e.g. ckpt.dir = '/checkpoints/{cfg.run.name}'"
+        )
+    return {where: {"source": bucket, "mode": "MOUNT_CACHED"}}
+
+
 def task_from_config(cfg: Config, *, config_files: list[str], overrides: list[str]) -> dict[str, Any]:
     """The SkyPilot task (as a YAML-shaped dict) that runs this config as a managed job.
 
@@ -472,8 +488,8 @@ def task_from_config(cfg: Config, *, config_files: list[str], overrides: list[st
         "max_restarts_on_errors": spot.max_restarts_on_errors,
         "recover_on_exit_codes": sorted(set(spot.recover_on_exit_codes)),
     }
-    remote_configs, mounts = _remote_config_paths(cfg, config_files)
-    mounts.update(source_mounts)
+    remote_configs, paths = _remote_config_paths(cfg, config_files)
+    mounts: dict[str, Any] = {**paths, **source_mounts, **_ckpt_mount(cfg)}
     task: dict[str, Any] = {"name": job_name(cfg), "resources": resources, "num_nodes": spot.num_nodes}
     if spot.workdir:
         task["workdir"] = str(Path(spot.workdir).expanduser().resolve())

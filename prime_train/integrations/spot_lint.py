@@ -111,15 +111,7 @@ def lint_spot(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
                 "checks the batch arithmetic at that size",
             )
         )
-    if spot.use_spot and cfg.ckpt.remote is None:
-        problems.append(
-            (
-                ("ckpt", "remote"),
-                "warning",
-                "spot.use_spot without ckpt.remote: a preempted node takes its local disk and checkpoints with it; "
-                "set ckpt.remote = 's3://bucket/prefix' so the recovered job resumes",
-            )
-        )
+    problems += _checkpoint_problems(cfg)
     if ExitCode.PREEMPTED not in spot.recover_on_exit_codes:
         preempted = int(ExitCode.PREEMPTED)
         problems.append(
@@ -140,12 +132,13 @@ def lint_spot(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
                 "are exhausted or spot.max_recoveries is reached: SkyPilot would recover it without limit",
             )
         )
-    if recovered and cfg.ckpt.remote is None:
+    if recovered and cfg.ckpt.remote is None and spot.ckpt_mount is None:
         problems.append(
             (
                 ("spot", "max_recoveries"),
                 "warning",
-                f"spot.max_recoveries is not enforced without ckpt.remote (recoveries are counted in the bucket): "
+                f"spot.max_recoveries is not enforced without ckpt.remote or spot.ckpt_mount (recoveries are "
+                f"counted in the bucket): "
                 f"SkyPilot recovers exit codes {recovered} without limit",
             )
         )
@@ -174,3 +167,27 @@ def lint_spot(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
                 )
             )
     return problems
+
+
+def _checkpoint_problems(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
+    """Where a recovered job finds its checkpoints: ckpt.remote (one node) or spot.ckpt_mount (any number)."""
+    spot, ck = cfg.spot, cfg.ckpt
+    if spot.ckpt_mount is not None:
+        if not ck.dir or not (ck.dir.startswith("/") or ck.dir.startswith("~/")):
+            return [(("ckpt", "dir"), "error", f"spot.ckpt_mount mounts its bucket at ckpt.dir, which is "
+                     f"{'unset' if not ck.dir else repr(ck.dir) + ', not an absolute path'}: set ckpt.dir = "
+                     f"'/checkpoints/{cfg.run.name}' (any absolute path on the nodes)")]  # fmt: skip
+        return []
+    if not spot.use_spot:
+        return []
+    if spot.num_nodes > 1:
+        # ckpt.remote uploads one node's run directory; above one node the checkpoint is in ckpt.dir, on every node
+        return [(("spot", "ckpt_mount"), "warning", f"spot.num_nodes = {spot.num_nodes} on spot without "
+                 "spot.ckpt_mount: a recovery replaces every node, and ckpt.dir goes with them unless it is a "
+                 "filesystem that outlives them; set spot.ckpt_mount = 's3://bucket/prefix' (SkyPilot mounts it at "
+                 "ckpt.dir on every node) so the recovered job resumes")]  # fmt: skip
+    if ck.remote is None:
+        return [(("ckpt", "remote"), "warning", "spot.use_spot without ckpt.remote: a preempted node takes its local "
+                 "disk and checkpoints with it; set ckpt.remote = 's3://bucket/prefix' so the recovered job "
+                 "resumes")]  # fmt: skip
+    return []

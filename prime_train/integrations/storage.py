@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
-from prime_train.contract import ExitCode, fsync_dir, read_json
+from prime_train.contract import ExitCode, fsync_dir, newest_checkpoint, read_json, write_json_atomic
 from prime_train.integrations.checkpoint_archive import (
     ARCHIVE_SUFFIXES,
     STAGING_PREFIX,
@@ -203,7 +203,7 @@ class CheckpointStore:
 
     @property
     def recoveries_key(self) -> str:
-        return self._key("spot-recoveries.json")
+        return self._key(RECOVERIES_FILE)
 
     def _where(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
@@ -558,6 +558,11 @@ class CheckpointStore:
         """The recovery count `recovery_gate` keeps, or None when there is none yet."""
         return self._get_json(self.recoveries_key, "the recovery count")
 
+    def newest_step(self) -> int | None:
+        """The step of the newest whole checkpoint in the bucket (what recovery_gate calls progress)."""
+        whole = self.list_remote()
+        return whole[-1].step if whole else None
+
     def put_recoveries(self, record: dict[str, Any]) -> None:
         try:
             self.client.put_object(
@@ -585,10 +590,47 @@ class CheckpointStore:
 # ---------------------------------------------------------------- capping SkyPilot's recoveries
 
 RECOVERY_HISTORY = 50  # recoveries kept in the record, newest last
+RECOVERIES_FILE = "spot-recoveries.json"
+
+
+class RecoveryRecords(Protocol):
+    """Where recovery_gate keeps its count and judges progress: the bucket, or a checkpoint directory."""
+
+    url: str
+
+    def get_recoveries(self) -> dict[str, Any] | None: ...
+
+    def put_recoveries(self, record: dict[str, Any]) -> None: ...
+
+    def newest_step(self) -> int | None: ...
+
+
+class DirectoryRecoveries:
+    """recovery_gate's count in a checkpoint directory every node mounts (spot.ckpt_mount: a bucket SkyPilot mounts at
+    ckpt.dir), beside the step-N checkpoints it judges progress by. A multi-node job has no ckpt.remote to count in."""
+
+    def __init__(self, ckpt_dir: str | os.PathLike[str]):
+        self.path = Path(ckpt_dir)
+        self.url = str(self.path)
+
+    def get_recoveries(self) -> dict[str, Any] | None:
+        record = read_json(self.path / RECOVERIES_FILE)
+        return record if isinstance(record, dict) else None
+
+    def put_recoveries(self, record: dict[str, Any]) -> None:
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.path / RECOVERIES_FILE, record)
+        except OSError as exc:
+            raise StorageError(f"cannot write the recovery count in {self.path}: {exc}") from None
+
+    def newest_step(self) -> int | None:
+        newest = newest_checkpoint(self.path)
+        return newest.step if newest else None
 
 
 def recovery_gate(
-    store: CheckpointStore,
+    store: RecoveryRecords,
     *,
     task_id: str,
     max_recoveries: int,
@@ -597,7 +639,8 @@ def recovery_gate(
     count: bool = True,
     now: float | None = None,
 ) -> str | None:
-    """Why the job must stop instead of being recovered again, or None to go on. The count lives in the bucket.
+    """Why the job must stop instead of being recovered again, or None to go on. The count lives in the bucket, or
+    in the shared checkpoint directory (DirectoryRecoveries).
 
     SkyPilot recovers a job that exits with one of `recover_codes` (75: checkpointed and stopped on a preemption
     notice) without limit; a job that exits 75 for another reason would be recovered forever. So every recovery
@@ -616,8 +659,7 @@ def recovery_gate(
         return str(record["gave_up"]) if record and record.get("gave_up") else None
     if exit_code not in recover_codes or not count:
         return None
-    whole = store.list_remote()
-    newest = whole[-1].step if whole else None
+    newest = store.newest_step()
     record = record or {"task_id": task_id, "recoveries": 0, "in_a_row": 0, "newest_step": None, "history": []}
     progress = newest is not None and newest != record.get("newest_step")
     record["in_a_row"] = 0 if progress else int(record.get("in_a_row") or 0) + 1
@@ -643,6 +685,7 @@ def recovery_gate(
 __all__ = [
     "CheckpointStore",
     "CorruptCheckpoint",
+    "DirectoryRecoveries",
     "RemoteCheckpoint",
     "StorageError",
     "UnsafeArchive",

@@ -338,7 +338,7 @@ def _checkpoint_dir_problems(cfg: Config, sources: Sources) -> list[Problem]:
                 f"distributed.nnodes = {nnodes}: choose a directory every node mounts, outside run.output_dir",
             )
         )
-    elif why := _writable_dir(shared):
+    elif cfg.spot.ckpt_mount is None and (why := _writable_dir(shared)):  # a mount point is on the nodes, not here
         problems.append(sources.problem(("ckpt", "dir"), "error", f"ckpt.dir cannot be written: {why}; choose another"))
     if ck.remote is not None:
         problems.append(
