@@ -22,12 +22,18 @@ class Node:
     environment SkyPilot gives it (SKYPILOT_TASK_ID stays the same across the job's recoveries)."""
 
     def __init__(self, tmp_path: Path, endpoint: str, bucket_name: str, *, max_recoveries: int = 2):
+        self._place(
+            tmp_path,
+            f'[run]\nname = "capped"\n[ckpt]\nremote = "s3://{bucket_name}/capped"\n'
+            f'remote_endpoint_url = "{endpoint}"\n[spot]\naccelerators = "H100:1"\nmax_recoveries = {max_recoveries}\n',
+        )
+        self.store = CheckpointStore(self.cfg.ckpt.remote, endpoint_url=endpoint)
+
+    def _place(self, tmp_path: Path, config_text: str) -> None:
+        """The config where the task's file mount puts it, and a stand-in `prime-train run` on PATH."""
         self.tmp = tmp_path
         self.config = tmp_path / "spot.toml"
-        self.config.write_text(
-            f'[run]\nname = "capped"\n[ckpt]\nremote = "s3://{bucket_name}/capped"\n'
-            f'remote_endpoint_url = "{endpoint}"\n[spot]\naccelerators = "H100:1"\nmax_recoveries = {max_recoveries}\n'
-        )
+        self.config.write_text(config_text)
         self.cfg = load_config([str(self.config)])
         self.task = sp.task_from_config(self.cfg, config_files=[str(self.config)], overrides=[])
         self.home = tmp_path / "home"
@@ -38,7 +44,6 @@ class Node:
         bin_dir.mkdir()
         self.record = _fake_prime_train(bin_dir, exit_code=75)
         self.path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
-        self.store = CheckpointStore(self.cfg.ckpt.remote, endpoint_url=endpoint)
 
     def start(self, *, task_id: str = "sky-managed-7_capped-0", rank: int = 0) -> subprocess.CompletedProcess:
         env = {**os.environ, "PATH": self.path, "HOME": str(self.home), "SKYPILOT_TASK_ID": task_id,
@@ -127,23 +132,12 @@ class MountedNode(Node):
 
     def __init__(self, tmp_path: Path, *, max_recoveries: int = 1):
         self.shared = tmp_path / "mounted-bucket"
-        self.tmp = tmp_path
-        self.config = tmp_path / "spot.toml"
-        self.config.write_text(
+        self._place(
+            tmp_path,
             f'[run]\nname = "capped"\n[distributed]\nnnodes = 2\n[ckpt]\ndir = "{self.shared}"\n[spot]\n'
             f'accelerators = "H100:1"\nnum_nodes = 2\nckpt_mount = "s3://bucket/capped"\n'
-            f"max_recoveries = {max_recoveries}\n"
+            f"max_recoveries = {max_recoveries}\n",
         )
-        self.cfg = load_config([str(self.config)])
-        self.task = sp.task_from_config(self.cfg, config_files=[str(self.config)], overrides=[])
-        self.home = tmp_path / "home"
-        remote = next(k for k in self.task["file_mounts"] if k.startswith(sp.REMOTE_CONFIG_DIR))
-        (self.home / remote[2:]).parent.mkdir(parents=True)
-        (self.home / remote[2:]).write_text(self.config.read_text())
-        bin_dir = tmp_path / "bin"
-        bin_dir.mkdir()
-        self.record = _fake_prime_train(bin_dir, exit_code=75)
-        self.path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
         self.store = DirectoryRecoveries(self.shared)
 
 
