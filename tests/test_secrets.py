@@ -124,6 +124,17 @@ def test_config_toml_keeps_secret_values_as_stars_and_the_rest_as_run(leaky_run)
     assert job["progress_regex"] == r"step (\d+)"
 
 
+@pytest.mark.parametrize("as_json", [False, True])
+def test_config_show_prints_secret_values_as_stars(leaky_run, as_json):
+    tmp, _, _, _, env = leaky_run
+    result = cli("config", "show", str(tmp / "leaky.toml"), *(["--json"] if as_json else []), env=env, cwd=tmp)
+    assert result.returncode == 0, result.stderr
+    assert_no_secret(result.stdout + result.stderr, "config show")
+    shown = json.loads(result.stdout) if as_json else tomllib.loads(result.stdout)
+    assert shown["job"]["env"] == {"DB_PASSWORD": MASK, "AWS_SECRET_ACCESS_KEY": MASK, "MODE": "plain-value"}
+    assert shown["job"]["command"][-3:] == ["--wandb_key", MASK, f"--hf-token={MASK}"]
+
+
 def test_every_attempt_of_the_job_gets_the_real_values(leaky_run):
     _, _, _, record, _ = leaky_run
     attempts = [json.loads(line) for line in record.read_text().splitlines()]

@@ -80,19 +80,24 @@ def config_show(
 ) -> None:
     """Print the resolved config (defaults, files and overrides merged) as TOML (or JSON).
 
+    Secret values are shown as ***, as a run directory's config.toml keeps them.
+
     Examples:
 
       prime-train config show configs/tiny-sft.toml
 
       prime-train config show base.toml overlay.toml --train.lr 3e-4
     """
-    from prime_train.config.loader import dump_toml, to_toml_dict
+    import tomllib
+
+    from prime_train.resilience.redact import Redactor
 
     cfg = load(*split_overrides(files, ctx.args))
+    text = Redactor.for_run(cfg).masked_config(cfg).text  # secret values as ***, never printed
     if as_json:
-        output.print_json(to_toml_dict(cfg))
+        output.print_json(tomllib.loads(text))
         return
-    sys.stdout.write(dump_toml(cfg))
+    sys.stdout.write(text)
 
 
 @config_app.command("diff")
