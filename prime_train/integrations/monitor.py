@@ -16,9 +16,10 @@ Actions workflow in .github/workflows/training-monitor.yml.
 
 Exit codes of `prime-train monitor` (Decision.exit_code):
   0  healthy or finished
-  2  unknown (nothing to judge yet, a reading failed) or a configuration error
+  2  unknown (nothing to judge yet, a reading failed)
   3  stalled: SkyPilot says the job runs but its heartbeat stopped
   4  dead: the job failed, or its heartbeat stopped and SkyPilot has no job
+  78 a configuration error (MonitorConfigError, through the CLI's error handler)
 
 Thresholds come from the config (`thresholds`): the on-node supervisor gets its own chance to
 detect a hang and restart (stall_timeout_s + term_grace_s + backoff_max_s) before the monitor,
@@ -57,7 +58,7 @@ SETUP_ALLOWANCE_S = 1800.0
 
 
 class MonitorConfigError(RuntimeError):
-    """The monitor cannot run with this config or environment (exit code 2)."""
+    """The monitor cannot run with this config or environment (exit code 78, as every command's bad input)."""
 
 
 @dataclass(frozen=True)
