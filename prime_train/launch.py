@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -146,16 +147,20 @@ def masked_run_config(cfg: Config) -> MaskedConfig:
     return Redactor.for_run(cfg).masked_config(cfg)
 
 
-def train_directly(cfg: Config) -> int:
+def train_directly(cfg: Config, decide: Callable[[], bool] | None = None) -> int:
     """Train in the foreground; SIGTERM is passed on so the job checkpoints and exits 75.
 
     Like `prime-train run`, it owns the run directory while it trains (contract.RunDirBusy when another
     process does), ends what a killed predecessor left running, and its job stops when it is gone.
+    `decide`, called once the directory is owned (so what it holds cannot change under it), says whether to
+    train at all: a finished run is not trained again unasked (resilience/rerun.py); 0 when it says no.
     """
     from prime_train.resilience.ownership import claim_run_dir, end_orphans, record_processes, supervisor_token
 
     with claim_run_dir(RunDir(cfg.run_dir), "prime-train train"):
         end_orphans(RunDir(cfg.run_dir), cfg.supervisor.term_grace_s)
+        if decide is not None and not decide():
+            return ExitCode.OK
         run_dir = write_run_config(cfg)
         plan = plan_engine_launch(cfg, str(run_dir.config_path))
         env = {**os.environ, **{k: v for k, v in plan.env.items() if k not in os.environ}}

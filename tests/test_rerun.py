@@ -92,6 +92,29 @@ def test_fresh_moves_the_old_run_aside_and_starts_from_step_0_in_a_new_attempt(t
     assert any(e["event"] == "run_set_aside" for e in read_events(run_dir / "events.jsonl"))
 
 
+def test_train_on_a_finished_run_trains_nothing_unless_asked_as_run_does(tmp_path):
+    # `prime-train train` (no supervisor) used to train a finished run again from its last checkpoint
+    run_dir = tmp_path / "direct"
+
+    def train(*flags: str, **overrides) -> subprocess.CompletedProcess[str]:
+        argv = cli("train", str(TINY), *tiny_overrides(tmp_path, "direct", **{**SHORT, **overrides}), *flags)
+        return subprocess.run(argv, env={**env(), **WIDE}, capture_output=True, text=True, timeout=600)
+
+    first = train()
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-2000:]
+    metrics_before = (run_dir / "metrics.jsonl").read_bytes()
+    again = train()
+    assert again.returncode == 0 and "is finished (at step 6)" in again.stdout, again.stdout + again.stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics_before
+    resumed = train("--resume", **{"train.max_steps": 8})
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-2000:]
+    assert "--resume: training on to train.max_steps = 8" in resumed.stdout
+    assert steps_recorded(run_dir) == list(range(9))
+    fresh = train("--fresh")
+    assert fresh.returncode == 0, fresh.stdout[-3000:] + fresh.stderr[-2000:]
+    assert steps_recorded(run_dir) == list(range(7)) and list((run_dir / "previous").iterdir())
+
+
 def test_fresh_and_resume_together_are_refused():
     result = run_cli("run", "--fresh", "--resume")
     assert result.returncode == 78 and "one or the other" in result.stderr

@@ -25,11 +25,22 @@ if TYPE_CHECKING:
     from prime_train.config.schema import Config
 
 
-def train(ctx: typer.Context, files: RunConfigFiles = None) -> None:
+def train(
+    ctx: typer.Context,
+    files: RunConfigFiles = None,
+    fresh: Annotated[
+        bool,
+        typer.Option("--fresh", help="Start over: the run directory's old outputs move to previous/<time>/ first."),
+    ] = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Train a finished run on (after raising train.max_steps).")
+    ] = False,
+) -> None:
     """Run the embedded training engine directly, without supervision (torchrun when several processes).
 
     Writes the resolved config to <output_dir>/<name>/config.toml and trains. Exit codes: 0 done,
-    75 checkpointed and stopped on SIGTERM/Ctrl-C, 78 configuration error.
+    75 checkpointed and stopped on SIGTERM/Ctrl-C, 78 configuration error. Run again, it resumes as `run`
+    does; a finished run says so and trains nothing, unless --resume or --fresh.
 
     Examples:
 
@@ -39,14 +50,36 @@ def train(ctx: typer.Context, files: RunConfigFiles = None) -> None:
 
       prime-train train configs/tiny-sft.toml --distributed.nproc_per_node 2 --distributed.strategy fsdp
     """
-    from prime_train.contract import RunDirBusy
+    from prime_train.contract import RunDir, RunDirBusy
     from prime_train.launch import train_directly
+    from prime_train.resilience.rerun import RerunRefused, describe_set_aside, plan_rerun, set_aside
 
+    if fresh and resume:
+        raise typer.BadParameter("--fresh starts over, --resume trains on: one or the other", param_hint="--fresh")
     cfg = load_run_config(files, ctx.args)
     require_engine(cfg)
+    console = output.console()
+
+    def decide() -> bool:
+        """As `run` decides it (resilience/rerun.py), once the directory is ours: a finished run is not trained
+        again unasked; --fresh moves the old outputs aside first."""
+        rerun = plan_rerun(cfg, fresh=fresh, resume=resume)
+        if rerun.message:
+            console.print(output.literal(rerun.message), highlight=False, soft_wrap=True)
+        if rerun.launch and fresh:
+            try:
+                moved = set_aside(RunDir(cfg.run_dir))
+            except OSError as exc:
+                raise CliError(
+                    f"--fresh: cannot move the old run aside in {cfg.run_dir}: {exc}", ExitCode.FAILED
+                ) from None
+            if moved is not None:
+                console.print(output.literal(describe_set_aside(*moved)), highlight=False, soft_wrap=True)
+        return rerun.launch
+
     try:
-        code = train_directly(cfg)
-    except RunDirBusy as exc:  # a second owner of one run directory: never retried, like a config error
+        code = train_directly(cfg, decide)
+    except (RunDirBusy, RerunRefused) as exc:  # a second owner, or --fresh that would not start over: config errors
         raise CliError(exc, ExitCode.CONFIG) from None
     raise typer.Exit(code)
 
