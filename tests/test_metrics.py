@@ -76,6 +76,33 @@ def test_log_appends_one_record_per_call_with_step_and_null_for_nonfinite(tmp_pa
     assert read_metrics(run_dir) == [first, second]
 
 
+@pytest.mark.parametrize(("resume_from", "expected"), [(5, range(1, 9)), (0, range(0, 4))])
+def test_a_resumed_job_purges_tensorboards_points_after_its_step(tmp_path, resume_from, expected):
+    # attempt 1 logged steps 1-10 and died; attempt 2 resumes from step-5 (or from nothing) and trains again
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = make_config(tmp_path, tensorboard=True)
+    run_dir = make_run_dir(cfg)
+    first = MetricsLogger(run_dir, cfg, enabled=True)
+    first.rewind(0)
+    for step in range(1, 11):
+        first.log(step, {"loss": 10.0 - step})
+    first.close()
+    second = MetricsLogger(run_dir, cfg, enabled=True)
+    second.rewind(resume_from)
+    for step in range(resume_from + 1 if resume_from else 0, max(expected) + 1):
+        second.log(step, {"loss": 100.0 + step})
+    second.close()
+
+    events = EventAccumulator(str(run_dir.tensorboard_dir))
+    events.Reload()
+    points = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert [step for step, _ in points] == list(expected), points  # each step once, no curve doubling back
+    assert all(
+        value == (100.0 + step if step > resume_from or not resume_from else 10.0 - step) for step, value in points
+    )
+
+
 def test_read_metrics_skips_a_torn_last_line(tmp_path):
     cfg = make_config(tmp_path)
     run_dir = make_run_dir(cfg)

@@ -41,6 +41,7 @@ class MetricsLogger:
         self.cfg = cfg
         self.enabled = enabled
         self._tb = None
+        self._tb_fresh = False
         self._wandb = None
         if not enabled:
             return
@@ -49,6 +50,7 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(log_dir=str(run_dir.tensorboard_dir))
+                self._tb_fresh = True  # nothing written through it yet: rewind may reopen it with a purge step
             except ImportError:
                 logger.warning(
                     "logging.tensorboard is on but the tensorboard package is missing; pip install tensorboard"
@@ -97,6 +99,7 @@ class MetricsLogger:
         # one write() of all the lines, as contract.append_jsonl does for one: appends never interleave
         with open(self.run_dir.metrics_path, "a", encoding="utf-8") as f:
             f.write(lines)
+        self._tb_fresh = False
         for step, metrics in rows:
             if self._tb is not None:
                 for key, value in metrics.items():
@@ -119,11 +122,21 @@ class MetricsLogger:
         if dropped:
             after = f"after step {step}" if step > 0 else "of an earlier run (starting from step 0)"
             logger.info("metrics.jsonl: dropped %d row(s) %s; they are trained again", dropped, after)
+        if self._tb is not None and self._tb_fresh:
+            # TensorBoard too: a writer opened with purge_step makes its readers drop the earlier attempts' points
+            # from that step on, so a resumed curve does not double back (W&B keeps what it has: it ignores steps
+            # lower than a resumed run's last)
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb.close()
+            self._tb = SummaryWriter(log_dir=str(self.run_dir.tensorboard_dir), purge_step=step + 1 if step else 0)
+            self._tb_fresh = False
         return dropped
 
     def log_text(self, step: int, tag: str, text: str) -> None:
         if not self.enabled:
             return
+        self._tb_fresh = False
         if self._tb is not None:
             self._tb.add_text(tag, text, step)
         if self._wandb is not None:
