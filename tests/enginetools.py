@@ -87,9 +87,11 @@ def tiny_overrides(out: Path, name: str, **extra) -> list[str]:
     return args
 
 
-def run_train(out: Path, name: str, timeout: float = 600, **extra) -> subprocess.CompletedProcess:
+def run_train(
+    out: Path, name: str, timeout: float = 600, flags: tuple[str, ...] = (), **extra
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        cli("train", str(TINY), *tiny_overrides(out, name, **extra)),
+        cli("train", str(TINY), *tiny_overrides(out, name, **extra), *flags),
         env=env(),
         capture_output=True,
         text=True,

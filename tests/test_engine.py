@@ -70,9 +70,10 @@ def test_fsdp_two_processes_train_save_and_resume(tmp_path):
     )
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert (tmp_path / "fsdp" / "checkpoints" / "step-5").is_dir()
-    more = run_train(
+    more = run_train(  # a finished run trains on only when asked (resilience/rerun.py)
         tmp_path,
         "fsdp",
+        flags=("--resume",),
         **{"train.max_steps": 15, "ckpt.interval": 5, "distributed.nproc_per_node": 2, "distributed.strategy": "fsdp"},
     )
     assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
