@@ -7,7 +7,7 @@ import pytest
 
 from prime_train.config.accelerators import Accelerators, parse_accelerators
 from prime_train.config.loader import load_config
-from prime_train.integrations.skypilot import lint_spot
+from prime_train.integrations.spot_lint import lint_spot
 from prime_train.validator.cost import CostInputError, estimate_cost
 from prime_train.validator.wizard import Answers, build_config, parse_hardware
 
