@@ -113,7 +113,8 @@ def test_engine_steps_at_gpt2_shape_make_no_host_sync_between_logging_steps():
 
     bench = Path(__file__).resolve().parents[1] / "bench" / "vs_nanogpt.py"
     result = subprocess.run(
-        [sys.executable, str(bench), "--shape", "gpt2", "--rounds", "2", "--steps", "10", "--warmup", "5"],
+        [sys.executable, str(bench), "--shape", "gpt2", "--sides", "engine,native", "--rounds", "2", "--steps", "10",
+         "--warmup", "5"],
         env=env(), capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     print(result.stdout)
