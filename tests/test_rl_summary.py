@@ -11,7 +11,7 @@ from enginetools import run_cli
 
 from prime_train.contract import RunDir
 from prime_train.resilience.console import final_results
-from prime_train.resilience.rl_summary import rl_summary, status_rows, summary_lines
+from prime_train.resilience.rl_summary import rl_summary, sparkline, status_rows, summary_lines
 
 
 def write_rl_metrics(root: Path, steps: int = 30) -> RunDir:
@@ -67,3 +67,15 @@ def test_status_shows_the_latest_reward_and_pass_rate_and_their_trend(tmp_path):
     assert "eval pass rate (greedy)" in shown.stdout
     document = json.loads(run_cli("status", str(run.root), "--json").stdout)
     assert document["rl"]["pass_rate"]["latest"] == pytest.approx(0.25)
+    # the curves themselves: 29 rising steps (one line torn) in 24 points, the 4 evals as they are
+    reward = document["rl"]["reward"]["curve"]
+    assert len(reward) == 24 and reward == sorted(reward) and reward[0] < 0.23 and reward[-1] > 0.49
+    assert document["rl"]["eval_pass_rate"]["curve"] == pytest.approx([0.10, 0.14, 0.18, 0.22])
+    row = next(line for line in shown.stdout.splitlines() if "eval pass rate (greedy)" in line)
+    assert "▁▃▆█ 0.10-0.22" in row
+
+
+def test_the_sparkline_spans_the_curves_own_range():
+    assert sparkline([0.0, 0.5, 1.0]) == "▁▅█"
+    assert sparkline([0.3, 0.3]) == "▁▁" and sparkline([]) == ""
+    assert sparkline([2.0, 1.0]) == "█▁"  # falls show as falls

@@ -4,7 +4,8 @@ The GRPO job (rl/train.py) logs per step the sampled `reward` and `pass_rate` (t
 with reward 1), and at eval steps the greedy `eval_reward` and `eval_pass_rate` on held-out prompts. A
 single step's sampled figures are noisy (a few hundred completions), so start and end are means over
 `window` steps; the eval figures are taken as they are, first eval against last. `prime-train status`
-shows the rows of `status_rows`, the end of `prime-train run` the table of `summary_lines`.
+shows the rows of `status_rows` (with each curve as a sparkline), the end of `prime-train run` the table of
+`summary_lines`.
 Torch-free; a file of any shape reads without an exception (contract.read_jsonl).
 """
 
@@ -26,6 +27,30 @@ LABELS = {
     "eval_reward": "eval reward (greedy)",
     "eval_pass_rate": "eval pass rate (greedy)",
 }
+
+
+# the curve status draws: at most this many points, each the mean of its share of the steps
+CURVE_POINTS = 24
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def _binned(points: list[tuple[int, float]], n: int = CURVE_POINTS) -> list[float]:
+    """The curve's values in at most `n` points: all of them, or `n` means of consecutive runs of steps."""
+    values = [v for _, v in points]
+    if len(values) <= n:
+        return values
+    return [_mean(points[i * len(values) // n : (i + 1) * len(values) // n]) for i in range(n)]
+
+
+def sparkline(values: list[float]) -> str:
+    """The curve as a line of block characters, lowest to highest of its own range (flat: the lowest)."""
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    if hi - lo < 1e-12:
+        return SPARK[0] * len(values)
+    top = len(SPARK) - 1
+    return "".join(SPARK[min(top, int((v - lo) / (hi - lo) * len(SPARK)))] for v in values)
 
 
 def _number(value: Any) -> float | None:
@@ -70,7 +95,7 @@ def rl_summary(metrics_path: str | os.PathLike[str], window: int = WINDOW) -> di
         start, end = _mean(points[:n]), _mean(points[-n:])
         out[key] = {
             "start": start, "end": end, "change": end - start, "latest": points[-1][1], "latest_step": points[-1][0],
-            "steps": n,
+            "steps": n, "curve": _binned(points),
         }  # fmt: skip
     for key in GREEDY:
         points = curves[key]
@@ -78,7 +103,7 @@ def rl_summary(metrics_path: str | os.PathLike[str], window: int = WINDOW) -> di
             (first_step, start), (last_step, end) = points[0], points[-1]
             out[key] = {
                 "start": start, "end": end, "change": end - start, "latest": end, "latest_step": last_step,
-                "start_step": first_step,
+                "start_step": first_step, "curve": _binned(points),
             }  # fmt: skip
     return out
 
@@ -89,12 +114,17 @@ def _trend(change: float) -> str:
 
 
 def status_rows(summary: dict[str, dict] | None) -> list[tuple[str, str]]:
-    """Rows for `prime-train status`: each curve's latest value and its change since the start of the run
-    (sampled: mean of the last `window` steps against the first; greedy: last eval against the first)."""
+    """Rows for `prime-train status`: each curve's latest value, its change since the start of the run (sampled:
+    mean of the last `window` steps against the first; greedy: last eval against the first), and the curve itself
+    as a sparkline with its range."""
     rows = []
     for key, figures in (summary or {}).items():
         trend = f"{_trend(figures['change'])} {figures['change']:+.3f} since the start"
-        rows.append((LABELS[key], f"{figures['latest']:.3f} at step {figures['latest_step']}, {trend}"))
+        row = f"{figures['latest']:.3f} at step {figures['latest_step']}, {trend}"
+        curve = figures.get("curve") or []
+        if len(curve) >= 2:
+            row += f"  {sparkline(curve)} {min(curve):.2f}-{max(curve):.2f}"
+        rows.append((LABELS[key], row))
     return rows
 
 
