@@ -17,24 +17,46 @@ from prime_train.cli.common import (
     split_overrides,
 )
 from prime_train.cli.errors import CliError
-from prime_train.contract import ExitCode
+from prime_train.contract import ExitCode, RunDir
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from rich.console import Console
 
     from prime_train.config.schema import Config
 
 
+# run and train re-run a run directory alike (resilience/rerun.py)
+FreshFlag = Annotated[
+    bool, typer.Option("--fresh", help="Start over: the run directory's old outputs move to previous/<time>/ first.")
+]
+ResumeFlag = Annotated[bool, typer.Option("--resume", help="Train a finished run on (after raising train.max_steps).")]
+
+
+def _one_of(fresh: bool, resume: bool) -> None:
+    if fresh and resume:
+        raise typer.BadParameter("--fresh starts over, --resume trains on: one or the other", param_hint="--fresh")
+
+
+def _set_old_run_aside(run_dir: RunDir, console: Console) -> tuple[Path, list[str]] | None:
+    """--fresh: the old run's outputs into previous/<time>/, said on the console; CliError when they cannot move."""
+    from prime_train.resilience.rerun import describe_set_aside, set_aside
+
+    try:
+        moved = set_aside(run_dir)
+    except OSError as exc:
+        raise CliError(f"--fresh: cannot move the old run aside in {run_dir.root}: {exc}", ExitCode.FAILED) from None
+    if moved is not None:
+        console.print(output.literal(describe_set_aside(*moved)), highlight=False, soft_wrap=True)
+    return moved
+
+
 def train(
     ctx: typer.Context,
     files: RunConfigFiles = None,
-    fresh: Annotated[
-        bool,
-        typer.Option("--fresh", help="Start over: the run directory's old outputs move to previous/<time>/ first."),
-    ] = False,
-    resume: Annotated[
-        bool, typer.Option("--resume", help="Train a finished run on (after raising train.max_steps).")
-    ] = False,
+    fresh: FreshFlag = False,
+    resume: ResumeFlag = False,
 ) -> None:
     """Run the embedded training engine directly, without supervision (torchrun when several processes).
 
@@ -50,12 +72,11 @@ def train(
 
       prime-train train configs/tiny-sft.toml --distributed.nproc_per_node 2 --distributed.strategy fsdp
     """
-    from prime_train.contract import RunDir, RunDirBusy
+    from prime_train.contract import RunDirBusy
     from prime_train.launch import train_directly
-    from prime_train.resilience.rerun import RerunRefused, describe_set_aside, plan_rerun, set_aside
+    from prime_train.resilience.rerun import RerunRefused, plan_rerun
 
-    if fresh and resume:
-        raise typer.BadParameter("--fresh starts over, --resume trains on: one or the other", param_hint="--fresh")
+    _one_of(fresh, resume)
     cfg = load_run_config(files, ctx.args)
     require_engine(cfg)
     console = output.console()
@@ -67,14 +88,7 @@ def train(
         if rerun.message:
             console.print(output.literal(rerun.message), highlight=False, soft_wrap=True)
         if rerun.launch and fresh:
-            try:
-                moved = set_aside(RunDir(cfg.run_dir))
-            except OSError as exc:
-                raise CliError(
-                    f"--fresh: cannot move the old run aside in {cfg.run_dir}: {exc}", ExitCode.FAILED
-                ) from None
-            if moved is not None:
-                console.print(output.literal(describe_set_aside(*moved)), highlight=False, soft_wrap=True)
+            _set_old_run_aside(RunDir(cfg.run_dir), console)
         return rerun.launch
 
     try:
@@ -93,13 +107,8 @@ def run(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="With --spot: print the SkyPilot task, launch nothing.")
     ] = False,
-    fresh: Annotated[
-        bool,
-        typer.Option("--fresh", help="Start over: the run directory's old outputs move to previous/<time>/ first."),
-    ] = False,
-    resume: Annotated[
-        bool, typer.Option("--resume", help="Train a finished run on (after raising train.max_steps).")
-    ] = False,
+    fresh: FreshFlag = False,
+    resume: ResumeFlag = False,
     as_json: Annotated[
         bool, typer.Option("--json", help="The outcome as one JSON document on stdout; the live view goes to stderr.")
     ] = False,
@@ -133,8 +142,7 @@ def run(
         raise typer.Exit(run_spot(paths, overrides, dry_run))
     if dry_run:
         raise typer.BadParameter("--dry-run goes with --spot", param_hint="--dry-run")
-    if fresh and resume:
-        raise typer.BadParameter("--fresh starts over, --resume trains on: one or the other", param_hint="--fresh")
+    _one_of(fresh, resume)
     cfg = load(paths or [default_config()], overrides)
     require_engine(cfg)
     raise typer.Exit(
@@ -159,7 +167,7 @@ def _supervise(
     from prime_train.contract import RunDirBusy
     from prime_train.resilience.console import ConsoleObserver, final_results, summary_table
     from prime_train.resilience.events import EventLog
-    from prime_train.resilience.rerun import RerunRefused, describe_set_aside, plan_rerun, set_aside
+    from prime_train.resilience.rerun import RerunRefused, plan_rerun
     from prime_train.resilience.supervisor import Supervisor, SupervisorOptions
     from prime_train.validator.preflight import preflight_command
 
@@ -196,14 +204,11 @@ def _supervise(
             _release(sup)
             return code
     try:  # after preflight: a refused run moves nothing
-        moved = set_aside(sup.run_dir) if fresh else None
-    except OSError as exc:
+        moved = _set_old_run_aside(sup.run_dir, console) if fresh else None
+    except CliError:
         _release(sup)
-        raise CliError(
-            f"--fresh: cannot move the old run aside in {sup.run_dir.root}: {exc}", ExitCode.FAILED
-        ) from None
+        raise
     if moved is not None:
-        console.print(output.literal(describe_set_aside(*moved)), highlight=False, soft_wrap=True)
         sup.run_dir.create()
         EventLog(sup.run_dir.events_path, sup.redactor).emit("run_set_aside", moved_to=str(moved[0]), moved=moved[1])
     console.print(output.literal("prime-train", "bold cyan") + output.literal(f": run directory {cfg.run_dir}"))
