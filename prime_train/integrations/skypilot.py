@@ -453,17 +453,13 @@ def _run_script(cfg: Config, remote_configs: list[str], overrides: list[str]) ->
 def _ckpt_mount(cfg: Config) -> dict[str, Any]:
     """spot.ckpt_mount as a file mount: the bucket at ckpt.dir on every node, cached locally (SkyPilot's
     MOUNT_CACHED: a checkpoint is written at local disk speed and uploaded behind it)."""
-    bucket = cfg.spot.ckpt_mount
-    if bucket is None:
+    from prime_train.integrations.spot_lint import ckpt_mount_problem
+
+    if cfg.spot.ckpt_mount is None:
         return {}
-    where = cfg.ckpt.dir
-    if not where or not (where.startswith("/") or where.startswith("~/")):
-        raise SpotConfigError(
-            f"spot.ckpt_mount mounts {bucket} at ckpt.dir on every node, and ckpt.dir is "
-            f"{'unset' if not where else repr(where) + ', not an absolute path'}: set ckpt.dir to where the nodes "
-            f"should see it, e.g. ckpt.dir = '/checkpoints/{cfg.run.name}'"
-        )
-    return {where: {"source": bucket, "mode": "MOUNT_CACHED"}}
+    if problem := ckpt_mount_problem(cfg):
+        raise SpotConfigError(problem)
+    return {cfg.ckpt.dir: {"source": cfg.spot.ckpt_mount, "mode": "MOUNT_CACHED"}}
 
 
 def task_from_config(cfg: Config, *, config_files: list[str], overrides: list[str]) -> dict[str, Any]:

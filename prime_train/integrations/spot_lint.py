@@ -169,15 +169,25 @@ def lint_spot(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
     return problems
 
 
+def ckpt_mount_problem(cfg: Config) -> str | None:
+    """Why spot.ckpt_mount has nowhere to mount its bucket (ckpt.dir unset or relative), or None; lint's error and
+    the task generator's refusal."""
+    where = cfg.ckpt.dir
+    if cfg.spot.ckpt_mount is None or (where and (where.startswith("/") or where.startswith("~/"))):
+        return None
+    return (
+        f"spot.ckpt_mount mounts {cfg.spot.ckpt_mount} at ckpt.dir on every node, and ckpt.dir is "
+        f"{'unset' if not where else repr(where) + ', not an absolute path'}: set ckpt.dir to where the nodes "
+        f"should see it, e.g. ckpt.dir = '/checkpoints/{cfg.run.name}'"
+    )
+
+
 def _checkpoint_problems(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
     """Where a recovered job finds its checkpoints: ckpt.remote (one node) or spot.ckpt_mount (any number)."""
     spot, ck = cfg.spot, cfg.ckpt
     if spot.ckpt_mount is not None:
-        if not ck.dir or not (ck.dir.startswith("/") or ck.dir.startswith("~/")):
-            return [(("ckpt", "dir"), "error", f"spot.ckpt_mount mounts its bucket at ckpt.dir, which is "
-                     f"{'unset' if not ck.dir else repr(ck.dir) + ', not an absolute path'}: set ckpt.dir = "
-                     f"'/checkpoints/{cfg.run.name}' (any absolute path on the nodes)")]  # fmt: skip
-        return []
+        problem = ckpt_mount_problem(cfg)
+        return [(("ckpt", "dir"), "error", problem)] if problem else []
     if not spot.use_spot:
         return []
     if spot.num_nodes > 1:
