@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import json
 import math
 import os
 import re
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -195,6 +195,33 @@ QUARANTINE_RE = re.compile(r"^step-(\d+)\.corrupt(?:-\d+)?$")
 QUARANTINE_NOTE = "quarantine.json"
 
 
+# What prime-train writes at the top of a run directory: its files, and its directories (with the names other
+# modules give them: rerun.py's previous/, the vLLM cache under inference/, W&B's wandb/). `run` and `train` refuse
+# a run directory with a symlink at one of them (RunDir.unsafe_links, resilience/ownership.claim_run_dir).
+RUN_FILES = frozenset(
+    {
+        ".lock",
+        "processes.json",
+        "config.toml",
+        "events.jsonl",
+        "supervisor.json",
+        "progress.json",
+        "metrics.jsonl",
+        "gpu.jsonl",
+        "wandb_id.json",
+    }
+)
+CONFIG_ATTEMPT_RE = re.compile(r"^config\.attempt-\d+\.toml$")  # the config of a restart that resumes
+RUN_DIRS = frozenset(
+    {"logs", "checkpoints", "weights", "final", "profile", "tensorboard", "previous", "inference", "wandb"}
+)
+
+
+def _inside(path: str, root: str) -> bool:
+    """Whether resolved `path` is `root` or below it (both resolved)."""
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
 class RunDir:
     """Paths of one run directory; building one does no I/O.
 
@@ -247,9 +274,49 @@ class RunDir:
         return self.weights_dir / f"step-{step}"
 
     def create(self) -> None:
-        """Create the run directory with its logs/ and checkpoints/ (existing ones are kept)."""
-        for d in (self.root, self.logs_dir, self.checkpoints_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        """Create the run directory with its logs/ and checkpoints/ (existing ones are kept); UnsafeLink when one of
+        them is a symlink leading out of the run directory."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for d in (self.logs_dir, self.checkpoints_dir):
+            self.ensure_dir(d)
+
+    def ensure_dir(self, path: str | os.PathLike[str]) -> Path:
+        """Create a directory of the run directory (logs/attempt-<n>, tensorboard/, ...) if it is missing; UnsafeLink
+        when it is, or is reached through, a symlink leading out of the run directory: what the tool writes there
+        would land elsewhere. A link that stays inside the run directory is followed."""
+        path = Path(path)
+        self._refuse_outside(path)  # before mkdir: nothing is created at the far end of a link either
+        path.mkdir(parents=True, exist_ok=True)
+        self._refuse_outside(path)
+        return path
+
+    def _refuse_outside(self, path: Path) -> None:
+        # realpath resolves the links among the parts that exist and keeps the rest as written
+        where = os.path.realpath(path)
+        if not _inside(where, os.path.realpath(self.root)):
+            raise UnsafeLink(path, f"leads out of the run directory {self.root}, to {where}")
+
+    def unsafe_links(self) -> list[str]:
+        """The symlinks at the names prime-train writes in this run directory that it must not write through, as
+        "<name> -> <target>": any link at one of its files (its writers never follow one, so what they write
+        would be lost), and a link at one of its directories that leads out of the run directory."""
+        try:
+            entries = sorted(os.scandir(self.root), key=lambda e: e.name)
+        except OSError:  # missing (a new run), or not a directory: nothing written yet is at risk
+            return []
+        root = os.path.realpath(self.root)
+        found = []
+        for entry in entries:
+            file_name = entry.name in RUN_FILES or CONFIG_ATTEMPT_RE.match(entry.name) is not None
+            if not (file_name or entry.name in RUN_DIRS) or not entry.is_symlink():
+                continue
+            if file_name or not _inside(os.path.realpath(entry.path), root):
+                try:
+                    target = os.readlink(entry.path)
+                except OSError:
+                    target = "?"
+                found.append(f"{entry.name} -> {target}")
+        return found
 
 
 @dataclass(frozen=True)
@@ -298,18 +365,56 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, durable: bool = True) -> None:
-    """Write `obj` as JSON so that readers see the old file or the new one, never half of one.
+class UnsafeLink(OSError):
+    """A write refused because it would go through a symlink: a link at the file itself (O_NOFOLLOW), or a directory
+    of the run directory that leads out of it. An OSError (ELOOP), so that every writer that survives a full disk
+    survives this too, and the path is named."""
 
-    durable: fsync the file and its directory, so the new file survives a power loss (the heartbeat skips it).
+    def __init__(self, path: str | os.PathLike[str], why: str = "is a symbolic link"):
+        super().__init__(errno.ELOOP, f"{why}: prime-train never writes through a link in a run directory", str(path))
+
+
+def open_nofollow(path: str | os.PathLike[str], flags: int, mode: int = 0o666) -> int:
+    """os.open with O_NOFOLLOW and O_CLOEXEC: a symlink at `path` is refused (UnsafeLink), never followed, so a
+    link planted at a file prime-train writes (events.jsonl, a process log) cannot send the write elsewhere. `mode`
+    (before the umask) as open() gives a file it creates.
+
+    For appends: `open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)`, then os.fdopen(fd, "ab") if a
+    file object is wanted. Directories on the way are followed: see RunDir.ensure_dir for those.
+    """
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        # ELOOP on Linux and macOS, EMLINK on FreeBSD; a loop among the directories on the way says ELOOP too
+        if exc.errno in (errno.ELOOP, errno.EMLINK) and os.path.islink(path):
+            raise UnsafeLink(path) from None
+        raise
+
+
+def replace_file_atomic(path: str | os.PathLike[str], data: bytes, *, durable: bool = True, mode: int = 0o600) -> None:
+    """Replace `path` with `data` so that readers see the old file or the new one, never half of one.
+
+    The new file is written under a fresh name beside it, created with O_EXCL and O_NOFOLLOW (nothing planted at
+    that name, a link included, is ever opened), then renamed over `path`: a symlink at `path` is replaced, never
+    followed, and a file hard-linked elsewhere is not written through either. `mode` is the new file's permissions
+    before the umask (0o600: as tempfile.mkstemp; 0o666: as open() creates a file).
+    durable: fsync the file and its directory, so the new file survives a power loss.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")
+        try:
+            fd = os.open(tmp, flags, mode)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(errno.EEXIST, "no free temporary name beside it", str(path))
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f)
-            f.write("\n")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             if durable:
                 os.fsync(f.fileno())
@@ -320,6 +425,30 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, durable: bool =
         raise
     if durable:
         fsync_dir(path.parent)
+
+
+def replace_symlink(path: str | os.PathLike[str], target: str) -> None:
+    """Point the symlink `path` at `target` in one rename (readers see the old link or the new one); a file or a
+    directory at `path` is not prime-train's link and is left as it is (FileExistsError)."""
+    path = Path(path)
+    if os.path.lexists(path) and not path.is_symlink():
+        raise FileExistsError(errno.EEXIST, "not a symbolic link; left as it is", str(path))
+    tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")
+    os.symlink(target, tmp)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        os.unlink(tmp)
+        raise
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, durable: bool = True) -> None:
+    """Write `obj` as JSON so that readers see the old file or the new one, never half of one; a symlink at `path`
+    is replaced, never written through (replace_file_atomic).
+
+    durable: fsync the file and its directory, so the new file survives a power loss (the heartbeat skips it).
+    """
+    replace_file_atomic(path, (json.dumps(obj) + "\n").encode("utf-8"), durable=durable)
 
 
 def read_json(path: str | os.PathLike[str]) -> dict | None:
@@ -340,12 +469,16 @@ def read_json(path: str | os.PathLike[str]) -> dict | None:
 
 
 def append_jsonl(path: str | os.PathLike[str], obj: Any) -> None:
-    """Append `obj` as one JSON line and flush it."""
-    line = json.dumps(obj) + "\n"
-    # one write() of the whole line keeps concurrent appenders (O_APPEND) from interleaving
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(line)
-        f.flush()
+    """Append `obj` as one JSON line; UnsafeLink when `path` is a symlink (never appended through)."""
+    line = (json.dumps(obj) + "\n").encode("utf-8")
+    fd = open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        # one write() of the whole line keeps concurrent appenders (O_APPEND) from interleaving; a short one (a
+        # filling disk) goes on where it stopped
+        while line:
+            line = line[os.write(fd, line) :]
+    finally:
+        os.close(fd)
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -437,6 +570,27 @@ class RunDirBusy(Exception):
         )
 
 
+class RunDirUnsafe(RunDirBusy):
+    """The run directory holds symlinks where prime-train writes (RunDir.unsafe_links): it is not taken, and nothing
+    is written in it. A RunDirBusy, so that `run` and `train` refuse it as they refuse one another process owns:
+    a configuration error, exit 78."""
+
+    def __init__(self, run_dir: RunDir, links: list[str]):
+        self.run_dir = run_dir
+        self.holder = {}
+        self.links = links
+        hint = ""
+        if any(link.split(" -> ")[0] == "checkpoints" for link in links):
+            hint = " To keep checkpoints on another disk, set ckpt.dir to it instead of linking checkpoints/."
+        Exception.__init__(
+            self,
+            f"run directory {run_dir.root} holds a symbolic link where prime-train writes its own files: "
+            f"{'; '.join(links)}. prime-train never writes through a link there (the write would land outside the "
+            f"run directory, or be lost); remove the link(s), or give this run another run.name or run.output_dir."
+            + hint,
+        )
+
+
 class RunLock:
     """The flock() on <run>/.lock, held for the life of the process that owns the run directory.
 
@@ -458,7 +612,7 @@ class RunLock:
         import socket
 
         run_dir.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(run_dir.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_nofollow(run_dir.lock_path, os.O_RDWR | os.O_CREAT, 0o644)  # a planted link is never truncated
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from prime_train.config.schema import Config
-from prime_train.contract import ENV_SUPERVISOR, ExitCode, Heartbeat, RunDir, read_heartbeat
+from prime_train.contract import ENV_SUPERVISOR, ExitCode, Heartbeat, RunDir, read_heartbeat, replace_file_atomic
 
 if TYPE_CHECKING:
     from prime_train.resilience.redact import MaskedConfig
@@ -136,7 +136,8 @@ def write_run_config(cfg: Config) -> RunDir:
     reads the real ones from the environment `masked_run_config(cfg).env` gives it)."""
     run_dir = RunDir(cfg.run_dir)
     run_dir.create()
-    run_dir.config_path.write_text(masked_run_config(cfg).text)
+    # a new file renamed over config.toml: a link planted there is replaced, never written through
+    replace_file_atomic(run_dir.config_path, masked_run_config(cfg).text.encode("utf-8"), mode=0o666)
     return run_dir
 
 

@@ -15,9 +15,11 @@ from prime_train.contract import (
     Heartbeat,
     Phase,
     RunDir,
-    fsync_dir,
+    UnsafeLink,
+    open_nofollow,
     read_json,
     read_jsonl,
+    replace_file_atomic,
     write_heartbeat,
     write_json_atomic,
 )
@@ -46,6 +48,11 @@ class MetricsLogger:
         if not enabled:
             return
         if cfg.logging.tensorboard:
+            try:
+                # a real directory of the run (or a link within it): one leading elsewhere would get our event files
+                run_dir.ensure_dir(run_dir.tensorboard_dir)
+            except UnsafeLink as exc:
+                raise EngineConfigError(f"{exc.filename}: {exc.strerror}; remove the link") from None
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -96,8 +103,10 @@ class MetricsLogger:
             return
         now = time.time()
         lines = "".join(json.dumps(_finite({"step": step, "time": now, **m})) + "\n" for step, m in rows)
-        # one write() of all the lines, as contract.append_jsonl does for one: appends never interleave
-        with open(self.run_dir.metrics_path, "a", encoding="utf-8") as f:
+        # one write() of all the lines, as contract.append_jsonl does for one: appends never interleave; never
+        # through a link planted at metrics.jsonl (contract.UnsafeLink)
+        fd = open_nofollow(self.run_dir.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        with os.fdopen(fd, "a", encoding="utf-8") as f:
             f.write(lines)
         self._tb_fresh = False
         for step, metrics in rows:
@@ -181,13 +190,9 @@ def rewind_metrics(run_dir: RunDir, step: int) -> int:
     dropped = sum(1 for line in lines if line.strip()) - len(kept)
     if dropped == 0:
         return 0
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.writelines(line if line.endswith(b"\n") else line + b"\n" for line in kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    # a fresh file beside it, renamed over it: nothing planted at a temporary name or at metrics.jsonl is followed
+    data = b"".join(line if line.endswith(b"\n") else line + b"\n" for line in kept)
+    replace_file_atomic(path, data, mode=0o666)
     return dropped
 
 

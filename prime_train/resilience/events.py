@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prime_train.contract import open_nofollow
 from prime_train.resilience.redact import Redactor
 
 # Bytes of events kept in memory at most while the disk refuses them (a full disk); the oldest go first.
@@ -32,14 +33,16 @@ class EventLog:
         with self._lock:
             self._unwritten += (line + "\n").encode()
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                # never through a link planted at events.jsonl: refused (UnsafeLink, an OSError) and kept below
+                fd = open_nofollow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
                 try:
                     while self._unwritten:  # a short write on a filling disk: the rest goes on where it stopped
                         self._unwritten = self._unwritten[os.write(fd, self._unwritten) :]
                 finally:
                     os.close(fd)
             except OSError:
-                # ENOSPC, EDQUOT, EIO: the supervisor must outlive a full disk; the newest events wait in memory
+                # ENOSPC, EDQUOT, EIO, a link where the file should be: the supervisor must outlive a full disk; the
+                # newest events wait in memory
                 if len(self._unwritten) > UNWRITTEN_BYTES:
                     cut = self._unwritten.find(b"\n", len(self._unwritten) - UNWRITTEN_BYTES) + 1
                     self._unwritten = b"\n" + self._unwritten[cut:]  # the newline ends a line cut short on disk

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from prime_train.contract import append_jsonl
 from prime_train.resilience.failures import Failure, FailureKind
 
 logger = logging.getLogger("prime_train.gpu")
@@ -374,8 +375,7 @@ class GpuRecorder:
         self._last, self._last_t = shape, t
         line = {"attempt": self.attempt, "t": round(t, 3), "gpus": [r.to_dict() for r in readings]}
         try:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(line) + "\n")
+            append_jsonl(self.path, line)  # never through a link planted at gpu.jsonl (contract.UnsafeLink)
         except OSError as exc:  # a full disk must not stop the watcher; the readings are in memory meanwhile
             logger.warning("could not record GPU readings to %s: %s", self.path, exc)
 

@@ -23,14 +23,34 @@ from typing import Any
 
 import psutil
 
-from prime_train.contract import RunDir, RunLock, list_checkpoints, read_json, write_json_atomic
+from prime_train.contract import (
+    RunDir,
+    RunDirUnsafe,
+    RunLock,
+    UnsafeLink,
+    list_checkpoints,
+    read_json,
+    write_json_atomic,
+)
 from prime_train.resilience.events import EventLog
 from prime_train.retention import clean_stale_tmp, list_quarantined
 
 
 def claim_run_dir(run_dir: RunDir, command: str) -> RunLock:
-    """Lock the run directory for this process (contract.RunDirBusy, naming the holder, when another has it)."""
-    return RunLock.acquire(run_dir, command)
+    """Lock the run directory for this process (contract.RunDirBusy, naming the holder, when another has it).
+
+    First, before anything is written: contract.RunDirUnsafe (a RunDirBusy: exit 78), naming them, when the run
+    directory holds symlinks where prime-train writes (RunDir.unsafe_links: config.toml, .lock, events.jsonl, ...,
+    or logs/, tensorboard/, checkpoints/, ... leading out of it). Every writer refuses a link on its own as well
+    (O_NOFOLLOW, atomic replace), so one planted later is not followed either.
+    """
+    links = run_dir.unsafe_links()
+    if links:
+        raise RunDirUnsafe(run_dir, links)
+    try:
+        return RunLock.acquire(run_dir, command)
+    except UnsafeLink:  # .lock became a link since the look above
+        raise RunDirUnsafe(run_dir, run_dir.unsafe_links() or [".lock -> ?"]) from None
 
 
 def supervisor_token() -> str:
