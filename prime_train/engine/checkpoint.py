@@ -25,9 +25,9 @@ A whole checkpoint can still be damaged later (a disk that filled, a copy cut sh
 damaged newest checkpoint must not become a crash loop. So each save also writes manifest.json: every
 file with its size and CRC-32, each rank checksumming its own shards (in the background thread for an
 async save). Before resuming, rank 0 verifies the newest checkpoint (the DCP .metadata loads, every
-file it points into is there and long enough, every file matches the manifest); one that fails is
-renamed step-N.corrupt with quarantine.json saying why (never deleted; the supervisor reports it as an
-event), and the next older checkpoint is tried.
+file it points into is there and long enough, every file matches the manifest); one that fails, or that
+verifies but does not load (safe_dcp: nothing in a checkpoint is unpickled but plain data), is renamed
+step-N.corrupt with quarantine.json saying why (never deleted; the supervisor reports it), and the next is tried.
 
 Every method here except `saving`, `latest_step` and `set_hf_assets` is a collective when
 torch.distributed is initialized: every rank calls it at the same point of the program, as the
@@ -44,7 +44,6 @@ import os
 import random
 import time
 import warnings
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +53,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -64,7 +64,15 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from prime_train.config.schema import CkptConfig
 from prime_train.contract import STEP_RE, RunDir, fsync_dir, list_checkpoints, newest_checkpoint, write_json_atomic
+from prime_train.engine import safe_dcp
 from prime_train.engine.metrics import EngineConfigError
+from prime_train.engine.verify import (  # re-exported: the checkpoint's files and checks
+    DCP_METADATA_FILE,
+    MANIFEST_FILE,
+    digest_files,
+    is_whole_checkpoint,
+    verify_checkpoint,
+)
 from prime_train.retention import (
     TMP_OWNER_FILE,
     apply_retention,
@@ -82,8 +90,6 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 META_FILE = "meta.json"
 HF_ASSETS_DIR = "hf"
-DCP_METADATA_FILE = ".metadata"
-MANIFEST_FILE = "manifest.json"  # every file of the checkpoint: {"files": {relative path: {"bytes", "crc32"}}}
 
 
 def _pack(obj: Any) -> bytes:
@@ -229,90 +235,6 @@ def _make_stager():
             use_non_blocking_copy=False,
         )
     )
-
-
-def is_whole_checkpoint(path: Path) -> str | None:
-    """What makes `path` not a whole DCP checkpoint, or None when it is one."""
-    if not path.exists():
-        return "it does not exist"
-    if not path.is_dir():
-        return "it is not a directory"
-    if not STEP_RE.match(path.name):
-        suffix = " (an unfinished save)" if path.name.endswith(".tmp") else ""
-        return f"its name is not step-N{suffix}"
-    if not (path / DCP_METADATA_FILE).is_file():
-        return f"it has no DCP {DCP_METADATA_FILE} file (the save did not finish)"
-    return None
-
-
-def _crc32(path: Path) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)  # releases the GIL on large buffers: files are checksummed in parallel
-    return f"{crc:08x}"
-
-
-def digest_files(root: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:
-    """Size and CRC-32 of each file, keyed by its path relative to `root` (the manifest's entries)."""
-    with ThreadPoolExecutor(max_workers=min(8, max(1, len(paths)))) as pool:
-        crcs = list(pool.map(_crc32, paths))
-    return {
-        p.relative_to(root).as_posix(): {"bytes": p.stat().st_size, "crc32": c}
-        for p, c in zip(paths, crcs, strict=True)
-    }
-
-
-def verify_checkpoint(path: Path) -> str | None:
-    """What is wrong with checkpoint `path`, in words, or None when it is whole and undamaged.
-
-    Checks that its DCP .metadata loads, that every file the metadata points into is present and long
-    enough, and, when it has a manifest (saved by prime-train 0.4 and later), that every file matches
-    the size and CRC-32 recorded at save time. The checksums read the whole checkpoint once.
-    """
-    path = Path(path)
-    problem = is_whole_checkpoint(path)
-    if problem is not None:
-        return problem
-    try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
-    except Exception as e:  # garbage, truncated or unreadable: torch raises whatever unpickling raised
-        return f"its DCP {DCP_METADATA_FILE} does not load ({type(e).__name__}: {e})"
-    needed: dict[str, int] = {}
-    for info in (getattr(metadata, "storage_data", None) or {}).values():
-        name = getattr(info, "relative_path", None)
-        if isinstance(name, str):
-            needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
-    for name, end in sorted(needed.items()):
-        try:
-            size = (path / name).stat().st_size
-        except OSError:
-            return f"{name}, which its {DCP_METADATA_FILE} points into, is missing"
-        if size < end:
-            return f"{name} is truncated: {size} bytes, its {DCP_METADATA_FILE} needs {end}"
-    try:
-        manifest = json.loads((path / MANIFEST_FILE).read_bytes())
-    except FileNotFoundError:
-        return None  # saved before manifests: the sizes above are all there is to check
-    except (OSError, ValueError) as e:
-        return f"its {MANIFEST_FILE} does not load ({type(e).__name__}: {e})"
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict):
-        return f"its {MANIFEST_FILE} lists no files"
-    present = []
-    for name, rec in sorted(files.items()):
-        try:
-            size = (path / name).stat().st_size
-        except OSError:
-            return f"{name} is missing (the manifest lists it)"
-        if not isinstance(rec, dict) or size != rec.get("bytes"):
-            return f"{name} has {size} bytes; {(rec or {}).get('bytes')} were written"
-        present.append(path / name)
-    actual = digest_files(path, present)
-    for name, rec in sorted(files.items()):
-        if actual[name]["crc32"] != rec.get("crc32"):
-            return f"{name} does not match its checksum (CRC-32 {actual[name]['crc32']}, {rec.get('crc32')} at save)"
-    return None
 
 
 class Checkpointer:
@@ -598,12 +520,68 @@ class Checkpointer:
             )
         return str(path), None, []
 
+    def resume(self, state: TrainState) -> Path | None:
+        """Resolve ckpt.resume and load it into `state`: the path loaded, or None (start at step 0).
+
+        One that verifies but does not load (an item the safe loader refuses, bytes that do not decode) is set
+        aside as step-N.corrupt like a damaged one and the one before it is loaded: never a crash loop. One that
+        does not fit this config's model is a configuration error and stays; memory or I/O errors are raised.
+        With no earlier checkpoint the model is half loaded: this raises, and the next start trains from step 0.
+        """
+        set_aside: list[tuple[str, str]] = []
+        while True:
+            path = self.resolve_resume()
+            self.quarantined = set_aside = set_aside + self.quarantined
+            if path is None:
+                if any(why.startswith(safe_dcp.DOES_NOT_LOAD) for _, why in set_aside):
+                    raise RuntimeError(
+                        f"{'; '.join(f'{name} {why}' for name, why in set_aside)}. It is set aside as .corrupt and "
+                        "no earlier checkpoint is whole; the model is half loaded, so this start stops here and the "
+                        "next one trains from step 0"
+                    )
+                return None
+            failure: BaseException | None = None
+            try:
+                self.load(state, path)
+            except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+                failure = e
+            worst = safe_dcp.worst_failure(self._gather(None if failure is None else safe_dcp.load_failure(failure)))
+            if worst is None:
+                if set_aside and (m := STEP_RE.match(path.name)):
+                    self._latest_step = int(m.group(1))  # the newer ones are set aside
+                return path
+            rank, kind, why = worst
+            where = f" on rank {rank}" if self._distributed else ""
+            if kind == "other":
+                raise failure or RuntimeError(f"checkpoint {path.name} could not be loaded{where}: {why}")
+            if kind == "config":
+                raise EngineConfigError(
+                    f"checkpoint {path} does not fit the model this config builds{where} ({why}); it is left as it "
+                    "is: resume with the config it was saved with, or start over with --fresh"
+                )
+            problem = f"{safe_dcp.DOES_NOT_LOAD}{where} ({why})"
+            if self.cfg.resume != "auto":
+                raise EngineConfigError(
+                    f"ckpt.resume = {self.cfg.resume!r}: {path} {problem}. Point ckpt.resume at another "
+                    "checkpoint, or set it to 'auto' (newest whole checkpoint) or 'never'."
+                )
+            error = None
+            if self.rank == 0:
+                try:
+                    quarantine_checkpoint(path, self.ckpt_dir, problem)
+                except (OSError, ValueError) as e:
+                    error = f"{path.name} {problem}, and it could not be set aside ({e}); move it away by hand"
+            if (error := self._from_rank0(error)) is not None:  # resolving again would pick the same checkpoint
+                raise RuntimeError(error)
+            set_aside.append((path.name, problem))
+            logger.warning("%s %s; set aside, trying the checkpoint before it", path.name, problem)
+
     def load(self, state: TrainState, path: Path) -> None:
         """Load checkpoint `path` into `state` (any saving world size), this rank's RNG included."""
         self.wait()
         path = Path(path)
         started = time.monotonic()
-        saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+        saved_keys = set(safe_dcp.read_metadata(path).state_dict_metadata)
         state_dict = state.state_dict()
         for key in list(state_dict):
             if key in ("model", "optim"):
@@ -618,7 +596,8 @@ class Checkpointer:
                 else:
                     logger.warning("%s has no %r; keeping the current value", path.name, key)
                 del state_dict[key]
-        dcp.load(state_dict, checkpoint_id=path, process_group=self._save_pg, no_dist=not self._distributed)
+        # never torch's default reader and planner: they unpickle .metadata and every non-tensor item unrestricted
+        safe_dcp.load(state_dict, path, process_group=self._save_pg, no_dist=not self._distributed)
         state.load_state_dict(state_dict)
         logger.info("loaded checkpoint %s (step %d) in %.2fs", path, state.step, time.monotonic() - started)
 
@@ -692,11 +671,22 @@ class Checkpointer:
                 safe_remove_checkpoint(p.tmp, self.ckpt_dir)
             except OSError as e:
                 logger.warning("could not remove the failed save %s: %s", p.tmp, e)
-        previous = f"step-{self._latest_step} is intact" if self._latest_step is not None else "no earlier one exists"
+        previous = self._previous_checkpoint()
         raise RuntimeError(
             f"checkpoint step-{p.step} was not saved ({committed_error}); {previous}. "
             f"Check free space and permissions of {self.ckpt_dir}."
         ) from error
+
+    def _previous_checkpoint(self) -> str:
+        """What is true now of the newest checkpoint before a failed save, as checked here (not as remembered)."""
+        if self._latest_step is None:
+            return "no earlier one exists"
+        name = f"step-{self._latest_step}"
+        if (problem := is_whole_checkpoint(self.ckpt_dir / name)) is None:
+            return f"{name} is intact"
+        if not (self.ckpt_dir / name).exists():
+            return f"{name}, the one before, is gone"
+        return f"{name}, the one before, is not whole any more: {problem}"
 
     def _write_manifest(self, p: _PendingSave, digests: list[dict[str, Any]]) -> None:
         """manifest.json: the ranks' checksums of their shards, and rank 0's of every other file."""

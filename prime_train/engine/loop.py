@@ -490,9 +490,9 @@ class TrainingJob:
         return True
 
     def resume(self) -> None:
-        path = self.checkpointer.resolve_resume()
+        # resolves, verifies and loads; one that verifies but does not load is set aside and the one before it used
+        path = self.checkpointer.resume(self.state)
         if path is not None:
-            self.checkpointer.load(self.state, path)
             self.resumed_from = self.state.step
             logger.info("resumed from %s at step %d", path, self.state.step)
         # metrics.jsonl then holds one row per step: the rows of the steps trained again after the checkpoint go

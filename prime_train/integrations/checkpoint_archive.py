@@ -3,9 +3,11 @@
 Writing streams a tar of the directory through zstd (or gzip) into a file, hashing every member and the
 archive as they pass: one read of each checkpoint file, never the whole checkpoint in memory, and a file
 that changes size while it is read fails the archive instead of shortening it. Extracting checks every
-member against the manifest (sha256 and size), and refuses what could land outside the checkpoint
-(tar-slip: absolute paths, '..', links, devices). Nothing here knows about buckets: storage.py moves
-these archives to and from S3, and the error types of checkpoint storage are defined here, below it.
+member against the manifest (sha256 and size), refuses what could land outside the checkpoint (tar-slip:
+absolute paths, '..', links, devices), and bounds what it reads: the files' total must fit the disk before
+anything is written, an extended header (pax, GNU long name) over MAX_HEADER_BYTES is refused before it is read
+into memory, and the member count is bounded. Nothing here knows about buckets: storage.py moves these
+archives to and from S3, and the error types of checkpoint storage are defined here, below it.
 
 zstandard is imported lazily: without it, archives are gzip.
 """
@@ -19,6 +21,7 @@ import hashlib
 import io
 import os
 import re
+import shutil
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
@@ -28,6 +31,9 @@ CHUNK = 1 << 20  # bytes per read while hashing, archiving and extracting
 ZSTD_LEVEL = 3  # fast; checkpoint weights compress little, so a higher level buys almost nothing
 STAGING_PREFIX = ".remote-"  # temp archives in a checkpoint directory; never matches step-N / step-N.tmp
 ARCHIVE_SUFFIXES = {"zstd": ".tar.zst", "gzip": ".tar.gz"}
+MAX_HEADER_BYTES = 1 << 20  # a pax or GNU long-name header: ours hold a path and a few numbers
+MAX_EXTRA_MEMBERS = 10_000  # members beyond the manifest's files: the directories between them
+DISK_MARGIN_BYTES = 64 << 20  # left free on the disk after a restore, besides what its files need
 
 
 class StorageError(RuntimeError):
@@ -175,6 +181,8 @@ def extract_archive(archive: Path, work: Path, step: int, manifest: dict[str, An
     expected: dict[str, dict[str, Any]] = manifest["files"]
     seen: set[str] = set()
     compression = manifest["compression"]
+    _check_room(work, step, sum(max(0, int(e["bytes"])) for e in expected.values()))
+    members = 0
     with open(archive, "rb") as raw:
         if compression == "zstd":
             zstd = zstandard_module()
@@ -184,8 +192,13 @@ def extract_archive(archive: Path, work: Path, step: int, manifest: dict[str, An
         else:
             stream = gzip.GzipFile(fileobj=raw, mode="rb")
         try:
-            with tarfile.open(fileobj=stream, mode="r|") as tar:
+            with tarfile.open(fileobj=stream, mode="r|", tarinfo=_BoundedTarInfo) as tar:
                 for member in tar:
+                    members += 1
+                    if members > len(expected) + MAX_EXTRA_MEMBERS:
+                        raise UnsafeArchive(
+                            step, member.name, f"more than {members - 1} members for {len(expected)} files"
+                        )
                     name = _safe_member(member, work, step)
                     target = work.joinpath(*PurePosixPath(name).parts)
                     try:
@@ -215,6 +228,8 @@ def extract_archive(archive: Path, work: Path, step: int, manifest: dict[str, An
                     if sha.hexdigest() != entry["sha256"]:
                         raise CorruptCheckpoint(step, name, "sha256 differs from the manifest")
                     seen.add(name)
+        except _HeaderTooLarge as exc:
+            raise UnsafeArchive(step, manifest["archive"], str(exc)) from None
         except (tarfile.TarError, EOFError, gzip.BadGzipFile) as exc:
             raise CorruptCheckpoint(step, manifest["archive"], f"unreadable archive ({exc})") from None
         except OSError as exc:
@@ -235,6 +250,34 @@ def extract_archive(archive: Path, work: Path, step: int, manifest: dict[str, An
 
 
 # ---------------------------------------------------------------- archive safety
+
+
+class _HeaderTooLarge(tarfile.HeaderError):
+    pass
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """tarfile's member header, refusing an extended header (pax, GNU long name or link) over MAX_HEADER_BYTES
+    before tarfile reads it whole into memory."""
+
+    def _proc_member(self, tarfile_obj):  # type: ignore[no-untyped-def]
+        extended = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME)
+        if self.type in (*extended, tarfile.GNUTYPE_LONGLINK) and self.size > MAX_HEADER_BYTES:
+            raise _HeaderTooLarge(f"an extended header of {self.size} bytes (at most {MAX_HEADER_BYTES} are read)")
+        return super()._proc_member(tarfile_obj)
+
+
+def _check_room(work: Path, step: int, needed: int) -> None:
+    """StorageError, before anything is written, when the files of the manifest cannot fit the disk of `work`."""
+    try:
+        free = shutil.disk_usage(work).free
+    except OSError:
+        return  # cannot tell: extraction still stops at a full disk, with the same message
+    if needed + DISK_MARGIN_BYTES > free:
+        raise StorageError(
+            f"no space left in {work.parent} to restore step-{step}: its files take {needed / 1e9:.2f} GB, "
+            f"{free / 1e9:.2f} GB are free"
+        )
 
 
 def _walk(root: Path) -> Iterator[tuple[Path, str]]:
@@ -261,7 +304,7 @@ def _walk(root: Path) -> Iterator[tuple[Path, str]]:
 def _safe_member(member: tarfile.TarInfo, work: Path, step: int) -> str:
     """The member's normalised name, or UnsafeArchive when it could escape `work` (tar-slip)."""
     name = member.name
-    if not (member.isreg() or member.isdir()):
+    if not (member.isreg() or member.isdir()) or member.issparse():
         kind = "link" if (member.issym() or member.islnk()) else "special file"
         raise UnsafeArchive(step, name, f"a {kind}; checkpoints hold only files and directories")
     path = PurePosixPath(name)

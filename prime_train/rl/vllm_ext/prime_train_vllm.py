@@ -15,12 +15,34 @@ the repack is a no-op there.
 
 from __future__ import annotations
 
+import os
+
+# weight files that are pickles: vLLM's loader would read them when a directory has no safetensors
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+
+def check_safetensors_only(weights_path: str) -> None:
+    """ValueError unless `weights_path` is a directory of safetensors weights with no pickled weight file in it:
+    the trainer publishes safetensors only, and a reload must never unpickle what it finds there."""
+    try:
+        names = os.listdir(weights_path)
+    except OSError as exc:
+        raise ValueError(f"weights path {weights_path!r} cannot be listed: {exc.strerror or exc}") from None
+    pickled = sorted(n for n in names if n.lower().endswith(PICKLE_SUFFIXES))
+    if pickled:
+        raise ValueError(
+            f"{weights_path} holds pickled weight files ({', '.join(pickled[:3])}); only safetensors are loaded"
+        )
+    if not any(n.endswith(".safetensors") for n in names):
+        raise ValueError(f"{weights_path} holds no .safetensors files; nothing was loaded")
+
 
 class WeightReload:
     """Mixed into each vLLM worker: methods callable through collective_rpc."""
 
     def prime_train_reload_weights(self, weights_path: str) -> int:
         """Reload the weights in `weights_path` in place; returns how many tied heads were repacked."""
+        check_safetensors_only(weights_path)
         self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         owners: dict[int, list] = {}
