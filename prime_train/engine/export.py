@@ -17,6 +17,11 @@ final/  (HF format, by export_hf at the end of training, or dcp_to_hf from a ste
   tokenizer.json, tokenizer_config.json, …   the tokenizer files
 
 Both are written as <dir>.tmp and renamed when whole: a reader never sees half an export.
+
+Every export holds EXPORT_MARKER (written first, into <dir>.tmp): the one proof that a directory is an export
+of this tool. An export replaces only an earlier export (and `ckpt to-hf` only with --overwrite), never a
+directory of anything else, a run directory, what a run directory holds besides final/ and weights/, or a
+checkpoint (`check_export_target`); <dir>.tmp and <dir>.old are cleared only when they are exports too.
 """
 
 from __future__ import annotations
@@ -28,13 +33,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from prime_train.contract import fsync_dir
-from prime_train.engine.checkpoint import DCP_METADATA_FILE, HF_ASSETS_DIR, is_whole_checkpoint
+from prime_train.contract import QUARANTINE_RE, STEP_RE, TMP_RE, RunDir, fsync_dir, write_json_atomic
+from prime_train.engine import safe_dcp  # never torch's reader: it unpickles .metadata and bytes items unrestricted
+from prime_train.engine.checkpoint import (
+    DCP_METADATA_FILE,
+    HF_ASSETS_DIR,
+    MANIFEST_FILE,
+    META_FILE,
+    is_whole_checkpoint,
+)
 from prime_train.engine.llama import to_hf
+from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.model import is_native
 
 logger = logging.getLogger("prime_train.engine.export")
@@ -77,6 +89,117 @@ def _restore_tied_aliases(model: torch.nn.Module, state_dict: dict[str, Any]) ->
             state_dict[alias] = state_dict[present[0]]
 
 
+# in every export this tool writes: what lets a later export replace it (see the module docstring)
+EXPORT_MARKER = ".prime-train-export.json"
+
+
+class ExportRefused(EngineConfigError):
+    """The output directory is not one an export may be written to or replace (exit 78, never retried)."""
+
+
+def _run_dir_files(path: Path) -> list[str]:
+    """The run-directory entries `path` holds (RunDir's names): a run directory has some of them."""
+    rd = RunDir(path)
+    entries = (rd.config_path, rd.lock_path, rd.supervisor_path, rd.events_path, rd.checkpoints_dir)
+    return [e.name for e in entries if os.path.lexists(e)]
+
+
+def _is_checkpoint(path: Path) -> bool:
+    """A checkpoint directory, by what a save writes into it (named like one of a run's, or not)."""
+    if not path.is_dir():
+        return False
+    ours = [(path / name).is_file() for name in (DCP_METADATA_FILE, META_FILE, MANIFEST_FILE)]
+    named = STEP_RE.match(path.name) or TMP_RE.match(path.name) or QUARANTINE_RE.match(path.name)
+    return any(ours) if named else ours[0] and any(ours[1:])
+
+
+def _empty(path: Path) -> bool:
+    with os.scandir(path) as entries:
+        return next(entries, None) is None
+
+
+def _protected(out: Path, *, own_run: bool) -> str | None:
+    """Why nothing may be exported to `out` whatever is there, or None: it is (inside) a run directory's
+    own files or a checkpoint. `own_run`: the engine exporting into its run directory's final/ or weights/."""
+    resolved = Path(out).resolve()
+    if files := _run_dir_files(resolved):
+        return f"it is a run directory (it has {', '.join(files)})"
+    for parent in resolved.parents:
+        if _is_checkpoint(parent):
+            return f"it is inside the checkpoint {parent}"
+        if _run_dir_files(parent):
+            # what the run writes itself, but for its exports' places: final/ (weights/ only for the run's own)
+            rd = RunDir(parent)
+            exports = {rd.final_dir.name, *([rd.weights_dir.name] if own_run else [])}
+            reserved = {p.name for p in vars(rd).values() if isinstance(p, Path) and p.parent == rd.root} - exports
+            top = resolved.relative_to(parent).parts[0]
+            if top in reserved:
+                return f"it is in {top} of the run directory {parent}, which only the run writes"
+            break
+    if _is_checkpoint(resolved):
+        return "it is a checkpoint"
+    return None
+
+
+def _has_marker(path: Path) -> bool:
+    marker = path / EXPORT_MARKER
+    return marker.is_file() and not marker.is_symlink()
+
+
+def _older_export(path: Path) -> bool:
+    """An HF export a prime-train before EXPORT_MARKER wrote: only files, config.json or safetensors among them."""
+    try:
+        with os.scandir(path) as it:
+            entries = list(it)
+    except OSError:
+        return False
+    if any(not e.is_file(follow_symlinks=False) for e in entries):
+        return False
+    return any(e.name == "config.json" or e.name.endswith(".safetensors") for e in entries)
+
+
+def _replaceable(path: Path, *, own_run: bool) -> bool:
+    """Whether `path` (which exists) is something an export may delete: an empty directory or an export (with
+    `own_run`, also a symlink, which is unlinked, or an export an older prime-train wrote)."""
+    if path.is_symlink():
+        return own_run
+    if not path.is_dir():
+        return False
+    if _has_marker(path) or _empty(path):
+        return True
+    return own_run and _older_export(path)
+
+
+def check_export_target(out_dir: str | os.PathLike[str], *, overwrite: bool, own_run: bool = False) -> None:
+    """Raise ExportRefused unless an export may be written to `out_dir` (see the module docstring).
+
+    `overwrite`: an earlier export there may be replaced. `own_run`: the engine's own final/ or weights/step-N,
+    whose earlier export it replaces (also one written before EXPORT_MARKER existed).
+    """
+    out = Path(out_dir)
+    nothing = "nothing was written"
+    elsewhere = "choose a new or empty output directory"
+    why = _protected(out, own_run=own_run)
+    if why is not None:
+        raise ExportRefused(f"{out}: {why}; it is never written into or over, even with --overwrite: {elsewhere}.")
+    if not os.path.lexists(out) or (own_run and _replaceable(out, own_run=True)):
+        return
+    if out.is_symlink() or not out.is_dir():
+        kind = "a symbolic link" if out.is_symlink() else "a file"
+        raise ExportRefused(f"{out} is {kind}, not a directory; {nothing}: {elsewhere}.")
+    if _empty(out):
+        return
+    if not _has_marker(out):
+        raise ExportRefused(
+            f"{out} exists and is not an export of prime-train (it has no {EXPORT_MARKER}): {nothing}.\n"
+            f"It is never replaced; {elsewhere}, or move this one away first."
+        )
+    if not overwrite:
+        raise ExportRefused(
+            f"{out} holds an earlier export: {nothing}. Pass --overwrite to replace it, or {elsewhere}."
+        )
+
+
 def _remove(path: Path) -> None:
     """Delete a file, a symlink (never its target) or a directory tree, if present."""
     if path.is_symlink() or path.is_file():
@@ -116,17 +239,28 @@ def _write_hf_dir(
     max_shard_size: int | str,
     tokenizer=None,
     tokenizer_files_from: Path | None = None,
+    overwrite: bool = False,
+    own_run: bool = False,
+    source: str = "",
 ) -> Path:
-    """Write an HF model directory as out_dir.tmp, then swap it in for out_dir."""
+    """Write an HF model directory as out_dir.tmp, then swap it in for out_dir (see check_export_target)."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     old = out_dir.with_name(out_dir.name + ".old")
-    if not out_dir.exists() and old.is_dir():
+    if not os.path.lexists(out_dir) and old.is_dir() and not old.is_symlink() and _replaceable(old, own_run=own_run):
         # a crash between the two renames below: the last whole export is in .old
         os.rename(old, out_dir)
-    _remove(tmp)
-    _remove(old)
+    check_export_target(out_dir, overwrite=overwrite, own_run=own_run)
+    for leftover in (tmp, old):  # an earlier export's, never anything else that happens to have the name
+        if os.path.lexists(leftover) and not _replaceable(leftover, own_run=own_run):
+            raise ExportRefused(
+                f"{leftover} is in the way of the export to {out_dir} and is not an export of prime-train; "
+                "nothing was written. Move it away, or choose another directory."
+            )
+        _remove(leftover)
     tmp.mkdir(parents=True)
+    # first: a crash from here on leaves a .tmp the next export knows as its own
+    write_json_atomic(tmp / EXPORT_MARKER, {"made_by": "prime-train", "kind": "hf-export", "source": source})
 
     if tokenizer is not None:
         align_special_tokens(model, tokenizer)
@@ -135,11 +269,12 @@ def _write_hf_dir(
         tokenizer.save_pretrained(tmp)
     if tokenizer_files_from is not None:
         for src in sorted(tokenizer_files_from.iterdir()):
-            if src.is_file() and src.name not in _MODEL_FILES:
+            if src.is_file() and src.name not in _MODEL_FILES and src.name != EXPORT_MARKER:
                 shutil.copy2(src, tmp / src.name)
     _fsync_tree(tmp)
 
-    # the old export is replaced only now that the new one is whole
+    # the old export is replaced only now that the new one is whole; checked again, as the write took a while
+    check_export_target(out_dir, overwrite=overwrite, own_run=own_run)
     if out_dir.exists() or out_dir.is_symlink():
         os.rename(out_dir, old)
     os.rename(tmp, out_dir)
@@ -158,7 +293,8 @@ def export_hf(
 ) -> Path | None:
     """Write `model` (plain, DDP or FSDP2) and `tokenizer` to out_dir in HF format; every rank calls it.
 
-    Returns out_dir on rank 0 and None elsewhere.
+    out_dir is the run's own final/ or weights/step-N: an earlier export there is replaced, anything else
+    there is refused (ExportRefused). Returns out_dir on rank 0 and None elsewhere.
     """
     # a collective: each rank contributes its shards, rank 0 receives the full tensors on CPU
     state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -173,7 +309,16 @@ def export_hf(
         # build_model turned the KV cache off for training; generate() and vLLM decode the export with one
         hf_model.generation_config.use_cache = True
     num_tensors = len(state_dict)  # save_pretrained empties the dict as it writes
-    out = _write_hf_dir(hf_model, state_dict, Path(out_dir), max_shard_size=max_shard_size, tokenizer=tokenizer)
+    out = _write_hf_dir(
+        hf_model,
+        state_dict,
+        Path(out_dir),
+        max_shard_size=max_shard_size,
+        tokenizer=tokenizer,
+        overwrite=True,
+        own_run=True,
+        source="training",
+    )
     logger.info("exported HF model (%d tensors) to %s", num_tensors, out)
     return out
 
@@ -195,10 +340,16 @@ def dcp_to_hf(
     out_dir: str | os.PathLike[str],
     *,
     max_shard_size: int | str = "2GB",
+    overwrite: bool = False,
 ) -> Path:
-    """Convert one DCP checkpoint (step-N with hf/ assets) to an HF model directory, in this one process."""
+    """Convert one DCP checkpoint (step-N with hf/ assets) to an HF model directory, in this one process.
+
+    out_dir must be missing, empty, or (with `overwrite`) an earlier export: ExportRefused otherwise, before the
+    checkpoint is read.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    check_export_target(out_dir, overwrite=overwrite)
     step_dir = Path(step_dir)
     problem = is_whole_checkpoint(step_dir)
     hf_dir = step_dir / HF_ASSETS_DIR
@@ -210,14 +361,19 @@ def dcp_to_hf(
             f"Pass a whole step-N directory (with {DCP_METADATA_FILE} and {HF_ASSETS_DIR}/config.json)."
         )
 
-    metadata = dcp.FileSystemReader(step_dir).read_metadata()
+    try:
+        metadata = safe_dcp.read_metadata(step_dir)
+    except Exception as e:  # garbage, truncated, or refused by the restricted unpickler: nothing of it ran
+        raise ValueError(
+            f"cannot convert {step_dir} to HF format: its {DCP_METADATA_FILE} does not load ({type(e).__name__}: {e})"
+        ) from None
     config = AutoConfig.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_config(config, dtype=_checkpoint_dtype(metadata))
     model.eval()
     # the same key scheme TrainState saved; only "model" is read, so optimizer shards, other
     # ranks' states and the saving world size do not matter
     state_dict = {"model": get_model_state_dict(model)}
-    dcp.load(state_dict, checkpoint_id=step_dir, no_dist=True)
+    safe_dcp.load(state_dict, step_dir, no_dist=True)
     set_model_state_dict(model, state_dict["model"])
     try:
         from transformers import AutoTokenizer
@@ -231,6 +387,8 @@ def dcp_to_hf(
         Path(out_dir),
         max_shard_size=max_shard_size,
         tokenizer_files_from=hf_dir,
+        overwrite=overwrite,
+        source=str(step_dir),
     )
     logger.info("converted %s to HF format in %s", step_dir, out)
     return out

@@ -31,9 +31,25 @@ def profile_config(cfg: Config, warmup: int, steps: int) -> Config:
 
 
 def _clear_previous(root: Path) -> None:
-    """Remove an earlier profile's directory: only one this command made (it carries the marker)."""
-    if (root / MARKER).is_file() and not root.is_symlink():
-        shutil.rmtree(root)
+    """Remove an earlier profile's directory: only one this command made (it carries the marker).
+
+    Anything else at that path (a run of that name, a directory of the user's, a symlink, a file) is refused with
+    ProfileFailed (exit 78), untouched: the profile would run in it, and the next profile would delete it.
+    """
+    if not os.path.lexists(root):
+        return
+    marker = root / MARKER
+    if root.is_dir() and not root.is_symlink():
+        if marker.is_file() and not marker.is_symlink():
+            shutil.rmtree(root)
+            return
+        if not any(root.iterdir()):
+            return
+    raise ProfileFailed(
+        f"{root} exists and is not a profile's directory (it has no {MARKER}): nothing was changed. "
+        "A profile runs in <run.output_dir>/<run.name>-profile: give the run another run.name, or move that away.",
+        ExitCode.CONFIG,
+    )
 
 
 def run_profile(pcfg: Config, *, warmup: int, steps: int, observer) -> tuple[int, dict | None, Path]:

@@ -23,7 +23,6 @@ import contextlib
 import copy
 import logging
 import math
-import shutil
 import time
 from typing import Any
 
@@ -309,7 +308,13 @@ class GRPOJob(TrainingJob):
         keep = set(sorted(keep)[-KEEP_PUBLISHED:])
         for s, path in found:
             if s not in keep:
-                shutil.rmtree(path, ignore_errors=True)
+                # only step-N directly inside weights/, never through a link (retention's safe deletion)
+                from prime_train.retention import safe_remove_checkpoint
+
+                try:
+                    safe_remove_checkpoint(path, self.run_dir.weights_dir)
+                except (OSError, ValueError) as exc:
+                    logger.warning("published weights %s left in place: %s", path, exc)
 
     # ------------------------------------------------------------------ evaluation
 

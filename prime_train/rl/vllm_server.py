@@ -349,6 +349,10 @@ def probe_vllm(python: str, *, timeout_s: float = 60.0, fresh: bool = False) -> 
     return env
 
 
+class VenvRefused(ValueError):
+    """An install's --prefix holds something an install did not make; nothing was written (exit 78)."""
+
+
 def install_vllm_env(
     prefix: Path | None = None,
     requirement: str | None = None,
@@ -361,13 +365,23 @@ def install_vllm_env(
 
     `requirement` defaults to GPU_REQUIREMENT with CUDA and CPU_REQUIREMENT without; the CPU build's CUDA-linked
     add-ons (CPU_CLEANUP) are uninstalled after it. pip's output streams to our stdout/stderr so a slow install
-    is visibly alive. Raises RuntimeError saying which step failed.
+    is visibly alive. Raises RuntimeError saying which step failed, and VenvRefused (before anything is written)
+    when `prefix` holds something an install did not make (retention.venv_prefix_problem).
     """
+    from prime_train.retention import mark_venv, venv_prefix_problem
+
+    managed = prefix is None or Path(prefix).absolute() == managed_venv_dir().absolute()
     prefix = Path(prefix) if prefix is not None else managed_venv_dir()
+    if (problem := venv_prefix_problem(prefix, managed=managed)) is not None:
+        raise VenvRefused(
+            f"{problem}: nothing was installed.\nChoose a new or empty --prefix, or to use a vLLM you installed "
+            "yourself, set inference.python to its Python."
+        )
     requirement = requirement or (GPU_REQUIREMENT if cuda else CPU_REQUIREMENT)
     py = venv_python(prefix)
+    prefix.mkdir(parents=True, exist_ok=True)
+    mark_venv(prefix, "vllm")  # first: a later install may update what this one made, even if it fails half way
     if not py.is_file():
-        prefix.parent.mkdir(parents=True, exist_ok=True)
         _run_streaming([python or sys.executable, "-m", "venv", str(prefix)], timeout_s, "creating the venv")
     pip = [str(py), "-m", "pip", "--disable-pip-version-check"]
     _run_streaming([*pip, "install", requirement], timeout_s, f"pip install {requirement}")
