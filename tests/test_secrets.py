@@ -145,12 +145,15 @@ def test_every_attempt_of_the_job_gets_the_real_values(leaky_run):
                                "ANALYTICS_PASS": ANALYTICS}  # fmt: skip
 
 
-def test_raw_process_logs_keep_the_jobs_output_as_written(leaky_run):
+def test_process_logs_mask_the_values_the_job_was_given_as_it_writes_them(leaky_run):
     _, run, _, _, _ = leaky_run
     log = (run.attempt_logs(1) / "job.log").read_text()
-    assert WANDB in log and DB_PASSWORD in log  # the one documented place: `prime-train logs --help` says so
-    help_text = cli("logs", "--help", env={}, cwd=run.root).stdout
-    assert "unredacted" in help_text
+    # its environment's and its config's credentials (issue 26: `diagnose` later, without them set, reads this file)
+    leaked = [name for name, value in SECRETS.items() if value in log and name != "pg"]
+    assert not leaked, log
+    assert "database login [REDACTED] accepted" in log and "step 1\n" in log
+    # a value with a shape only, known to neither (a password in a URL in the job's own code), is masked where a
+    # log is shown (status, diagnose: above), not in the file
 
 
 @pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])

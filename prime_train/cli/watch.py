@@ -15,6 +15,7 @@ from prime_train.cli.common import JsonFlag
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.text import Text
 
 STATUS_FIELDS = ("state", "attempt", "restarts", "step", "max_steps", "phase", "loss", "heartbeat_age_s", "checkpoints")
 
@@ -79,7 +80,10 @@ def render_status(s: dict, console: Console) -> None:
 
     from prime_train.resilience.rl_summary import status_rows
 
-    literal = output.literal
+    def literal(text: object, style: str = "") -> Text:
+        # cut before rich lays it out: a job's 50 MB failure message would take rich minutes to fold
+        return output.literal(output.clip(text), style)
+
     table = Table(show_header=False, title=literal(s["run_dir"]))
     table.add_column(no_wrap=True)
     table.add_column(overflow="fold")
@@ -99,7 +103,10 @@ def render_status(s: dict, console: Console) -> None:
     for event in s["recent_events"]:
         stamp = _clock(event.get("time"))
         rest = {k: v for k, v in event.items() if k not in ("time", "event")}
-        console.print(literal(stamp, "dim") + literal(f" {event.get('event')} {json.dumps(rest, default=str)[:160]}"))
+        name = output.clip(event.get("event"), 80)
+        console.print(literal(stamp, "dim") + literal(f" {name} {json.dumps(rest, default=str)[:160]}"))
+    for note in s.get("notes") or ():  # what was too big to read whole (bounded.py)
+        console.print(literal("note: ", "yellow") + literal(note))
 
 
 def logs(
@@ -112,9 +119,10 @@ def logs(
 ) -> None:
     """Print a run's process logs (the latest attempt unless --attempt), exactly as the processes wrote them.
 
-    These raw logs are the one place a job's own output is kept unredacted: a secret the job prints
-    stays in its log file. Everything else prime-train writes or prints (events.jsonl,
-    supervisor.json, config.toml, the console, status, diagnose) has secrets masked.
+    Secret values the job was given (its environment's credentials, config.toml's masked values) are
+    masked in every form (raw, JSON, repr, URL-encoded) as the log is written, and a token of a known
+    shape when a log is shown. A log is capped at logging.max_log_mb: past it the log keeps its head
+    and its newest output, with a line saying how much was dropped.
 
     Examples:
 

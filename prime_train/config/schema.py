@@ -360,6 +360,13 @@ class LoggingConfig(Section):
     wandb_project: str | None = Field(None, description="W&B project; unset: no W&B.")
     wandb_entity: str | None = Field(None, description="W&B entity (team or user).")
     wandb_mode: Literal["online", "offline", "disabled"] = Field("online", description="W&B mode.")
+    max_log_mb: float = Field(
+        100.0,
+        ge=0,
+        description="Cap of each process's log of an attempt (logs/attempt-N/<process>.log), in MB: past it the "
+        "log keeps its first half and its newest output, with a line saying how much was dropped (at least 64 KB; "
+        "0: no cap).",
+    )
 
 
 class JobConfig(Section):

@@ -53,6 +53,7 @@ from prime_train.engine.metrics import EngineConfigError, MetricsLogger
 from prime_train.engine.model import num_parameters
 from prime_train.engine.optim import build_optimizer
 from prime_train.engine.profiling import NullTimer, ProfileSession, profile_request
+from prime_train.engine.records import shown_path
 from prime_train.engine.schedule import build_scheduler
 
 logger = logging.getLogger("prime_train.engine")
@@ -261,6 +262,8 @@ class TrainingJob:
     def _beat(self, step: int | None, phase: Phase, **fields: Any) -> None:
         """progress.json in this node's run directory: global rank 0 through the metrics logger, local rank 0 of
         every other node directly (the same heartbeat: its step, phase and the all-reduced loss)."""
+        if isinstance(fields.get("reason"), str):  # a message can quote a dataset path, an URL, an env value
+            fields["reason"] = shown_path(fields["reason"])
         metrics = getattr(self, "metrics", None)  # a node can be lost before the logger exists
         if metrics is not None and metrics.enabled:
             metrics.heartbeat(step, phase=phase, **fields)
@@ -629,7 +632,7 @@ def _record_exit(cfg: Config, code: int, reason: str, phase: Phase = Phase.FAILE
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # every node's supervisor reads its own run directory
         run_dir = RunDir(cfg.run_dir)
         run_dir.root.mkdir(parents=True, exist_ok=True)
-        write_heartbeat(run_dir.progress_path, Heartbeat.now(None, phase, exit_code=code, reason=reason))
+        write_heartbeat(run_dir.progress_path, Heartbeat.now(None, phase, exit_code=code, reason=shown_path(reason)))
 
 
 def run(job_class: type[TrainingJob], config_path: str) -> int:

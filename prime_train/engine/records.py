@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,42 @@ class Record:
     where: str  # file:line, file row N, ... for error messages
 
 
+# An environment variable holds a credential when one of these is a word of its name. The supervisor's rule is
+# resilience/redact.py's looks_secret_name, which the engine may not import; this short form errs toward masking.
+_CREDENTIAL_WORDS = {
+    "KEY", "KEYS", "TOKEN", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "PASS", "PWD", "PASSPHRASE", "CREDENTIAL",
+    "CREDENTIALS", "CREDS", "AUTH", "APIKEY",
+}  # fmt: skip
+_NOT_CREDENTIAL_WORDS = {"PUBLIC", "PUB", "SOCK", "SOCKET"}
+
+
+def _secret_values() -> list[str]:
+    """This process's secret values, longest first: its credential variables', and the real values of
+    config.toml's `***` that the supervisor passed it (ENV_CONFIG_SECRETS)."""
+    from prime_train.config.loader import ENV_CONFIG_SECRETS
+
+    values = []
+    for name, value in os.environ.items():
+        words = set(re.split(r"[_\-.]+", name.upper()))
+        if name.upper() not in ("PWD", "OLDPWD") and words & _CREDENTIAL_WORDS and not words & _NOT_CREDENTIAL_WORDS:
+            values.append(value)
+    try:
+        entries = json.loads(os.environ.get(ENV_CONFIG_SECRETS) or "[]")
+    except ValueError:
+        entries = []
+    values += [e[1] for e in entries if isinstance(e, list) and len(e) == 2 and isinstance(e[1], str)]
+    return sorted({v for v in values if len(v.strip()) >= 6}, key=len, reverse=True)
+
+
+def shown_path(path: str) -> str:
+    """`path` as a message may show it (progress.json's `reason` gets the message): secret values masked.
+
+    A dataset path can hold a credential (a token in a URL, a key in a folder's name); mask before any repr()."""
+    for value in _secret_values():
+        path = path.replace(value, "[REDACTED]")
+    return path
+
+
 def dataset_key(index: int, name: str) -> str:
     """The config key of field `name` of the `index`-th dataset, as error messages name it."""
     return f"data.datasets[{index}].{name}"
@@ -56,19 +93,23 @@ def expand_local_path(path: str, index: int) -> list[str]:
     elif os.path.isfile(expanded):
         if not expanded.endswith(LOCAL_SUFFIXES):
             raise EngineConfigError(
-                f"{dataset_key(index, 'path')} = {path!r}: unsupported file type; use {', '.join(LOCAL_SUFFIXES)} files"
+                f"{dataset_key(index, 'path')} = {shown_path(path)!r}: unsupported file type; use "
+                f"{', '.join(LOCAL_SUFFIXES)} files"
             )
         return [expanded]
     else:
-        raise EngineConfigError(f"{dataset_key(index, 'path')} = {path!r}: no such file or directory")
+        raise EngineConfigError(f"{dataset_key(index, 'path')} = {shown_path(path)!r}: no such file or directory")
     files = [f for f in files if f.endswith(LOCAL_SUFFIXES)]
     if not files:
-        raise EngineConfigError(f"{dataset_key(index, 'path')} = {path!r}: no {', '.join(LOCAL_SUFFIXES)} files there")
+        raise EngineConfigError(
+            f"{dataset_key(index, 'path')} = {shown_path(path)!r}: no {', '.join(LOCAL_SUFFIXES)} files there"
+        )
     return files
 
 
 def _read_txt(path: str, text_field: str) -> Iterator[Record]:
     # One document per blank-line-separated paragraph; a file without blank lines is one document.
+    shown = shown_path(path)
     with open(path, encoding="utf-8") as handle:
         lines: list[str] = []
         start = 1
@@ -78,18 +119,19 @@ def _read_txt(path: str, text_field: str) -> Iterator[Record]:
                     start = number
                 lines.append(line)
             elif lines:
-                yield Record({text_field: "".join(lines).rstrip("\n")}, f"{path}:{start}")
+                yield Record({text_field: "".join(lines).rstrip("\n")}, f"{shown}:{start}")
                 lines = []
         if lines:
-            yield Record({text_field: "".join(lines).rstrip("\n")}, f"{path}:{start}")
+            yield Record({text_field: "".join(lines).rstrip("\n")}, f"{shown}:{start}")
 
 
 def _read_jsonl(path: str) -> Iterator[Record]:
+    shown = shown_path(path)
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
+            where = f"{shown}:{number}"
             try:
                 fields = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -104,11 +146,12 @@ def _read_parquet(path: str) -> Iterator[Record]:
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
-        raise EngineConfigError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from exc
+        raise EngineConfigError(f"{shown_path(path)}: reading parquet needs pyarrow (pip install pyarrow)") from exc
+    shown = shown_path(path)
     row = 0
     for record_batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
         for fields in record_batch.to_pylist():
-            yield Record(fields, f"{path} row {row}")
+            yield Record(fields, f"{shown} row {row}")
             row += 1
 
 
@@ -116,7 +159,8 @@ def _read_local_file(path: str, ds: DatasetConfig, index: int) -> Iterator[Recor
     if path.endswith(".txt"):
         if ds.format not in ("auto", "text"):
             raise EngineConfigError(
-                f"{path}: .txt files hold plain text; set {dataset_key(index, 'format')} to 'text' or 'auto'"
+                f"{shown_path(path)}: .txt files hold plain text; set {dataset_key(index, 'format')} to 'text' or "
+                "'auto'"
             )
         return _read_txt(path, ds.text_field)
     if path.endswith(".jsonl"):

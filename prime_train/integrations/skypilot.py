@@ -24,7 +24,12 @@ exits 1 instead, saying why.
 Secrets: the task lists the names in `spot.secrets` with null values (SkyPilot's "value given at
 launch" form). Their values are read from the environment by the SkyPilot process at launch and
 handed to `sky.Task.from_yaml_config(..., secrets_overrides=...)`: never written to the YAML, to
-argv, to our JSON, or printed. Every line of SkyPilot output we relay is scrubbed of them.
+argv, to our JSON, or printed. Every line of SkyPilot output we relay is scrubbed of them. A
+secret value the config itself holds goes the same way, by reference: a spot.env entry named like
+a credential (DB_PASSWORD) becomes a secret of that name, and an override with a secret value
+(`--job.env.HF_TOKEN VALUE`, a password in a URL) reaches the nodes' `prime-train run` as
+`"$PRIME_TRAIN_SECRET_<KEY>"`, a secret too; their values travel with the task (`SkyTask`) to the
+SkyPilot process's environment only.
 
 This module imports nothing heavy; what lint knows of [spot] is in spot_lint.py.
 """
@@ -46,7 +51,7 @@ from typing import Any
 
 from prime_train.config.schema import Config
 from prime_train.integrations.task_yaml import render_yaml
-from prime_train.resilience.redact import REDACTED, redact
+from prime_train.resilience.redact import REDACTED, looks_secret_name, redact
 
 DEFAULT_SKYPILOT = "skypilot==0.14.1"
 SKY_PYTHON_ENV = "PRIME_TRAIN_SKY_PYTHON"
@@ -219,15 +224,17 @@ main()
 """
 
 
-def _secret_values(names: list[str] | None) -> list[str]:
-    """Values of the named variables present in our environment (what must never be shown)."""
-    return [v for n in names or [] if len(v := os.environ.get(n, "")) >= 4]
+def _secret_values(names: list[str] | None, values: dict[str, str] | None = None) -> list[str]:
+    """Values of the named variables, from `values` or our environment (what must never be shown)."""
+    env = {**os.environ, **(values or {})}
+    return [v for n in names or [] if len(v := env.get(n, "")) >= 4]
 
 
-def scrub(text: str, secret_names: list[str] | None = None) -> str:
-    """Text fit to show: ANSI colours removed, known token shapes and the listed variables' values hidden."""
+def scrub(text: str, secret_names: list[str] | None = None, values: dict[str, str] | None = None) -> str:
+    """Text fit to show: ANSI colours removed, known token shapes and the listed variables' values hidden
+    (`values`: those the config holds, else this environment's)."""
     text = redact(_ANSI.sub("", text))
-    for value in sorted(_secret_values(secret_names), key=len, reverse=True):
+    for value in sorted(_secret_values(secret_names, values), key=len, reverse=True):
         text = text.replace(value, REDACTED)
     return text
 
@@ -239,16 +246,18 @@ def call_sky(
     timeout_s: float | None = 120,
     stream: Callable[[str], None] | None = None,
     secret_names: list[str] | None = None,
+    secret_values: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run one request in the SkyPilot interpreter; its answer, or SkyPilotError with a clear message.
 
     Output of the child (SkyPilot's own progress lines) goes through `stream` line by line, scrubbed,
-    when given; otherwise it is kept (scrubbed) to explain a failure.
+    when given; otherwise it is kept (scrubbed) to explain a failure. `secret_values` are set in the
+    interpreter's environment (where the launch reads secrets from), never in the request.
     """
     python = sky_python or find_sky_python()
     fd, result_path = tempfile.mkstemp(prefix="prime-train-sky-", suffix=".json")
     os.close(fd)
-    env = {**os.environ, "PRIME_TRAIN_SKY_RESULT": result_path, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **(secret_values or {}), "PRIME_TRAIN_SKY_RESULT": result_path, "PYTHONUNBUFFERED": "1"}
     captured: list[str] = []
     try:
         try:
@@ -278,7 +287,7 @@ def call_sky(
             proc.stdin.write(json.dumps(request))
             proc.stdin.close()
             for line in proc.stdout:
-                clean = scrub(line.rstrip("\n"), secret_names)
+                clean = scrub(line.rstrip("\n"), secret_names, secret_values)
                 if stream is not None:
                     stream(clean)
                 else:
@@ -302,14 +311,16 @@ def call_sky(
             + (f":\n{tail}" if tail else "")
         )
     if not answer.get("ok"):
-        raise SkyPilotError(_explain(answer, python, secret_names))
+        raise SkyPilotError(_explain(answer, python, secret_names, secret_values))
     return answer
 
 
-def _explain(answer: dict[str, Any], python: str, secret_names: list[str] | None) -> str:
+def _explain(
+    answer: dict[str, Any], python: str, secret_names: list[str] | None, values: dict[str, str] | None = None
+) -> str:
     """SkyPilot's failure in words that say what to do (the common ones), scrubbed of secrets."""
     kind = str(answer.get("kind") or "Error")
-    message = scrub(str(answer.get("error") or "").strip(), secret_names)
+    message = scrub(str(answer.get("error") or "").strip(), secret_names, values)
     low = message.lower()
     if kind == "NotInstalled":
         return f"{message}; run `prime-train spot install` or set {SKY_PYTHON_ENV}"
@@ -410,8 +421,14 @@ def _install_lines(cfg: Config) -> tuple[list[str], dict[str, str]]:
         how = "synced to the node (file_mounts)"
     return [
         f"# this machine's prime-train source, {how}; the [engine] extra's torch is the CUDA build on a GPU node",
-        f'pip install --disable-pip-version-check "$HOME/{remote}[{SOURCE_EXTRAS}]"',
+        f'pip install --disable-pip-version-check "$HOME/{_in_double_quotes(remote)}[{SOURCE_EXTRAS}]"',
     ], mounts
+
+
+def _in_double_quotes(text: str) -> str:
+    """`text` escaped for the inside of a double-quoted shell word: the path is the user's (a folder named
+    `my "runs" $x`), and inside double quotes only $, `, " and \\ are special."""
+    return re.sub(r'([$`"\\])', r"\\\1", text)
 
 
 def _setup_script(install: list[str], cfg: Config) -> str:
@@ -419,11 +436,73 @@ def _setup_script(install: list[str], cfg: Config) -> str:
     return "\n".join(lines) + "\n"
 
 
+class _ShellWord(str):
+    """An argument of the run script that is already shell text (a reference to a secret variable)."""
+
+
 def _remote_arg(arg: str) -> str:
+    if isinstance(arg, _ShellWord):
+        return str(arg)
     # ~ in a remote config path must reach the shell unquoted to expand
     if arg.startswith("~/"):
         return "~/" + shlex.quote(arg[2:])
     return shlex.quote(arg)
+
+
+class SkyTask(dict):
+    """A SkyPilot task (the YAML-shaped dict) and the values of its `secrets` the config holds itself, which
+    `launch` puts in the SkyPilot process's environment: they are never in the dict, so never in the YAML."""
+
+    def __init__(self, task: dict[str, Any], secret_values: dict[str, str] | None = None):
+        super().__init__(task)
+        self.secret_values = dict(secret_values or {})
+
+
+def _is_secret_value(key: str, value: str) -> bool:
+    """Whether a config value must not be written into the task: a credential by its key's name, or by its shape."""
+    bare = value.strip().strip("\"'")
+    if len(bare) < 4 or bare.startswith("$") or bare in ("***", REDACTED):
+        return False
+    return looks_secret_name(key) or redact(value) != value
+
+
+def _secret_env(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """spot.env split into what the task may show (envs) and the credentials it passes as secrets by name."""
+    shown, secret = {}, {}
+    for name, value in env.items():
+        (secret if _is_secret_value(name, value) else shown)[name] = value
+    return shown, secret
+
+
+def _override_secrets(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The overrides as the nodes get them, each secret value replaced by a reference to a secret variable
+    (`--spot.env.NAME "$NAME"`, `--job.env.HF_TOKEN "$PRIME_TRAIN_SECRET_JOB_ENV_HF_TOKEN"`), and those variables."""
+    out: list[str] = []
+    secrets: dict[str, str] = {}
+    i = 0
+    while i < len(overrides):
+        token = overrides[i]
+        key, eq, inline = token.partition("=")
+        is_override = token.startswith("--") and "." in key
+        value = inline if eq else overrides[i + 1] if is_override and i + 1 < len(overrides) else None
+        names_only = key == "--spot.secrets"  # a list of variable names, not a value
+        if not is_override or value is None or names_only or not _is_secret_value(key.rsplit(".", 1)[-1], value):
+            out.append(token)
+            i += 1
+            continue
+        dotted = key[2:]
+        if dotted.startswith("spot.env.") and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", dotted[len("spot.env.") :]):
+            name = dotted[len("spot.env.") :]  # spot.env's own variable on the node: the same value
+        else:
+            name = "PRIME_TRAIN_SECRET_" + re.sub(r"[^A-Za-z0-9]+", "_", dotted).strip("_").upper()
+        secrets[name] = value
+        if eq:
+            out.append(_ShellWord(shlex.quote(f"{key}=") + f'"${name}"'))
+            i += 1
+        else:
+            out += [token, _ShellWord(f'"${name}"')]
+            i += 2
+    return out, secrets
 
 
 def _run_script(cfg: Config, remote_configs: list[str], overrides: list[str]) -> str:
@@ -491,13 +570,16 @@ def task_from_config(cfg: Config, *, config_files: list[str], overrides: list[st
         task["workdir"] = str(Path(spot.workdir).expanduser().resolve())
     if mounts:
         task["file_mounts"] = dict(sorted(mounts.items()))
-    envs = {"PYTHONUNBUFFERED": "1", **spot.env}
+    shown_env, secret_env = _secret_env(spot.env)  # a credential in spot.env is passed by name, as a secret
+    forwarded, override_secrets = _override_secrets(overrides)
+    secret_values = {**override_secrets, **secret_env}
+    envs = {"PYTHONUNBUFFERED": "1", **shown_env}
     task["envs"] = dict(sorted(envs.items()))
-    if spot.secrets:
-        task["secrets"] = dict.fromkeys(sorted(set(spot.secrets)))
+    if spot.secrets or secret_values:
+        task["secrets"] = dict.fromkeys(sorted({*spot.secrets, *secret_values}))
     task["setup"] = _setup_script(install, cfg)
-    task["run"] = _run_script(cfg, remote_configs, overrides)
-    return task
+    task["run"] = _run_script(cfg, remote_configs, forwarded)
+    return SkyTask(task, secret_values)
 
 
 # ---------------------------------------------------------------- SkyPilot calls
@@ -534,8 +616,9 @@ def launch(
     """
     name = str(task.get("name") or "prime-train")
     names = list((task.get("secrets") or {}).keys())
-    missing = [n for n in names if not os.environ.get(n)]  # unset or empty (an unset CI secret)
-    launched = dict(task)
+    values = {n: v for n, v in getattr(task, "secret_values", {}).items() if v}  # those the config holds
+    missing = [n for n in names if not values.get(n) and not os.environ.get(n)]  # unset or empty (an unset CI secret)
+    launched = dict(task)  # a plain dict: what goes to SkyPilot as JSON holds names only
     if task.get("secrets") is not None:
         kept = {n: None for n in names if n not in missing}
         if kept:
@@ -554,6 +637,7 @@ def launch(
         timeout_s=timeout_s,
         stream=stream or (lambda line: print(line, file=sys.stderr, flush=True)),
         secret_names=names,
+        secret_values=values,
     )
     result["job_ids"] = list(answer.get("job_ids") or [])
     return result

@@ -162,8 +162,9 @@ def lint_spot(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
                 (
                     ("spot", "env", name),
                     "warning",
-                    f"spot.env.{name} looks like a credential: its value goes into the task YAML; list the name in "
-                    "spot.secrets instead and export it where you launch",
+                    f"spot.env.{name} looks like a credential: it reaches the nodes as a SkyPilot secret, not in the "
+                    "task YAML, but its value sits in this config file; list the name in spot.secrets instead and "
+                    "export it where you launch",
                 )
             )
     return problems

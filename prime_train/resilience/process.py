@@ -4,11 +4,17 @@ Teardown is SIGTERM to the group, a grace period, then SIGKILL to the group and 
 descendant that left it (psutil finds them): no orphans, ever.
 
 The child's output never waits on the supervisor. One thread (the pump) copies the pipe to the
-log file, every byte, and hands each line to a bounded queue; another thread calls `on_line`
-from that queue. When the callback falls behind (a job printing faster than the log scanner
-reads), the queue drops its oldest lines, counted in `lines_dropped`, and keeps the newest: a
-process dies at the end of its output, so that is where its cause is. A full disk does not stop
-the pump either: a failed write is counted in `log_bytes_lost` and the pipe keeps draining.
+log file and hands each line to a bounded queue; another thread calls `on_line` from that queue.
+When the callback falls behind (a job printing faster than the log scanner reads), the queue drops
+its oldest lines, counted in `lines_dropped`, and keeps the newest: a process dies at the end of
+its output, so that is where its cause is. A full disk does not stop the pump either: a failed
+write is counted in `log_bytes_lost` and the pipe keeps draining.
+
+The log file gets the output as the job wrote it, with two exceptions (`_LogFile`). Secret values
+(the job's credentials, in any escaped form) are masked as they are written, as CI systems do:
+a line is written once it is whole, so a secret split across two reads is still found. And a log
+is capped at `logging.max_log_mb`: past it, the file keeps its first half and its newest output,
+with a line between them saying how much was dropped.
 """
 
 from __future__ import annotations
@@ -23,9 +29,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
 
 import psutil
+
+from prime_train.config.schema import LoggingConfig
+from prime_train.contract import open_nofollow
+from prime_train.resilience.redact import Redactor
 
 
 @dataclass
@@ -47,6 +56,164 @@ LINE_CHARS = 16_384
 # Lines waiting for a slow `on_line` at most: about 160 MB in the worst case of LINE_CHARS lines,
 # about 1 MB for ordinary ones, and drained in a fraction of a second by the log scanner.
 PENDING_LINES = 10_000
+
+
+# The default of logging.max_log_mb: a process's log of one attempt keeps at most this much (head and tail).
+DEFAULT_MAX_LOG_MB: float = LoggingConfig.model_fields["max_log_mb"].default
+# A cap is never below this, so that a head, the note and a tail always fit.
+MIN_LOG_BYTES = 65_536
+# An unfinished line is held for masking up to this many bytes; past it, its older part is written.
+HOLD_BYTES = 1 << 20
+_COPY_BYTES = 1 << 20  # compaction moves the tail up in pieces of this size
+
+
+def log_cap_bytes(max_log_mb: float | None) -> int | None:
+    """The byte cap of a log for `logging.max_log_mb` (0 or None: no cap)."""
+    if not max_log_mb:
+        return None
+    return max(MIN_LOG_BYTES, int(max_log_mb * 2**20))
+
+
+def _size_text(n: int) -> str:
+    return f"{n / 2**20:.1f} MB" if n >= 2**20 else f"{n / 1024:.1f} KB" if n >= 1024 else f"{n} bytes"
+
+
+class _LogFile:
+    """A child's log file: its output with secret values masked, line by line, and at most `max_bytes` of it.
+
+    Masking works on whole lines: a line is held until its newline comes (a line longer than HOLD_BYTES is
+    written in pieces, cut at a carriage return or where no secret value spans the cut), so a secret split
+    across two reads of the pipe is masked all the same. Only by value (the redactor's known secrets, in every
+    escaped form): the shape and name rules run where a log is shown (`status`, `diagnose`).
+
+    The cap: when the file reaches max_bytes, its middle goes. What stays is the head (the first half, to a
+    line end), a line saying how much was dropped (rewritten with the running total), and the newest quarter
+    (from a line start), moved up in pieces: the file never holds more than max_bytes and a chunk, memory
+    stays bounded, and the end of the output, where a process's cause of death is, is always in the file.
+    A reader following the file by offset sees it shrink when that happens."""
+
+    def __init__(self, path: Path, redactor: Redactor | None, max_bytes: int | None):
+        self.redactor = redactor if redactor is not None and redactor.values else None
+        self.max_bytes = max_bytes
+        self.lost = 0  # bytes that a failed write lost (ENOSPC, EIO)
+        self.dropped = 0  # bytes the cap removed from the middle
+        self._held = b""  # the start of a line whose newline has not come yet
+        self._head_end: int | None = None  # where the head ends, once the cap has cut the file
+        self._note_len = 0
+        self.fd: int | None
+        try:
+            # read and write (the cap moves the tail up), never through a link planted at the log's name
+            self.fd = open_nofollow(path, os.O_RDWR | os.O_CREAT)
+            self.size = os.lseek(self.fd, 0, os.SEEK_END)  # a restarted process appends to its log
+        except OSError:  # UnsafeLink is one too
+            # a full disk (or a link) refused even the file: the pipe is drained all the same, the loss counted
+            self.fd, self.size = None, 0
+
+    def write(self, chunk: bytes) -> None:
+        """Take a piece of output; what ends in a newline is written now, the rest when its line is whole."""
+        data = self._held + chunk
+        end = data.rfind(b"\n") + 1
+        self._held = data[end:]
+        out = self._mask(data[:end])
+        if len(self._held) > HOLD_BYTES:
+            out += self._cut_held()
+        self._put(out)
+
+    def close(self) -> None:
+        """Write what is held (the last line, without a newline) and close the file."""
+        if self._held:
+            self._put(self._mask(self._held))
+            self._held = b""
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+
+    def _mask(self, data: bytes) -> bytes:
+        if self.redactor is None or not data or not self.redactor.might_hold_values(data):
+            return data
+        return self.redactor.mask_values(data.decode("utf-8", "surrogateescape")).encode("utf-8", "surrogateescape")
+
+    def _cut_held(self) -> bytes:
+        """The older part of a held line too long to wait for its newline, masked; the rest stays held."""
+        held = self._held
+        if self.redactor is None:
+            self._held = b""
+            return held
+        cr = held.rfind(b"\r") + 1  # a progress bar redrawn in place: each redraw is a line to the eye
+        if cr and len(held) - cr <= HOLD_BYTES:
+            self._held = held[cr:]
+            return self._mask(held[:cr])
+        # keep the last longest-form characters, and any secret that starts before the cut and ends after it
+        text = held.decode("utf-8", "surrogateescape")
+        cut = max(0, len(text) - self.redactor.longest_form)
+        for m in self.redactor.matches(text):
+            if m.start() < cut < m.end():
+                cut = m.start()
+                break
+        self._held = text[cut:].encode("utf-8", "surrogateescape")
+        return self.redactor.mask_values(text[:cut]).encode("utf-8", "surrogateescape")
+
+    def _put(self, data: bytes) -> None:
+        if not data:
+            return
+        if self.fd is None:
+            self.lost += len(data)
+            return
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(self.fd, view)
+                self.size += written
+                view = view[written:]
+        except OSError:
+            # ENOSPC, EIO: the job must not block on a full pipe because the disk is full; the line still
+            # reaches on_line (the scanner reports the full disk) and tail
+            self.lost += len(view)
+            with contextlib.suppress(OSError):
+                self.size = os.lseek(self.fd, 0, os.SEEK_END)
+        if self.max_bytes is not None and self.size >= self.max_bytes:
+            try:
+                self._compact()
+            except OSError:
+                with contextlib.suppress(OSError):
+                    self.size = os.lseek(self.fd, 0, os.SEEK_END)
+
+    def _line_end(self, offset: int) -> int:
+        """The offset just past the first newline at or after `offset` (within a window), else `offset`."""
+        assert self.max_bytes is not None and self.fd is not None
+        window = os.pread(self.fd, max(1, self.max_bytes // 8), offset)
+        newline = window.find(b"\n")
+        return offset + newline + 1 if newline >= 0 else offset
+
+    def _compact(self) -> None:
+        """Drop the middle: keep the head, a note with the bytes dropped so far, and the newest quarter."""
+        assert self.max_bytes is not None and self.fd is not None
+        fd = self.fd
+        if self._head_end is None:
+            self._head_end = self._line_end(self.max_bytes // 2)
+            self._note_len = 0
+        start = self._line_end(self.size - self.max_bytes // 4)  # the tail begins at a line start
+        self.dropped += start - self._head_end - self._note_len
+        head_ends_line = self._head_end == 0 or os.pread(fd, 1, self._head_end - 1) == b"\n"
+        note = (
+            ("" if head_ends_line else "\n")
+            + f"[prime-train] {_size_text(self.dropped)} of this process's output dropped here: this log keeps its "
+            f"first {_size_text(self._head_end)} and its newest output (logging.max_log_mb = "
+            f"{self.max_bytes / 2**20:g})\n"
+        ).encode()
+        os.pwrite(fd, note, self._head_end)
+        self._note_len = len(note)
+        dst = self._head_end + len(note)
+        while start < self.size:  # dst < start: a piece never overwrites what is still to be copied
+            piece = os.pread(fd, min(_COPY_BYTES, self.size - start), start)
+            if not piece:
+                break
+            os.pwrite(fd, piece, dst)
+            start += len(piece)
+            dst += len(piece)
+        os.ftruncate(fd, dst)
+        self.size = os.lseek(fd, dst, os.SEEK_SET)
 
 
 class _LineQueue:
@@ -104,8 +271,14 @@ class ChildProcess:
         tail: int = 200,
         on_output_closed: Callable[[], None] | None = None,
         max_pending_lines: int = PENDING_LINES,
+        redactor: Redactor | None = None,
+        max_log_bytes: int | None = log_cap_bytes(DEFAULT_MAX_LOG_MB),
     ):
+        """`redactor`: the secret values masked in the log file (None: those the child's own environment names,
+        `Redactor.for_process`); `max_log_bytes`: the log's cap (`log_cap_bytes(cfg.logging.max_log_mb)`)."""
         self.spec = spec
+        self.redactor = redactor
+        self.max_log_bytes = max_log_bytes
         self.on_output_closed = on_output_closed
         self.log_path = log_path
         self.on_line = on_line
@@ -114,6 +287,7 @@ class ChildProcess:
         self.started_at = 0.0
         self.exited_at: float | None = None
         self.log_bytes_lost = 0  # output the log file did not get (a full disk); on_line and tail still did
+        self.log_bytes_dropped = 0  # output the cap (max_log_bytes) removed from the middle of the log file
         self._reader: threading.Thread | None = None  # the pump: pipe -> log file, tail, queue
         self._caller: threading.Thread | None = None  # queue -> on_line
         self._lines = _LineQueue(max_pending_lines)
@@ -135,6 +309,8 @@ class ChildProcess:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.spec.env}
+        if self.redactor is None:
+            self.redactor = Redactor.for_process(env)
         self.started_at = time.time()
         self.popen = subprocess.Popen(
             self.spec.argv,
@@ -158,11 +334,8 @@ class ChildProcess:
         partial = b""  # the start of a line whose newline has not come yet: its head and tail when long
         line_no = 0
         try:
+            log = _LogFile(self.log_path, self.redactor, self.max_log_bytes)
             try:
-                log: BinaryIO | None = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 (closed below)
-            except OSError:
-                log = None  # a full disk refused even the file: the pipe is drained all the same
-            with log or contextlib.nullcontext():
                 # whatever the pipe holds, up to READ_BYTES, in one read and one write: the job's
                 # output is copied as fast as it comes, however many lines it is cut into
                 while chunk := os.read(fd, READ_BYTES):
@@ -178,6 +351,9 @@ class ChildProcess:
                         line_no += len(lines)
                 if partial:  # the last line, without a newline
                     self._deliver([_line_text(partial)], line_no)
+            finally:
+                log.close()
+                self.log_bytes_lost, self.log_bytes_dropped = log.lost, log.dropped
         finally:
             self._lines.close()
             # the pipe closes when the process (and every child holding it) exits: wake the supervisor
@@ -191,15 +367,9 @@ class ChildProcess:
         if self.on_line is not None:
             self._lines.put_many(lines, first_no + 1)
 
-    def _write(self, log: BinaryIO | None, data: bytes) -> None:
-        try:
-            if log is None:
-                raise OSError("no log file")
-            log.write(data)
-        except OSError:
-            # ENOSPC, EIO: the job must not block on a full pipe because the disk is full; the
-            # line still reaches on_line (the scanner reports the full disk) and tail
-            self.log_bytes_lost += len(data)
+    def _write(self, log: _LogFile, data: bytes) -> None:
+        log.write(data)  # a failed write is counted, never raised: the pipe keeps draining
+        self.log_bytes_lost, self.log_bytes_dropped = log.lost, log.dropped
 
     def _call(self) -> None:
         assert self.on_line is not None

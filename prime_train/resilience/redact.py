@@ -7,16 +7,19 @@ is deliberately narrow: `max_tokens=256`, `tokenizer: …` and `pad_token=<|endo
 training-log text and must survive untouched. And values known to be secret wherever they appear,
 with no name or shape beside them: a `Redactor` is built from the environment and the run's config,
 collects every value whose variable, key or flag is named like a credential (KEY, TOKEN, SECRET,
-PASSWORD, PASS, PWD, CREDENTIAL, AUTH, PRIVATE) and masks each occurrence. Every file the supervisor
-writes and every line it or `status`/`diagnose` prints goes through one; the raw process logs under
-logs/ are the one place a job's output stays as written.
+PASSWORD, PASS, PWD, CREDENTIAL, AUTH, PRIVATE) and masks each occurrence, in any escaped form a program
+prints it in (JSON, a repr, URL encoding, shell quoting: a secret holding `\\` or `"` never appears as itself
+in a traceback). Every file the supervisor writes and every line it or `status`/`diagnose` prints goes
+through one. The process logs under logs/ get the value rule as they are written (process.py); the shape
+and name rules, too slow for every byte a chatty job prints, are applied where a log is shown.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+import shlex
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +56,8 @@ _KEYWORD = r"(?:token|secret|passw(?:or)?d|passphrase|api[_\-]?key|apikey|access
 # contain a keyword; is_secret_name() then decides, so that `max_tokens=256` is left alone.
 _ASSIGNMENT = re.compile(
     rf"(?i)(?<![\w.\-])(?P<q>[\"']?)(?P<key>[\w.\-]*{_KEYWORD}[\w.\-]*)(?P=q)(?P<sep>\s*[:=]\s*)"
-    r"(?P<val>\[REDACTED\]|\"[^\"]*\"|'[^']*'|[^\s\"',;&)}\]]+)"
+    # a quoted value up to its closing quote, past escaped quotes (`"pa\"ss"` in JSON or a repr)
+    r"(?P<val>\[REDACTED\]|\"(?:[^\"\\]|\\.)*\"|'(?:[^'\\]|\\.)*'|[^\s\"',;&)}\]]+)"
 )
 
 # --hf-token VALUE, --api-key=VALUE, --wandb-api-key VALUE
@@ -233,6 +237,35 @@ def _value_and_lines(value: str) -> list[str]:
     return [value, *(line.strip() for line in value.splitlines()[1:] if line.strip())] if "\n" in value else [value]
 
 
+def escaped_forms(value: str) -> set[str]:
+    """`value` and the forms a program prints it in: JSON-escaped (also inside JSON again), a Python repr with
+    either quote, URL-encoded (either case of hex digits, `+` or `%20` for a space) and shell-quoted. A secret
+    holding a backslash or a quote leaks as one of these (a traceback shows its repr, a JSON log line escapes it),
+    where the value itself never appears."""
+    from urllib.parse import quote, quote_plus
+
+    once = json.dumps(value)[1:-1]
+    forms = {value, once, json.dumps(value, ensure_ascii=False)[1:-1], json.dumps(once)[1:-1], repr(value)[1:-1]}
+    backslashed = value.replace("\\", "\\\\")
+    forms |= {backslashed.replace("'", "\\'"), backslashed.replace('"', '\\"')}  # repr's, whichever quote it chose
+    forms.add(value.encode("unicode_escape").decode("ascii"))
+    for encoded in (quote(value, safe=""), quote(value), quote_plus(value, safe=""), quote_plus(value)):
+        forms |= {encoded, re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), encoded)}
+    forms.add(shlex.quote(value))
+    return forms
+
+
+# Characters every escaped form keeps as they are (JSON, repr, URL encoding, shell quoting): the longest run of them
+# in a value is in each of its forms, so text without it cannot hold the value in any form (a cheap test first).
+_KEPT_RUN = re.compile(r"[A-Za-z0-9_.~\-]+")
+MIN_ANCHOR_CHARS = 4
+
+
+def _anchor(value: str) -> str | None:
+    run = max(_KEPT_RUN.findall(value), key=len, default="")
+    return run if len(run) >= MIN_ANCHOR_CHARS else None
+
+
 def find_secrets(text: str) -> list[str]:
     """The secret values the shape and name rules of `redact` find in `text` (what it would replace)."""
     low = text.lower()
@@ -307,7 +340,15 @@ class Redactor:
         keep = {piece for value in values if isinstance(value, str) for piece in _value_and_lines(value)}
         # longest first: a value that contains another is masked whole
         self.values = tuple(sorted((v for v in keep if _worth_masking(v)), key=lambda v: (-len(v), v)))
-        self._rx = re.compile("|".join(map(re.escape, self.values))) if self.values else None
+        # what is masked: each value and its escaped forms (JSON, repr, URL-encoded, shell-quoted)
+        forms = {form for value in self.values for form in escaped_forms(value)}
+        self.forms = tuple(sorted(forms, key=lambda v: (-len(v), v)))
+        self._rx = re.compile("|".join(map(re.escape, self.forms))) if self.forms else None
+        anchors = [_anchor(v) for v in self.values]
+        # None: some value has no anchor, every text is searched
+        self._anchors = None if None in anchors else tuple(set(anchors))  # type: ignore[arg-type]
+        self._anchor_bytes = tuple(a.encode() for a in self._anchors) if self._anchors is not None else None
+        self.longest_form = max((len(f) for f in self.forms), default=0)
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] | None = None) -> Redactor:
@@ -324,11 +365,43 @@ class Redactor:
 
         return cls([*cls.from_environment(env).values, *_config_secrets(to_toml_dict(cfg))])
 
+    @classmethod
+    def for_process(cls, env: Mapping[str, str]) -> Redactor:
+        """Masks what a job process started with `env` was given as secrets: the values of its credential
+        variables, and the real values of config.toml's `***` the supervisor passes it (ENV_CONFIG_SECRETS)."""
+        from prime_train.config.loader import ENV_CONFIG_SECRETS
+
+        values = list(cls.from_environment(env).values)
+        try:
+            entries = json.loads(env.get(ENV_CONFIG_SECRETS) or "[]")
+        except ValueError:
+            entries = []
+        for entry in entries if isinstance(entries, list) else []:
+            if isinstance(entry, list) and len(entry) == 2 and isinstance(value := entry[1], str):
+                # the stored string (`--hf-token=VALUE`, a URL with a password) and the secret inside it
+                values += [value, *(v for _, v in _argv_secrets([value])), *find_secrets(value)]
+        return cls(values)
+
+    def might_hold_values(self, data: str | bytes) -> bool:
+        """False when `data` cannot hold a known secret value in any form (a substring test per value, no regex)."""
+        if self._rx is None:
+            return False
+        if isinstance(data, bytes):
+            return self._anchor_bytes is None or any(a in data for a in self._anchor_bytes)
+        return self._anchors is None or any(a in data for a in self._anchors)
+
+    def matches(self, text: str) -> Iterator[re.Match[str]]:
+        """Where `text` holds a known secret value, in any escaped form."""
+        return self._rx.finditer(text) if self._rx is not None else iter(())
+
+    def mask_values(self, text: str) -> str:
+        """`text` with every known secret value, in any escaped form, replaced by [REDACTED] (no shape or name
+        rules: fast enough for every byte a job prints)."""
+        return self._rx.sub(REDACTED, text) if self._rx is not None and self.might_hold_values(text) else text
+
     def __call__(self, text: str) -> str:
-        """`text` with every known secret value and every secret shape replaced by [REDACTED]."""
-        if self._rx is not None:
-            text = self._rx.sub(REDACTED, text)
-        return redact(text)
+        """`text` with every known secret value (in any escaped form) and every secret shape replaced by [REDACTED]."""
+        return redact(self.mask_values(text))
 
     def value(self, obj: Any) -> Any:
         """A copy of `obj` (str, dict, list, tuple, dataclass, nested) with its strings redacted; keys are kept."""

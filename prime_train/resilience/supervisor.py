@@ -36,6 +36,8 @@ from prime_train.contract import (
     newest_external_checkpoint,
     read_heartbeat,
     read_json,
+    replace_file_atomic,
+    replace_symlink,
     write_json_atomic,
 )
 from prime_train.launch import gpu_devices, job_exit_code, plan_engine_launch
@@ -52,7 +54,7 @@ from prime_train.resilience.ownership import (
     supervisor_token,
 )
 from prime_train.resilience.policy import RestartPolicy
-from prime_train.resilience.process import ChildProcess, ProcessSpec
+from prime_train.resilience.process import ChildProcess, ProcessSpec, log_cap_bytes
 from prime_train.resilience.redact import Redactor, redact_argv
 from prime_train.resilience.verdict import exit_verdict, stop_signal
 from prime_train.resilience.watchers import (
@@ -78,13 +80,6 @@ class Attempt:
     last_step: int | None = None
     resumed_from: int | None = None  # the step it started from (0: fresh); the job's heartbeat has the last word
     checkpoint_step_at_end: int | None = None
-
-    def time_lost(self, step_time: float | None) -> float:
-        """Work thrown away by this attempt's failure: steps past the newest checkpoint, in seconds."""
-        if self.failure is None or self.last_step is None or step_time is None:
-            return 0.0
-        base = self.checkpoint_step_at_end or 0
-        return max(0, self.last_step - base) * step_time
 
 
 @dataclass
@@ -121,6 +116,7 @@ class Supervisor:
         self.findings: list[Finding] = []
         self._findings_lock = threading.Lock()
         self._stop = threading.Event()
+        self._stop_now = threading.Event()  # a second Ctrl-C: kill the job now, do not wait for its checkpoint
         self._wake = threading.Event()
         self._stop_reason = ""
         self._scanners: dict[str, LogScanner] = {}
@@ -143,9 +139,13 @@ class Supervisor:
 
     # ------------------------------------------------------------------ public
 
-    def request_stop(self, reason: str = "signal") -> None:
-        """Checkpoint and stop: the trainer gets SIGTERM and exits 75; no restart follows."""
-        self._stop_reason = reason
+    def request_stop(self, reason: str = "signal", *, now: bool = False) -> None:
+        """Checkpoint and stop: the trainer gets SIGTERM and exits 75; no restart follows. `now` (a second Ctrl-C):
+        the job is killed at the next poll, its checkpoint not waited for; still "stopped", 75. Only sets flags."""
+        if not (now and self._stop.is_set()):
+            self._stop_reason = reason
+        if now:
+            self._stop_now.set()
         self._stop.set()
         self._wake.set()
 
@@ -167,6 +167,11 @@ class Supervisor:
         self.claim()
         try:
             return self._run()
+        except BaseException:  # a bug, a KeyboardInterrupt: supervisor.json must not go on saying "running"
+            if self.state in ("starting", "running", "restarting"):
+                with contextlib.suppress(Exception):
+                    self._set_state("stopped" if self._stop.is_set() else "failed", final=True)
+            raise
         finally:
             assert self.lock is not None
             self.lock.release()
@@ -180,7 +185,8 @@ class Supervisor:
         self._attempt_base = max(attempt_numbers(self.run_dir), default=0)
         self._keeper = Housekeeper(self.run_dir, self.events, self.observer.message)
         try:
-            self.run_dir.config_path.write_text(self.redactor.masked_config(self.cfg).text)  # secret values as ***
+            masked = self.redactor.masked_config(self.cfg).text.encode()  # secret values as ***
+            replace_file_atomic(self.run_dir.config_path, masked, mode=0o666)  # renamed over a link, never through it
         except OSError as exc:
             self.events.emit("run_failed", reason=f"cannot write {self.run_dir.config_path}: {exc}")
             self.observer.message(f"cannot write {self.run_dir.config_path}: {exc}; {self._disk_statement()}")
@@ -301,7 +307,7 @@ class Supervisor:
         if newest_checkpoint(self.cfg.checkpoints_dir) is not None:
             cfg.ckpt.resume = "auto"
         path = self.run_dir.root / f"config.attempt-{attempt.number}.toml"
-        path.write_text(self.redactor.masked_config(cfg).text)
+        replace_file_atomic(path, self.redactor.masked_config(cfg).text.encode(), mode=0o666)  # never through a link
         return path
 
     def _specs(self, attempt: Attempt) -> list[ProcessSpec]:
@@ -363,6 +369,17 @@ class Supervisor:
             self.events.emit("log_finding", **finding.to_dict())
         self.observer.finding(finding)
 
+    def _child(self, spec: ProcessSpec, log_path: Path) -> ChildProcess:
+        """A child whose log is masked with the run's secrets as written and capped at logging.max_log_mb."""
+        return ChildProcess(
+            spec,
+            log_path,
+            on_line=self._on_line,
+            on_output_closed=self._wake.set,
+            redactor=self.redactor,
+            max_log_bytes=log_cap_bytes(self.cfg.logging.max_log_mb),
+        )
+
     def _on_line(self, process: str, line: str, line_no: int) -> None:
         scanner = self._scanners.get(process)
         if scanner is not None:
@@ -377,18 +394,15 @@ class Supervisor:
         self.children = []  # first: a start that fails half way must not leave the last attempt's children listed
         self._scanners = {}
         logs = self.run_dir.attempt_logs(attempt.number)
-        logs.mkdir(parents=True, exist_ok=True)
-        latest = self.run_dir.logs_dir / "latest"
-        if latest.is_symlink() or latest.exists():
-            latest.unlink()
-        with contextlib.suppress(OSError):  # a convenience: a full disk must not stop the attempt for it
-            latest.symlink_to(logs.name)
+        self.run_dir.ensure_dir(logs)  # contract.UnsafeLink (an OSError) when logs/ leads out of the run directory
+        with contextlib.suppress(OSError):  # a convenience: a full disk (or a `latest` not ours) must not stop it
+            replace_symlink(self.run_dir.logs_dir / "latest", logs.name)
         specs = self._specs(attempt)
         self._roles = {spec.name: spec.role for spec in specs}
         for spec in specs:
             log_path = logs / f"{spec.name}.log"
             self._scanners[spec.name] = LogScanner(process=spec.name, file=str(log_path))
-            child = ChildProcess(spec, log_path, on_line=self._on_line, on_output_closed=self._wake.set)
+            child = self._child(spec, log_path)
             child.start()
             self.children.append(child)
             assert self.events is not None
@@ -460,6 +474,12 @@ class Supervisor:
                         c.signal(signal.SIGTERM)
                     stop_sent = True
                     stop_deadline = time.time() + sup.term_grace_s
+                if self._stop_now.is_set():
+                    self.events.emit("stop_forced", reason="a second Ctrl-C", step=progress.step)
+                    self.observer.message("second Ctrl-C: killing the job now, without waiting for its checkpoint")
+                    for c in self.children:
+                        c.kill()
+                    break
                 if stop_sent and time.time() > stop_deadline:
                     failure = Failure(
                         FailureKind.HANG,
@@ -541,9 +561,7 @@ class Supervisor:
                     exit_code=code,
                 )
             child.stop(self.cfg.supervisor.term_grace_s)
-            replacement = ChildProcess(
-                child.spec, child.log_path, on_line=self._on_line, on_output_closed=self._wake.set
-            )
+            replacement = self._child(child.spec, child.log_path)
             replacement.start()
             self.children[self.children.index(child)] = replacement
             if health is not None:

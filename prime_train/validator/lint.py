@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from prime_train.config.loader import ConfigError, Problem, Sources, load_raw, names_dropped, validate_all
@@ -84,6 +85,22 @@ def _data_files_problem(path: str) -> str | None:
     if os.path.isfile(expanded):
         return None if expanded.endswith(DATA_SUFFIXES) else f"{where}: use {', '.join(DATA_SUFFIXES)} files"
     return f"{where} does not exist; check the path (relative paths are read from the directory you run in)"
+
+
+def _masking(cfg: Config) -> Callable[[str], str]:
+    """A function that masks secrets in a message (this environment's credentials, the config's secret values,
+    in any escaped form, and the known token shapes), built on its first use: most configs need none."""
+    redactor = None
+
+    def shown(message: str) -> str:
+        nonlocal redactor
+        if redactor is None:
+            from prime_train.resilience.redact import Redactor
+
+            redactor = Redactor.for_run(cfg)
+        return redactor(message)
+
+    return shown
 
 
 def _resume_problem(resume: str) -> str | None:
@@ -195,10 +212,12 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
                     f"data.sampling_probs must be non-negative and sum to 1 (they sum to {sum(d.sampling_probs):g})",
                 )
             )
+    shown = _masking(cfg)  # a dataset path can hold a credential (a token in a URL, a key in a folder's name)
     for i, ds in enumerate(d.datasets):
         why = _data_files_problem(ds.path) if ds.path is not None else None
         if why:
-            problems.append(sources.problem(("data", "datasets", i, "path"), "error", f"data.datasets[{i}].path {why}"))
+            message = shown(f"data.datasets[{i}].path {why}")
+            problems.append(sources.problem(("data", "datasets", i, "path"), "error", message))
         found = None
         if ds.task is not None:  # a built-in task's records: their fields are fixed
             found = data_fields.format_problem(ds, dict.fromkeys(TASK_FIELDS, ""), f"task {ds.task!r}'s records")
@@ -207,13 +226,11 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
             found = record and data_fields.format_problem(ds, record[1], record[0])
         if found:
             key, why = found
-            problems.append(sources.problem(("data", "datasets", i, key), "error", f"data.datasets[{i}].{key} {why}"))
+            message = shown(f"data.datasets[{i}].{key} {why}")
+            problems.append(sources.problem(("data", "datasets", i, key), "error", message))
     if cfg.train.mc_eval_path is not None and not os.path.isfile(_resolve(cfg.train.mc_eval_path)):
-        problems.append(
-            sources.problem(
-                ("train", "mc_eval_path"), "error", f"train.mc_eval_path {cfg.train.mc_eval_path!r} is not a file"
-            )
-        )
+        message = shown(f"train.mc_eval_path {cfg.train.mc_eval_path!r} is not a file")
+        problems.append(sources.problem(("train", "mc_eval_path"), "error", message))
 
     m = cfg.model
     if m.path is None and d.seq_len > m.max_position_embeddings:
