@@ -211,11 +211,33 @@ def unknown_key_message(path: KeyPath) -> str:
 _TOML_POS = re.compile(r"\(at line (\d+), column (\d+)\)")
 
 
+# A run config is a few KB; one over this is the wrong file (a dataset, a log) and parsing it would take minutes and
+# gigabytes (tomllib on a 100 MB array: 1.2 GB): it is refused before it is parsed.
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _read_config_text(path: str | Path, name: str) -> str:
+    """The text of a config file, read no further than MAX_CONFIG_BYTES (a pipe, `<(...)`, is read the same way)."""
+    with open(path, "rb") as fh:
+        data = fh.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            try:
+                size = os.fstat(fh.fileno()).st_size
+            except OSError:
+                size = 0
+            limit = f"the {MAX_CONFIG_BYTES >> 20} MiB limit for a config"
+            what = f"{size / 2**20:.1f} MiB, over {limit}" if size > MAX_CONFIG_BYTES else f"over {limit}"
+            message = f"config file {name} is {what} (a run config is a few KB); not read: is it the right file?"
+            raise ConfigError([Problem(name, 0, 0, "", "error", message)])
+    # as Path.read_text did: universal newlines (a \r\n file reads as \n)
+    return data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+
+
 def read_toml(path: str | Path) -> tuple[dict[str, Any], dict[KeyPath, Position]]:
-    """Parse one TOML file; a syntax error or unreadable file becomes a ConfigError with the line."""
+    """Parse one TOML file; a syntax error, unreadable file or one too big to be a config becomes a ConfigError."""
     name = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = _read_config_text(path, name)
     except FileNotFoundError:
         near = near_paths(name)
         hint = f"; did you mean {' or '.join(near)}?" if near else ""

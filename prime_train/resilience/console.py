@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+import re
 import time
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -12,7 +15,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from prime_train.contract import Phase, read_jsonl
+from prime_train.contract import Phase
+from prime_train.resilience import bounded
 from prime_train.resilience.logscan import Finding
 from prime_train.resilience.rl_summary import rl_summary, summary_lines
 from prime_train.resilience.supervisor import Observer, Supervisor
@@ -102,7 +106,6 @@ def summary_table(sup: Supervisor) -> Table:
     table = Table(title=Text(f"run {sup.cfg.run.name}: {sup.state}"))
     for col in ("attempt", "duration", "steps", "exit", "cause", "time lost"):
         table.add_column(col, no_wrap=True)  # short cells: a header or a "2 → 6" broken in two reads wrong
-    step_time = sup.mean_step_time()
     for a in sup.attempts:
         duration = (a.ended or time.time()) - a.started
         # where it resumed (the job's heartbeat says so), not 0: a resumed run did not train from the start
@@ -115,9 +118,71 @@ def summary_table(sup: Supervisor) -> Table:
             steps,
             str(a.exit_code) if a.exit_code is not None else "-",
             cause,
-            _fmt_duration(a.time_lost(step_time)) if a.failure else "-",
+            _fmt_duration(time_lost(sup, a)) if a.failure else "-",
         )
     return table
+
+
+def time_lost(sup: Supervisor, attempt: Any) -> float | None:
+    """The wall time an attempt's failure threw away: from when the run reached the step of the newest checkpoint
+    the attempt left (the one the next attempt resumes from) to the attempt's end, or the whole attempt when it left
+    no checkpoint of its own. None for an attempt that did not fail.
+
+    When the step was reached is read from the run's files, not estimated from a step time: the step's row in
+    metrics.jsonl (written when the step was done), else the checkpoint's own time (an external job's). A mean
+    step time times the steps lost misses the step in progress at the crash, a slow step, and everything when the
+    job reports no step time."""
+    if attempt.failure is None:
+        return None
+    ended = attempt.ended if attempt.ended is not None else time.time()
+    since = attempt.started
+    reached = _step_reached(sup, attempt.checkpoint_step_at_end, attempt.started, ended)
+    if reached is not None:
+        since = reached
+    return max(0.0, ended - since)
+
+
+def _step_reached(sup: Supervisor, step: int | None, started: float, ended: float) -> float | None:
+    """When `step` was reached within [started, ended]: its metrics.jsonl row's time, else its checkpoint's."""
+    if step is None:
+        return None
+    run_dir = getattr(sup, "run_dir", None)
+    if run_dir is not None:
+        keys = (b'"step": %d' % step, b'"step":%d' % step)
+        for row in bounded.records_from_end(run_dir.metrics_path, contains=keys):
+            stamp = row.get("time")
+            if row.get("step") == step and isinstance(stamp, int | float) and started <= stamp <= ended:
+                return float(stamp)
+    path = _checkpoint_path(sup, step)
+    try:
+        stamp = path.stat().st_mtime if path is not None else None
+    except OSError:
+        stamp = None
+    return stamp if stamp is not None and started <= stamp <= ended else None
+
+
+def _checkpoint_path(sup: Supervisor, step: int) -> Path | None:
+    """The checkpoint of `step`: checkpoints/step-N of the engine, or the entry of an external job's
+    job.checkpoint_dir whose name matches job.checkpoint_pattern."""
+    cfg = getattr(sup, "cfg", None)
+    if cfg is None:
+        return None
+    job = cfg.job
+    if not job.command:
+        return Path(cfg.checkpoints_dir) / f"step-{step}"
+    if not job.checkpoint_dir:
+        return None
+    try:
+        regex, entries = re.compile(job.checkpoint_pattern), os.scandir(job.checkpoint_dir)
+    except (OSError, re.error):
+        return None
+    with entries:
+        for entry in entries:
+            m = regex.search(entry.name)
+            found = m.group(1) if m and m.groups() and not entry.name.endswith(".tmp") else None
+            if found is not None and found.isdigit() and int(found) == step:
+                return Path(entry.path)
+    return None
 
 
 def _number(value: Any) -> str:
@@ -134,13 +199,16 @@ def final_results(run_dir, *, written_since: float | None = None) -> list[str]:
     so that a stopped or failed run does not point at an earlier run's model. metrics.jsonl is read whatever
     it holds: nulls (a diverged loss), NaN, torn lines and bytes that are not UTF-8.
     """
-    last: dict[str, Any] = {}
-    evals: dict[str, Any] = {}
-    for record in read_jsonl(run_dir.metrics_path):
-        if "loss" in record:
-            last = record
-        if any(isinstance(k, str) and k.startswith("eval_") for k in record):
-            evals = record
+    # newest first, within bounds however big the file (bounded.py); eval rows found by their bytes before parsing
+    last = next((r for r in bounded.records_from_end(run_dir.metrics_path) if "loss" in r), {})
+    evals = next(
+        (
+            r
+            for r in bounded.records_from_end(run_dir.metrics_path, contains=(b'"eval_',))
+            if any(isinstance(k, str) and k.startswith("eval_") for k in r)
+        ),
+        {},
+    )
     out = []
     if last:
         out.append(f"step {last.get('step')}: loss {_number(last['loss'])}")

@@ -183,7 +183,7 @@ def diagnose_command(paths: list[str], as_json: bool, all_attempts: bool = True)
     verdicts = []
     for path in log_files(paths, all_attempts=all_attempts, skipped=skipped):
         try:
-            scanner = scan_log(path)
+            scanner = scan_log(path, notes=skipped)  # a huge log: its head and end, the lines between noted
         except OSError as exc:  # unreadable, or gone since it was listed
             skipped.append(f"{path}: cannot be read ({exc.strerror or exc}); skipped")
             continue

@@ -50,6 +50,11 @@ MAX_LINE_CHARS = 16_384
 # Log files are read in pieces of at most this many bytes, so a line without a newline never has
 # to fit in memory whole.
 MAX_READ_BYTES = 65_536
+# A log file read after the fact (`diagnose`) is scanned at most this far from its head and from its end: a chatty
+# job writes gigabytes, and the scanner reads a few MB a second. The lines between are counted (a newline count, at
+# the disk's speed), never scanned, so the line numbers after them stay true; the caller is told what was left out.
+SCAN_HEAD_BYTES = 4 << 20
+SCAN_TAIL_BYTES = 12 << 20
 
 
 def _literal_union(words: Iterable[str]) -> re.Pattern[str]:
@@ -481,15 +486,53 @@ def read_lines(f: IO[bytes], max_bytes: int = MAX_READ_BYTES) -> Iterator[bytes]
         yield head + " … ".encode() + tail
 
 
-def scan_log(path: str | os.PathLike[str], process: str | None = None) -> LogScanner:
-    """Scan one log file to its end; the finished scanner holds its findings and suppressed counts."""
+def scan_log(path: str | os.PathLike[str], process: str | None = None, notes: list[str] | None = None) -> LogScanner:
+    """Scan one log file to its end; the finished scanner holds its findings and suppressed counts.
+
+    A file over SCAN_HEAD_BYTES + SCAN_TAIL_BYTES is scanned at its head and its end only; `notes` gets a line
+    saying which lines were not scanned."""
     scanner = LogScanner(process or process_name(path), str(path))
     # binary read: text mode would also split on the \r of progress bars and shift line numbers
     with open(path, "rb") as f:
-        for line_no, raw in enumerate(read_lines(f), 1):
+        for line_no, raw in _numbered_lines(f, str(path), notes):
             scanner.feed(raw.decode("utf-8", "replace"), line_no)
     scanner.finish()
     return scanner
+
+
+def _numbered_lines(f: IO[bytes], name: str, notes: list[str] | None) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of a log file: every line, or those of its head and its end when it is big."""
+    try:
+        st = os.fstat(f.fileno())
+    except (OSError, ValueError):
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode) or st.st_size <= SCAN_HEAD_BYTES + SCAN_TAIL_BYTES:
+        yield from enumerate(read_lines(f), 1)
+        return
+    line_no = 0
+    for raw in read_lines(f):
+        line_no += 1
+        yield line_no, raw
+        if f.tell() >= SCAN_HEAD_BYTES:
+            break
+    head_lines, pos, tail_start = line_no, f.tell(), st.st_size - SCAN_TAIL_BYTES
+    last = b"\n"
+    while pos < tail_start and (chunk := f.read(min(MAX_READ_BYTES * 16, tail_start - pos))):
+        line_no += chunk.count(b"\n")
+        pos, last = pos + len(chunk), chunk[-1:]
+    if last != b"\n":  # the end starts at a line's start: the rest of the line cut at tail_start is not scanned
+        while (piece := f.readline(MAX_READ_BYTES)) and not piece.endswith(b"\n"):
+            pass
+        line_no += 1 if piece.endswith(b"\n") else 0
+    if line_no > head_lines and notes is not None:
+        notes.append(
+            f"{name}: {st.st_size / 2**20:.0f} MiB; lines {head_lines + 1}-{line_no} not scanned (only its first "
+            f"{SCAN_HEAD_BYTES >> 20} MiB and last {SCAN_TAIL_BYTES >> 20} MiB are)"
+        )
+    yield head_lines, b""  # nothing joins across what was left out (a wrapped phrase, a traceback's lines)
+    for raw in read_lines(f):
+        line_no += 1
+        yield line_no, raw
 
 
 def scan_file(path: str | os.PathLike[str], process: str | None = None) -> list[Finding]:

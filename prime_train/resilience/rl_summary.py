@@ -6,7 +6,7 @@ single step's sampled figures are noisy (a few hundred completions), so start an
 `window` steps; the eval figures are taken as they are, first eval against last. `prime-train status`
 shows the rows of `status_rows` (with each curve as a sparkline), the end of `prime-train run` the table of
 `summary_lines`.
-Torch-free; a file of any shape reads without an exception (contract.read_jsonl).
+Torch-free; a file of any shape reads without an exception, and one of any size within bounds (bounded.records).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import math
 import os
 from typing import Any
 
-from prime_train.contract import read_jsonl
+from prime_train.resilience import bounded
 
 # steps averaged at each end of the sampled curves: the issue's measure ("last 10 steps minus the first 10")
 WINDOW = 10
@@ -59,10 +59,13 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
-def read_curves(metrics_path: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
-    """(step, value) of each RL curve in metrics.jsonl, in step order; a step logged twice keeps its last value."""
+def read_curves(
+    metrics_path: str | os.PathLike[str], notes: list[str] | None = None
+) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) of each RL curve in metrics.jsonl, in step order; a step logged twice keeps its last value.
+    A huge metrics.jsonl is read at its head and its end, a huge line skipped (said in `notes`)."""
     by_step: dict[str, dict[int, float]] = {key: {} for key in (*SAMPLED, *GREEDY)}
-    for record in read_jsonl(metrics_path):
+    for record in bounded.records(metrics_path, notes, contains=(b"reward", b"pass_rate")):
         step = record.get("step")
         if not isinstance(step, int) or isinstance(step, bool):
             continue
@@ -77,13 +80,15 @@ def _mean(points: list[tuple[int, float]]) -> float:
     return sum(v for _, v in points) / len(points)
 
 
-def rl_summary(metrics_path: str | os.PathLike[str], window: int = WINDOW) -> dict[str, dict] | None:
+def rl_summary(
+    metrics_path: str | os.PathLike[str], window: int = WINDOW, notes: list[str] | None = None
+) -> dict[str, dict] | None:
     """Start, end, change and latest value of each RL curve; None when the run logged no reward (not RL).
 
     Sampled curves: start and end are the means of the first and last `window` steps (fewer when the run has
     under 2 x window steps, so the two never overlap). Greedy eval curves: the first and the last eval.
     """
-    curves = read_curves(metrics_path)
+    curves = read_curves(metrics_path, notes)
     if not curves["reward"]:
         return None
     out: dict[str, dict] = {}

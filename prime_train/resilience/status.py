@@ -7,18 +7,22 @@ heartbeat alone (unknown when the job does not say it: never a default the job n
 
 from __future__ import annotations
 
+import codecs
 import difflib
+import itertools
 import math
+import os
 import re
+import sys
 import time
 import tomllib
-from collections import deque
 from pathlib import Path
+from typing import BinaryIO
 
 import psutil
 
-from prime_train.contract import RunDir, list_checkpoints, read_heartbeat, read_json, read_lock_holder
-from prime_train.resilience.events import read_events
+from prime_train.contract import Heartbeat, RunDir, list_checkpoints
+from prime_train.resilience import bounded
 from prime_train.resilience.redact import Redactor
 from prime_train.resilience.rl_summary import rl_summary
 
@@ -103,35 +107,39 @@ def _runs_in(directory: Path) -> list[Path]:
     return [p for p in entries if p.is_dir() and any((p / m).exists() for m in RUN_MARKERS)]
 
 
-def _job_table(rd: RunDir) -> dict:
-    """The [job] table of the config the run was started with (config.toml), or {} when it has none."""
+def _run_config(rd: RunDir, notes: list[str] | None = None) -> dict:
+    """The config the run was started with (config.toml), {} where there is none, it is not TOML, or it is over
+    the size a config may have (noted: parsing a huge one would take minutes)."""
+    text = bounded.read_text(rd.config_path, bounded.MAX_TEXT_BYTES, notes)
     try:
-        job = tomllib.loads(rd.config_path.read_bytes().decode("utf-8", "replace")).get("job")
-    except (OSError, tomllib.TOMLDecodeError):
+        return tomllib.loads(text) if text is not None else {}
+    except (tomllib.TOMLDecodeError, RecursionError):
         return {}
+
+
+def _job_table(config: dict) -> dict:
+    """The [job] table of the run's config, or {} when it has none."""
+    job = config.get("job")
     return job if isinstance(job, dict) and job.get("command") else {}
 
 
-def _config_section(rd: RunDir, name: str) -> dict:
-    """A table of the run's config.toml, {} where there is none or it is not TOML."""
-    try:
-        section = tomllib.loads(rd.config_path.read_bytes().decode("utf-8", "replace")).get(name)
-    except (OSError, tomllib.TOMLDecodeError):
-        section = None
+def _config_section(config: dict, name: str) -> dict:
+    """A table of the run's config, {} where there is none."""
+    section = config.get(name)
     return section if isinstance(section, dict) else {}
 
 
-def _checkpoints_dir(rd: RunDir) -> Path:
+def _checkpoints_dir(rd: RunDir, config: dict) -> Path:
     """Where the engine kept the run's checkpoints: config.toml's ckpt.dir (several nodes share one), else
     checkpoints/ (a relative ckpt.dir is read from here, as the supervisor that ran it did from its directory)."""
-    shared = _config_section(rd, "ckpt").get("dir")
+    shared = _config_section(config, "ckpt").get("dir")
     return Path(shared).expanduser() if isinstance(shared, str) and shared else rd.checkpoints_dir
 
 
-def _node(rd: RunDir) -> dict | None:
+def _node(config: dict) -> dict | None:
     """Which node of a multi-node job this run directory is ({node_rank, nnodes}; node_rank None when SkyPilot's
     environment gave it), None for one node. The step and checkpoints shown are the job's: ranks step together."""
-    dist = _config_section(rd, "distributed")
+    dist = _config_section(config, "distributed")
     nnodes = dist.get("nnodes")
     if not _is_int(nnodes) or nnodes < 2:
         return None
@@ -139,9 +147,9 @@ def _node(rd: RunDir) -> dict | None:
     return {"node_rank": rank if _is_int(rank) else None, "nnodes": nnodes}
 
 
-def _checkpoint_steps(rd: RunDir, job: dict) -> list[int]:
+def _checkpoint_steps(rd: RunDir, config: dict, job: dict) -> list[int]:
     """Steps of the whole checkpoints: the run's own, and an external job's in its job.checkpoint_dir."""
-    steps = {c.step for c in list_checkpoints(_checkpoints_dir(rd))}
+    steps = {c.step for c in list_checkpoints(_checkpoints_dir(rd, config))}
     directory, pattern = job.get("checkpoint_dir"), job.get("checkpoint_pattern", r"step[-_]?(\d+)$")
     if isinstance(directory, str) and isinstance(pattern, str):
         try:  # relative to where the supervisor ran, as it reads it; from elsewhere it may not be found
@@ -155,12 +163,27 @@ def _checkpoint_steps(rd: RunDir, job: dict) -> list[int]:
     return sorted(steps)
 
 
-def _newest_failure(sup: dict, events: list[dict]) -> dict | None:
-    """The newest failure of any attempt: supervisor.json's (the last attempt's) or the last `failure` event."""
+RECENT_EVENTS = 8
+
+
+def _recent_events(path: Path, notes: list[str]) -> list[dict]:
+    """The last RECENT_EVENTS events, oldest first, read from the end of events.jsonl (bounded.records_from_end)."""
+    recent: list[dict] = []
+    for event in bounded.records_from_end(path, notes):
+        recent.append(event)
+        if len(recent) >= RECENT_EVENTS:
+            break
+    return recent[::-1]
+
+
+def _newest_failure(sup: dict, events: list[dict], events_path: Path, notes: list[str]) -> dict | None:
+    """The newest failure of any attempt: supervisor.json's (the last attempt's) or the last `failure` event
+    (among `events`, the recent ones, then further back in events.jsonl, within bounds)."""
     failure = _last_failure(sup.get("last_failure"))
     if failure is not None:
         return failure
-    for event in reversed(events):
+    older = bounded.records_from_end(events_path, notes, contains=(b'"failure"',))
+    for event in itertools.chain(reversed(events), older):
         if event.get("event") == "failure":
             return {k: v for k, v in event.items() if k not in ("time", "event")}
     return None
@@ -169,17 +192,20 @@ def _newest_failure(sup: dict, events: list[dict]) -> dict | None:
 def run_status(run_dir: Path, redactor: Redactor | None = None) -> dict:
     """A run's state from its files, every string redacted (the environment's credential values included).
 
-    Files of any shape read without an exception: a field of the wrong type reads as unknown."""
+    Files of any shape read without an exception: a field of the wrong type reads as unknown. Files of any size
+    read within bounds (bounded.py): what was left out is said in `notes`."""
     rd = RunDir(run_dir)
-    sup = read_json(rd.supervisor_path) or {}
-    job = _job_table(rd)
-    hb = read_heartbeat(rd.progress_path)
+    notes: list[str] = []
+    sup = bounded.read_json(rd.supervisor_path, notes=notes) or {}
+    config = _run_config(rd, notes)
+    job = _job_table(config)
+    hb = Heartbeat.from_dict(bounded.read_json(rd.progress_path, notes=notes))
     if hb is None and isinstance(job.get("progress_file"), str):
-        hb = read_heartbeat(job["progress_file"])
+        hb = Heartbeat.from_dict(bounded.read_json(job["progress_file"], notes=notes))
     state = sup.get("state") if isinstance(sup.get("state"), str) else "unknown"
     if state in ("running", "restarting", "starting") and not _alive(sup.get("pid")):
         state = "dead (supervisor not running)"
-    events = read_events(rd.events_path)
+    events = _recent_events(rd.events_path, notes)
     age = time.time() - hb.time if hb is not None and hb.time is not None and math.isfinite(hb.time) else None
     status = {
         "run_dir": str(rd.root),
@@ -191,11 +217,12 @@ def run_status(run_dir: Path, redactor: Redactor | None = None) -> dict:
         "phase": hb.phase.value if hb is not None else None,
         "loss": hb.loss if hb is not None else None,
         "heartbeat_age_s": round(age, 1) if age is not None else None,
-        "checkpoints": _checkpoint_steps(rd, job),
-        "node": _node(rd),
-        "last_failure": _newest_failure(sup, events),
-        "recent_events": events[-8:],
-        "rl": rl_summary(rd.metrics_path),  # RL runs: reward and pass rate, start against now (rl_summary.py)
+        "checkpoints": _checkpoint_steps(rd, config, job),
+        "node": _node(config),
+        "last_failure": _newest_failure(sup, events, rd.events_path, notes),
+        "recent_events": events,
+        "rl": rl_summary(rd.metrics_path, notes=notes),  # RL runs: reward and pass rate, start against now
+        "notes": notes,  # what was left out of files too big to read whole
     }
     return (redactor or Redactor.from_environment()).value(status)
 
@@ -208,10 +235,10 @@ def owner_alive(rd: RunDir) -> bool:
     """Whether a live process owns the run: the holder named in .lock, or a supervisor.json still running.
 
     Read, never locked: taking the lock, even for a moment, could refuse a `run` starting at that moment."""
-    holder = read_lock_holder(rd) or {}
+    holder = bounded.read_json(rd.lock_path) or {}
     if _alive(holder.get("pid")) and not _started_after(holder.get("pid"), holder.get("since")):
         return True
-    sup = read_json(rd.supervisor_path) or {}
+    sup = bounded.read_json(rd.supervisor_path) or {}
     return sup.get("state") in ("running", "restarting", "starting") and _alive(sup.get("pid"))
 
 
@@ -237,9 +264,9 @@ def run_logs(run_dir: Path, process: str = "", attempt: int | None = None) -> li
 
 
 def tail(path: Path, lines: int) -> list[str]:
-    """The last `lines` lines of a log (all of them for 0), undecodable bytes replaced."""
-    with open(path, errors="replace") as fh:
-        return list(deque(fh, maxlen=lines)) if lines > 0 else fh.readlines()
+    """The last `lines` lines of a log (all of them for 0), undecodable bytes replaced; read from the end within
+    bounds, a line over bounded.MAX_LOG_LINE_BYTES cut with a note (a job's one line can be gigabytes)."""
+    return bounded.tail_lines(path, lines) if lines > 0 else list(bounded.all_lines(path))
 
 
 def logs_command(
@@ -250,22 +277,54 @@ def logs_command(
     for f in files:
         if len(files) > 1:
             print(f"==> {f} <==")
-        print("".join(tail(f, lines)), end="", flush=True)
+        for line in tail(f, lines) if lines > 0 else bounded.all_lines(f):  # all of a big log: one line at a time
+            sys.stdout.write(line)
+        sys.stdout.flush()
     if follow and files:
-        rd = RunDir(run_dir)
-        with open(files[-1], errors="replace") as fh:
+        with open(files[-1], "rb") as fh:
             fh.seek(0, 2)
             try:
-                while True:
-                    line = fh.readline()
-                    if line:
-                        print(line, end="", flush=True)
-                        continue
-                    # the owner gone (finished, failed, killed): what it wrote last is in the file; then stop
-                    if not owner_alive(rd):
-                        print(fh.read(), end="", flush=True)
-                        return 0
-                    time.sleep(poll_s)
+                return _follow(fh, RunDir(run_dir), poll_s)
             except KeyboardInterrupt:
                 return 0
     return 0
+
+
+def _follow(fh: BinaryIO, rd: RunDir, poll_s: float) -> int:
+    """Print what is appended to `fh` until the run has no live owner; a line over bounded.MAX_LOG_LINE_BYTES is
+    cut with a note, so that memory stays bounded whatever the job writes."""
+    limit = bounded.MAX_LOG_LINE_BYTES
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    in_line = 0  # bytes of the current line seen so far
+
+    def show(piece: bytes) -> None:
+        nonlocal in_line
+        ends = piece.endswith(b"\n")
+        body = piece[:-1] if ends else piece
+        text = decoder.decode(body[: max(0, limit - in_line)])
+        in_line += len(body)
+        if ends:
+            text += decoder.decode(b"", final=True)
+            decoder.reset()
+            if in_line > limit:
+                text += bounded.cut_note(in_line, limit)
+            text, in_line = text + "\n", 0
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    while True:
+        piece = fh.readline(bounded.CHUNK)
+        if piece:
+            show(piece)
+            continue
+        size = os.fstat(fh.fileno()).st_size
+        if size < fh.tell():  # logging.max_log_mb cut the log's middle: what is newest is now at its end
+            sys.stdout.write(f"[prime-train] the log was capped and shrank to {size} bytes; following its end\n")
+            fh.seek(size)
+            continue
+        # the owner gone (finished, failed, killed): what it wrote last is in the file; then stop
+        if not owner_alive(rd):
+            while piece := fh.readline(bounded.CHUNK):
+                show(piece)
+            return 0
+        time.sleep(poll_s)
