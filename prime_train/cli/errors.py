@@ -49,8 +49,8 @@ EXIT_CODES: dict[int, str] = {
     int(ExitCode.FAILED): "the outcome is bad: the run failed (restarts exhausted or not retryable); diagnose "
     "found a fatal failure; verify-model: not usable; config diff: the configs differ; a bug in prime-train "
     "(the message names the file with its traceback); the reader of the output went away (piped into `head`, say)",
-    int(ExitCode.PREEMPTED): "stopped on request with a checkpoint (Ctrl-C, SIGTERM, a spot notice): "
-    "`prime-train run` again resumes",
+    int(ExitCode.PREEMPTED): "stopped on request (Ctrl-C, SIGTERM, a spot notice), with a checkpoint unless a "
+    "second Ctrl-C stopped without waiting for one: `prime-train run` again resumes from the newest whole one",
     BAD_INPUT: "bad input, never retried: a config that does not lint or pass preflight, a mistyped flag or "
     "argument, a file or run directory that does not exist, a tool that must be installed first",
 }

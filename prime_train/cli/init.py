@@ -54,6 +54,7 @@ def init(
     from prime_train.validator.wizard import Answers, build_config, check_text
 
     interactive = sys.stdin.isatty() and not yes and not as_json  # a script reading JSON answers nothing
+    _check_writable(output_path)  # before any question: an answer given for a file that cannot be saved is wasted
     a = Answers()
 
     def ask(value: T | None, prompt: str, default: T) -> T:
@@ -78,6 +79,15 @@ def init(
         problems = check_text(text, Path(tmp) / output_path.name)
     for p in problems:
         p.file = str(output_path)
+    # lint also checks this machine: a run.output_dir (or ckpt.dir) it cannot write from here is about where
+    # `prime-train run` is started, not a mistake in the generated config. Said as a warning; the config is saved.
+    for p in problems:
+        if p.severity == "error" and p.key in _MACHINE_KEYS and "cannot be written" in p.message:
+            p.severity = "warning"
+            p.message = (
+                f"{p.message.removesuffix('; choose another')} from this directory: start `prime-train run` where it "
+                "can be written, or choose another"
+            )
 
     if not as_json:  # with --json the config is in the document
         _show(text)
@@ -91,11 +101,49 @@ def init(
         raise CliError(f"{output_path} exists; pass --force to overwrite it", BAD_INPUT)
     if interactive and not typer.confirm(f"Save to {output_path}?", default=True):
         raise typer.Exit(ExitCode.FAILED)
-    output_path.write_text(text)
+    try:
+        output_path.write_text(text)
+    except OSError as exc:
+        raise _cannot_write(output_path, exc) from None
     output.done(
         as_json, {"saved": str(output_path), "config": text, "notes": list(a.notes)},
         f"{output_path}; next: prime-train preflight {output_path}", label="saved",
     )  # fmt: skip
+
+
+# lint's problems about this machine rather than the config (a directory it cannot write from here)
+_MACHINE_KEYS = ("run.output_dir", "ckpt.dir")
+
+
+def _cannot_write(path: Path, exc: OSError) -> CliError:
+    """What init says when `path` cannot be written: that it cannot, where, and what to do (on the line before), then
+    the error every command gives for a path the user named, `error: <path>: <the OS's reason>` (78)."""
+    import os
+
+    try:
+        where = os.path.abspath(path.parent)
+    except OSError:  # the working directory itself is gone
+        where = str(path.parent)
+    output.warning(f"cannot write the config to {path} in {where}: run init where you can write, or pass -o PATH")
+    return CliError(f"{path}: {exc.strerror or exc}", BAD_INPUT)
+
+
+def _check_writable(path: Path) -> None:
+    """CliError (78) when `path` cannot be written: a file made (then removed) beside it, the file itself left as it
+    is. A user's mistake to fix (the directory, -o), never "the generated config does not lint"."""
+    import os
+    import tempfile
+
+    if path.is_dir():
+        raise CliError(f"cannot write {path}: it is a directory; pass -o with a file name", BAD_INPUT)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".prime-train-init-", dir=path.parent)
+    except OSError as exc:
+        raise _cannot_write(path, exc) from None
+    os.close(fd)
+    os.unlink(probe)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise _cannot_write(path, PermissionError(13, "Permission denied"))
 
 
 def _show(text: str) -> None:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from prime_train.config.schema import Config
+    from prime_train.resilience.events import EventLog
 
 
 # run and train re-run a run directory alike (resilience/rerun.py)
@@ -39,17 +40,54 @@ def _one_of(fresh: bool, resume: bool) -> None:
         raise typer.BadParameter("--fresh starts over, --resume trains on: one or the other", param_hint="--fresh")
 
 
-def _set_old_run_aside(run_dir: RunDir, console: Console) -> tuple[Path, list[str]] | None:
-    """--fresh: the old run's outputs into previous/<time>/, said on the console; CliError when they cannot move."""
+def _set_old_run_aside(
+    run_dir: RunDir, console: Console, events: EventLog | None = None
+) -> tuple[Path, list[str]] | None:
+    """--fresh: the old run's outputs into previous/<time>/, said on the console; CliError when they cannot move.
+
+    With `events`, the intent is in events.jsonl before the first rename (and the journal in the run directory
+    says the same): a supervisor killed part way leaves a move the next start finishes."""
     from prime_train.resilience.rerun import describe_set_aside, set_aside
 
+    def record(dest: Path, names: list[str]) -> None:
+        if events is not None:
+            events.emit("run_set_aside_started", moving_to=str(dest), moving=names)
+
     try:
-        moved = set_aside(run_dir)
-    except OSError as exc:
+        moved = set_aside(run_dir, record=record)
+    except (OSError, ValueError) as exc:
         raise CliError(f"--fresh: cannot move the old run aside in {run_dir.root}: {exc}", ExitCode.FAILED) from None
     if moved is not None:
         console.print(output.literal(describe_set_aside(*moved)), highlight=False, soft_wrap=True)
     return moved
+
+
+def _finish_interrupted_set_aside(run_dir: RunDir, console: Console, events: EventLog | None = None) -> None:
+    """A --fresh that was killed part way (its journal is still there): finish moving the old run aside, said on
+    the console, before anything reads the run directory; CliError when it cannot be finished."""
+    from prime_train.resilience.rerun import finish_set_aside
+
+    try:
+        moved = finish_set_aside(run_dir)
+    except (OSError, ValueError) as exc:
+        raise CliError(
+            f"an earlier --fresh was interrupted while moving the old run aside in {run_dir.root}, and its move "
+            f"cannot be finished: {exc}",
+            ExitCode.FAILED,
+        ) from None
+    if moved is None:
+        return
+    dest, names = moved
+    console.print(
+        output.literal(
+            f"an earlier --fresh was interrupted while it moved the old run aside: finished moving its "
+            f"{', '.join(names)} to {dest}; this run starts over"
+        ),
+        highlight=False,
+        soft_wrap=True,
+    )
+    if events is not None:
+        events.emit("run_set_aside", moved_to=str(dest), moved=names, finished_after_interruption=True)
 
 
 def train(
@@ -84,6 +122,7 @@ def train(
     def decide() -> bool:
         """As `run` decides it (resilience/rerun.py), once the directory is ours: a finished run is not trained
         again unasked; --fresh moves the old outputs aside first."""
+        _finish_interrupted_set_aside(RunDir(cfg.run_dir), console)
         rerun = plan_rerun(cfg, fresh=fresh, resume=resume)
         if rerun.message:
             console.print(output.literal(rerun.message), highlight=False, soft_wrap=True)
@@ -116,7 +155,9 @@ def run(
     """Run a job under supervision: preflight, launch, watch, and resume after failures.
 
     Exit codes: 0 done, 1 failed (restarts exhausted or not retryable), 75 checkpointed and
-    stopped on request, 78 configuration error.
+    stopped on request, 78 configuration error. Ctrl-C checkpoints and stops; a second Ctrl-C
+    stops at once without waiting for that checkpoint (still 75: the next run resumes from the
+    newest whole one).
 
     Run again on the same run directory, a stopped or crashed run resumes from its newest
     checkpoint; a finished one says so and launches nothing, unless --resume (train on, after
@@ -184,7 +225,13 @@ def _supervise(
         pass  # the run directory cannot be made: preflight says why (sup.run() claims again, or fails the same way)
     # owned now: what the directory holds cannot change under the decision. A finished run is not run again unasked.
     try:
+        # a --fresh killed part way is finished first: half its old outputs must not read as this run's
+        if sup.lock is not None:
+            _finish_interrupted_set_aside(sup.run_dir, console, EventLog(sup.run_dir.events_path, sup.redactor))
         rerun = plan_rerun(cfg, fresh=fresh, resume=resume)
+    except CliError:
+        _release(sup)
+        raise
     except RerunRefused as exc:
         _release(sup)
         raise CliError(exc, ExitCode.CONFIG) from None
@@ -204,23 +251,28 @@ def _supervise(
             _release(sup)
             return code
     try:  # after preflight: a refused run moves nothing
-        moved = _set_old_run_aside(sup.run_dir, console) if fresh else None
-    except CliError:
+        events = EventLog(sup.run_dir.events_path, sup.redactor) if fresh else None
+        moved = _set_old_run_aside(sup.run_dir, console, events) if fresh else None
+    except (CliError, OSError):
         _release(sup)
         raise
     if moved is not None:
         sup.run_dir.create()
-        EventLog(sup.run_dir.events_path, sup.redactor).emit("run_set_aside", moved_to=str(moved[0]), moved=moved[1])
+        assert events is not None
+        events.emit("run_set_aside", moved_to=str(moved[0]), moved=moved[1])
     console.print(output.literal("prime-train", "bold cyan") + output.literal(f": run directory {cfg.run_dir}"))
     with observer:
         interrupts = 0
 
         def on_signal(signum, frame):
-            # the first SIGINT/SIGTERM asks for a checkpoint and a clean stop; a second Ctrl-C stops waiting for it
+            # the first SIGINT/SIGTERM asks for a checkpoint and a clean stop; a second Ctrl-C stops waiting for it:
+            # the job is killed now and the run still ends as stopped (75), with supervisor.json saying so. Never an
+            # exception here: one raised at an arbitrary point of the supervisor would leave its record "running".
             nonlocal interrupts
             interrupts += 1
             if interrupts > 1 and signum == signal.SIGINT:
-                raise KeyboardInterrupt
+                sup.request_stop("a second Ctrl-C", now=True)
+                return
             sup.request_stop("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
 
         signal.signal(signal.SIGTERM, on_signal)

@@ -483,10 +483,11 @@ PATTERNS: list[Pattern] = [
     _pattern(
         "address_in_use",
         K.CRASH,
-        "a port the job binds is taken (distributed.master_port or the inference port): `ss -ltnp` shows "
-        "who holds it; stop that process or pick another port",
-        ("ddress already in use", "DDRESS ALREADY IN USE", "EADDRINUSE"),
+        "a port the job binds is taken (distributed.master_port, or inference.base_port + i for RL worker i): "
+        "`ss -ltnp` shows who holds it; stop that process or pick another port",
+        ("ddress already in use", "DDRESS ALREADY IN USE", "EADDRINUSE", "address in use"),
         (r"(?i:address already in use)|\bEADDRINUSE\b", "POSIX EADDRINUSE"),
+        (r"cannot listen on \S+: address in use", "prime-train's embedded rollout worker, older wording"),
     ),
     _pattern(
         "child_process_failed",

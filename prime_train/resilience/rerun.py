@@ -10,12 +10,18 @@
 - `--fresh` starts over in the same directory: the old run's outputs are moved, never deleted, to
   `previous/<UTC time>/` (checkpoints, metrics, heartbeat, final/, TensorBoard, the W&B id); events.jsonl and
   logs/ stay, so the directory's history is whole and the new attempts are numbered after the old ones.
+  The move is journaled: `.set-aside.json` in the run directory names the destination and what moves before the
+  first rename, and goes once the last is done; a run directory that still holds one was interrupted part way
+  (kill -9, a power loss) and the next `run` or `train` finishes the move (`finish_set_aside`) before it decides
+  anything. The heartbeat moves first, so a half-moved run never reads as finished.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,19 +35,24 @@ from prime_train.contract import (
     newest_external_checkpoint,
     read_heartbeat,
     read_json,
+    write_json_atomic,
 )
 
 # The old run's outputs, moved aside by --fresh; what remains (events.jsonl, logs/, gpu.jsonl) is history.
+# The heartbeat first: it is what says "finished", and a move cut short after it can never read as a finished run.
 OLD_RUN_OUTPUTS = (
+    "progress.json",
     "checkpoints",
     "weights",
     "final",
     "metrics.jsonl",
-    "progress.json",
     "tensorboard",
     "wandb_id.json",  # a fresh run is a new W&B run: W&B drops steps lower than a resumed run's last
 )
 PREVIOUS_DIR = "previous"
+# --fresh's journal in the run directory: {"dest": "<folder in previous/>", "moving": [names], "started": time},
+# written before the first rename and removed after the last (see finish_set_aside)
+SET_ASIDE_JOURNAL = ".set-aside.json"
 
 
 class RerunRefused(Exception):
@@ -67,6 +78,8 @@ class Rerun:
 def finished_run(cfg: Config) -> Finished | None:
     """The finished run in cfg's run directory, or None when there is none (never run, or stopped part way)."""
     run_dir = RunDir(cfg.run_dir)
+    if os.path.lexists(run_dir.root / SET_ASIDE_JOURNAL):
+        return None  # a --fresh cut short: the run it set aside is not this directory's any more
     final = run_dir.final_dir if (run_dir.final_dir / "config.json").is_file() else None
     if cfg.job.command:
         state = read_json(run_dir.supervisor_path) or {}
@@ -136,26 +149,90 @@ def _check_fresh(cfg: Config) -> None:
         )
 
 
-def set_aside(run_dir: RunDir, now: float | None = None) -> tuple[Path, list[str]] | None:
+def set_aside(
+    run_dir: RunDir,
+    now: float | None = None,
+    *,
+    record: Callable[[Path, list[str]], None] | None = None,
+) -> tuple[Path, list[str]] | None:
     """Move the old run's outputs into previous/<UTC time>/; returns that folder and what moved (None: nothing).
 
     Renames within the run directory: instant and free whatever the checkpoints weigh, and nothing is lost.
+    `record(dest, names)` is told first (events.jsonl), then the journal is written, then the renames run: a
+    process killed part way leaves the journal, and the next start finishes the move (finish_set_aside).
     """
+    unfinished = finish_set_aside(run_dir)  # an earlier --fresh cut short: its move is finished first
     present = [name for name in OLD_RUN_OUTPUTS if os.path.lexists(run_dir.root / name)]
     if not present:
-        return None
+        return unfinished
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
     dest = run_dir.root / PREVIOUS_DIR / stamp
     n = 1
     while dest.exists():  # two --fresh starts within one second
         n += 1
         dest = run_dir.root / PREVIOUS_DIR / f"{stamp}-{n}"
-    dest.mkdir(parents=True)
-    for name in present:
-        os.rename(run_dir.root / name, dest / name)
-    fsync_dir(dest)
-    fsync_dir(run_dir.root)
+    if record is not None:
+        record(dest, present)
+    journal = run_dir.root / SET_ASIDE_JOURNAL
+    write_json_atomic(journal, {"dest": dest.name, "moving": present, "started": time.time()})
+    _move(run_dir, dest, present)
     return dest, present
+
+
+def finish_set_aside(run_dir: RunDir) -> tuple[Path, list[str]] | None:
+    """Finish a --fresh that was cut short (its journal is still in the run directory): move what it had not
+    moved yet into the folder it named, then drop the journal. Returns that folder and everything the set-aside
+    moved (None: no journal). Call it while owning the run directory, before anything reads what the run holds.
+
+    Raises OSError when a rename fails (the journal stays: the next start tries again), ValueError when the
+    journal names something it never writes (a destination outside previous/, a name that is not an output).
+    """
+    journal = run_dir.root / SET_ASIDE_JOURNAL
+    if not os.path.lexists(journal):
+        return None
+    if journal.is_symlink() or not journal.is_file():
+        raise ValueError(f"{journal} is not the file --fresh writes: remove it by hand")
+    note = read_json(journal)
+    if note is None:
+        # written atomically, so never half a file; unreadable all the same (a disk error): nothing moved yet
+        with contextlib.suppress(FileNotFoundError):
+            journal.unlink()
+        fsync_dir(run_dir.root)
+        return None
+    dest_name, moving = note.get("dest"), note.get("moving")
+    if (
+        not isinstance(dest_name, str)
+        or not dest_name
+        or dest_name in (".", "..")
+        or "/" in dest_name
+        or os.sep in dest_name
+        or not isinstance(moving, list)
+        or not all(isinstance(m, str) and m in OLD_RUN_OUTPUTS for m in moving)
+    ):
+        raise ValueError(f"{journal} does not read as --fresh's journal: remove it by hand")
+    dest = run_dir.root / PREVIOUS_DIR / dest_name
+    _move(run_dir, dest, [m for m in moving if os.path.lexists(run_dir.root / m)])
+    return dest, list(moving)
+
+
+def _move(run_dir: RunDir, dest: Path, names: list[str]) -> None:
+    """Rename `names` from the run directory into `dest` (made if missing), then drop the journal, durably."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        target = dest / name
+        if os.path.lexists(target):
+            # moved before an interruption, and something made an empty one since: the moved one is the old run's
+            source = run_dir.root / name
+            if source.is_dir() and not source.is_symlink() and not any(source.iterdir()):
+                source.rmdir()
+                continue
+            raise OSError(f"--fresh: {source} and {target} both exist; move one of them away by hand")
+        os.rename(run_dir.root / name, target)
+    fsync_dir(dest)
+    fsync_dir(dest.parent)
+    with contextlib.suppress(FileNotFoundError):
+        (run_dir.root / SET_ASIDE_JOURNAL).unlink()
+    fsync_dir(run_dir.root)
 
 
 def describe_set_aside(dest: Path, moved: list[str]) -> str:

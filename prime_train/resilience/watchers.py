@@ -29,7 +29,8 @@ class ProgressWatcher:
 
     Start-up (before the first step, and while compiling) gets startup_timeout_s; a heartbeat that
     says it is saving, exporting or evaluating gets save_timeout_s. The clock restarts at every change
-    of the heartbeat, so a slow save that keeps writing its phase is not a stall. `read` returns the
+    of the heartbeat, so a slow save that keeps writing its phase is not a stall. The clock is the
+    supervisor's own: when it saw the heartbeat change, not the `time` the job wrote in it. `read` returns the
     raw heartbeat object (progress.json, an external job's file, or LogProgress); it is read through
     the contract's Heartbeat, so an older prime-train's phase names still count.
     """
@@ -74,12 +75,14 @@ class ProgressWatcher:
         hb = Heartbeat.from_dict(self.read())
         events: list[dict[str, Any]] = []
         if hb is not None and (self.last_seen is None or self._key(hb) != self._key(self.last_seen)):
-            if hb.time is not None:
-                # a heartbeat older than this attempt is the previous attempt's last word, not progress
-                fresh = hb.time >= self.started - 1
+            # Judged on this process's clock, never the job's: a heartbeat that changes while this attempt is
+            # watched was written by this attempt, whatever its `time` says (a job's clock may be hours off, a
+            # TZ bug). Only the first heartbeat an attempt sees may be the previous attempt's last word: it counts
+            # when its own time says it is this attempt's, else it is the baseline the next change is seen against.
+            if self.last_seen is None:
+                fresh = hb.time is not None and hb.time >= self.started - 1
             else:
-                # an external job's heartbeat without a clock: only a step that changed is evidence
-                fresh = self.last_seen is not None and hb.step != self.last_seen.step
+                fresh = True
             if fresh:
                 self.last_change = now
                 self.phase = hb.phase

@@ -422,7 +422,7 @@ def serve(cfg, index: int, *, stop_event: threading.Event | None = None) -> int:
     stop = stop_event or threading.Event()
     host, port = cfg.inference.host, cfg.inference.base_port + index
     # bind first: /health answers 503 while the model loads, and a taken port fails before the slow part
-    server = WorkerServer((host, port), request_timeout_s=cfg.inference.request_timeout_s, index=index)
+    server = _bind(host, port, cfg.inference.request_timeout_s, index)
     server_thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
     server_thread.start()
     try:
@@ -441,6 +441,23 @@ def serve(cfg, index: int, *, stop_event: threading.Event | None = None) -> int:
     finally:
         server.shutdown()
         server.server_close()
+
+
+# How long a worker retries a port that is in use before it calls it taken: long enough for a process of this run
+# that is exiting (a restarted worker's previous life) to let it go, short enough to fail in seconds.
+BIND_RETRY_S = 3.0
+
+
+def _bind(host: str, port: int, request_timeout_s: float, index: int) -> WorkerServer:
+    """The worker's server, bound to host:port; OSError(EADDRINUSE) when the port stays taken for BIND_RETRY_S."""
+    deadline = time.monotonic() + BIND_RETRY_S
+    while True:
+        try:
+            return WorkerServer((host, port), request_timeout_s=request_timeout_s, index=index)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.25)
 
 
 def _setup_logging(level: str) -> None:
@@ -483,10 +500,18 @@ def run(config_path: str, index: int) -> int:
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise
-        where = f"{cfg.inference.host}:{cfg.inference.base_port + index}"
-        # not a config error: the holder may be this worker's previous life, still exiting
-        logger.error("cannot listen on %s: address in use; free the port or change inference.base_port", where)
-        return 1
+        from prime_train.rl.workers import port_holder
+
+        port = cfg.inference.base_port + index
+        holder = port_holder(port) or "another process"
+        # a configuration error, never retried: the port stayed taken past BIND_RETRY_S (so not by this worker's
+        # previous life), and a restart would find it taken again. The words are the ones `diagnose` knows.
+        logger.error(
+            "cannot listen on %s:%d: address already in use, held by %s; stop it, or set inference.base_port to a "
+            "free range (worker %d listens on base_port + %d)",
+            cfg.inference.host, port, holder, index, index,
+        )  # fmt: skip
+        return ExitCode.CONFIG
 
 
 def main(argv: list[str] | None = None) -> None:

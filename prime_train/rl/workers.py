@@ -124,15 +124,41 @@ def inference_specs(
 def never_starts(name: str, code: int | None, findings: list, health, tail: list[str]) -> str | None:
     """Why rollout worker `name`, which exited with `code`, can never start (so restarting it is pointless), or None.
 
-    It exited 78 (vLLM's version check in rl/vllm_server.py), or it died before it ever answered /health with a
-    configuration error among the log `findings` (vLLM refusing its arguments: the line that says why).
+    It exited 78 (vLLM's version check in rl/vllm_server.py, the embedded worker's taken port), or it died before it
+    ever answered /health with a configuration error among the log `findings` (vLLM refusing its arguments: the line
+    that says why) or a port it could not bind ("address already in use": another process holds
+    inference.base_port + i, and a restart would find it held again).
     """
     if code is None:
         return None
-    causes = [f.text for f in findings if f.process == name and f.kind == FailureKind.CONFIG_ERROR]
+    mine = [f for f in findings if f.process == name]
+    causes = [f.text for f in mine if f.kind == FailureKind.CONFIG_ERROR]
+    ports = [f.text for f in mine if f.name == "address_in_use"]
     started = health is None or name in health.seen_healthy
-    if code == ExitCode.CONFIG or (causes and not started):
-        return (causes or tail or [f"{name} exited {code}"])[0]
+    if code == ExitCode.CONFIG:
+        fatal = [f.text for f in mine if f.severity == "fatal"]
+        return (causes or fatal[-1:] or tail or [f"{name} exited {code}"])[0]
+    if (causes or ports) and not started:
+        return (causes or ports)[0]
+    return None
+
+
+def port_holder(port: int) -> str | None:
+    """'pid N (name)' of the process that holds TCP `port` (listening first), or None when it cannot be told: psutil
+    may need privileges to see other users' sockets (macOS, a hardened /proc), and then says nothing."""
+    import psutil
+
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return None
+    for conn in sorted(conns, key=lambda c: c.status != psutil.CONN_LISTEN):
+        if conn.laddr and conn.laddr.port == port and conn.pid:
+            try:
+                name = psutil.Process(conn.pid).name()
+            except psutil.Error:
+                name = "?"
+            return f"pid {conn.pid} ({name})"
     return None
 
 

@@ -9,6 +9,7 @@ hung driver cannot hang the supervisor.
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import json
 import netrc
@@ -413,9 +414,9 @@ def check_output_dir(cfg: Config) -> CheckResult:
     run_dir = Path(os.path.expanduser(cfg.run_dir))
     try:
         if run_dir.is_dir():
-            probe = run_dir / f".preflight-{os.getpid()}"
-            probe.write_bytes(b"preflight\n")
-            probe.unlink()
+            # a temporary file of a fresh name (O_EXCL, O_NOFOLLOW): a link planted at a name is never written through
+            with tempfile.NamedTemporaryFile(prefix=".preflight-", dir=run_dir) as probe:
+                probe.write(b"preflight\n")
         else:
             os.rmdir(tempfile.mkdtemp(prefix=".prime-train-preflight-", dir=_existing_ancestor(run_dir)))
     except OSError as exc:
@@ -451,16 +452,24 @@ def _is_ip(host: str) -> bool:
 
 
 def ports_to_bind(cfg: Config) -> list[tuple[int, str]]:
-    """(port, config key) of every port this node will listen on for the job."""
-    if cfg.job.command or cfg.distributed.nnodes == 1:
-        # one node: torchrun --standalone picks a free rendezvous port itself (launch.py)
+    """(port, config key) of every port this node will listen on for the job: RL's rollout workers
+    (inference.base_port + i, worker i) and a multi-node rendezvous served here."""
+    if cfg.job.command:
         return []
+    workers: list[tuple[int, str]] = []
+    if cfg.run.job == "rl":
+        base = cfg.inference.base_port
+        workers = [(base + i, f"inference.base_port + {i}" if i else "inference.base_port") for i in range(
+            cfg.inference.num_workers)]  # fmt: skip
+    if cfg.distributed.nnodes == 1:
+        # one node: torchrun --standalone picks a free rendezvous port itself (launch.py)
+        return workers
     host, _, port = rendezvous_endpoint(cfg).rpartition(":")
     key = "distributed.rdzv_endpoint" if cfg.distributed.rdzv_endpoint else "distributed.master_port"
     # torchrun's c10d rendezvous serves its store on the endpoint's host only; a name we cannot match
     # without DNS (slow, and this runs before everything else) is taken to be node 0's
     local = host in _local_addresses() or (not _is_ip(host) and node_rank(cfg) == 0)
-    return [(int(port), key)] if local and port.isdigit() else []
+    return workers + ([(int(port), key)] if local and port.isdigit() else [])
 
 
 def _bind_error(host: str, port: int) -> OSError | None:
@@ -475,19 +484,11 @@ def _bind_error(host: str, port: int) -> OSError | None:
 
 
 def port_holder(port: int) -> str | None:
-    """'pid N (name)' of the process listening on `port`, when psutil may see it."""
-    try:
-        conns = psutil.net_connections(kind="tcp")
-    except (psutil.AccessDenied, OSError):
-        return None
-    for conn in sorted(conns, key=lambda c: c.status != psutil.CONN_LISTEN):
-        if conn.laddr and conn.laddr.port == port and conn.pid:
-            try:
-                name = psutil.Process(conn.pid).name()
-            except psutil.Error:
-                name = "?"
-            return f"pid {conn.pid} ({name})"
-    return None
+    """'pid N (name)' of the process listening on `port`, when psutil may see it (rl/workers.py, which the
+    embedded rollout worker also asks when its own bind fails)."""
+    from prime_train.rl.workers import port_holder as holder
+
+    return holder(port)
 
 
 def _free_port() -> int:
@@ -497,28 +498,38 @@ def _free_port() -> int:
 
 
 def check_ports(cfg: Config) -> CheckResult:
-    """Bind-test every port the job will listen on, on 127.0.0.1 and 0.0.0.0."""
+    """Bind-test every port the job will listen on, on 127.0.0.1 and 0.0.0.0 (and RL's inference.host)."""
     ports = ports_to_bind(cfg)
     if not ports:
         why = "an external command" if cfg.job.command else "one node: torchrun picks its own port"
         return CheckResult("ports", PASS, f"no fixed port to bind ({why})")
+    hosts = ["127.0.0.1", "0.0.0.0"]
+    host = cfg.inference.host
+    if cfg.run.job == "rl" and _is_ip(host) and ipaddress.ip_address(host).version == 4 and host not in hosts:
+        hosts.append(host)  # where the workers listen (a name would need DNS: the two above cover it)
     busy = []
     for port, key in ports:
-        errors = [e for e in (_bind_error("127.0.0.1", port), _bind_error("0.0.0.0", port)) if e is not None]
+        errors = [e for e in (_bind_error(h, port) for h in hosts) if e is not None]
+        errors = [e for e in errors if e.errno != errno.EADDRNOTAVAIL]  # an address this host does not have
         if errors:
             holder = port_holder(port)
             busy.append((port, key, holder, errors[0].strerror or str(errors[0])))
     if not busy:
         listing = ", ".join(f"{p} ({k})" for p, k in ports)
         return CheckResult("ports", PASS, f"free: {listing}", details={"ports": [p for p, _ in ports]})
-    port, key, holder, error = busy[0]
-    held = f"held by {holder}" if holder else "held by a process this user cannot see"
-    fix = f"set {key} to a free port (e.g. {_free_port()})"
-    if holder:
-        fix += f", or stop {holder} if it is a leftover run"
-    return CheckResult(
-        "ports", FAIL, f"port {port} ({key}) is in use: {error}, {held}", fix, {"busy": [b[0] for b in busy]}
-    )
+    said = []
+    for port, key, holder, error in busy:
+        # psutil sees other users' sockets only with privileges: without them the holder has no name
+        said.append(f"port {port} ({key}) is in use: {error}, held by {holder or 'another process'}")
+    port, key, holder, _ = busy[0]
+    if key.startswith("inference.base_port"):
+        fix = f"set inference.base_port to a free range (worker i listens on base_port + i; e.g. {_free_port()})"
+    else:
+        fix = f"set {key} to a free port (e.g. {_free_port()})"
+    holders = sorted({b[2] for b in busy if b[2]})
+    if holders:
+        fix += f", or stop {', '.join(holders)} if it is a leftover run"
+    return CheckResult("ports", FAIL, "; ".join(said), fix, {"busy": [b[0] for b in busy]})
 
 
 # ---------------------------------------------------------------- secrets
