@@ -247,6 +247,29 @@ def test_a_run_whose_newest_checkpoint_carries_a_payload_resumes_from_the_one_be
     assert read_heartbeat(run_dir / "progress.json").resumed_from == 2
 
 
+def test_a_run_whose_only_checkpoint_carries_a_payload_starts_over_in_the_next_attempt_without_a_traceback(tmp_path):
+    """The model is half loaded when the only checkpoint fails to load: that start ends in words (exit 1, its reason
+    in the heartbeat), and the supervisor's next attempt trains from step 0 to the end."""
+    marker = tmp_path / "pwned"
+    over = tiny_overrides(tmp_path, "only", **FAST, **{"train.max_steps": 3, "ckpt.interval": 2})
+    trained = run_cli("train", str(TINY), *over, timeout=300)
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    run_dir = tmp_path / "only"
+    assert [c.step for c in list_checkpoints(run_dir / "checkpoints")] == [2]
+    plant_step_payload(run_dir / "checkpoints" / "step-2", marker)
+
+    over = tiny_overrides(tmp_path, "only", **FAST, **{"train.max_steps": 4, "ckpt.interval": 2})
+    result = run_cli("run", str(TINY), "--resume", *over, timeout=300)
+    assert not marker.exists(), "the payload in step-2 ran"
+    assert result.returncode == 0, result.stdout[-4000:]
+    events = read_events(run_dir / "events.jsonl")
+    attempts = [e["attempt"] for e in events if e["event"] == "attempt_started"]
+    assert len(attempts) == 2, attempts
+    first = (run_dir / "logs" / f"attempt-{attempts[0]}" / "trainer.log").read_text()
+    assert "next one trains from step 0" in first and "Traceback" not in first, first[-3000:]
+    assert read_heartbeat(run_dir / "progress.json").step == 4
+
+
 # ---------------------------------------------------------------------- the bucket's archives
 
 

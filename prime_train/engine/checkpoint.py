@@ -237,6 +237,10 @@ def _make_stager():
     )
 
 
+class StartOver(RuntimeError):
+    """This start cannot go on but the next one can: the checkpoint it half loaded is set aside (a crash, retried)."""
+
+
 class Checkpointer:
     """Saves and loads TrainState as step-N DCP checkpoints in the run directory, with retention."""
 
@@ -534,7 +538,7 @@ class Checkpointer:
             self.quarantined = set_aside = set_aside + self.quarantined
             if path is None:
                 if any(why.startswith(safe_dcp.DOES_NOT_LOAD) for _, why in set_aside):
-                    raise RuntimeError(
+                    raise StartOver(
                         f"{'; '.join(f'{name} {why}' for name, why in set_aside)}. It is set aside as .corrupt and "
                         "no earlier checkpoint is whole; the model is half loaded, so this start stops here and the "
                         "next one trains from step 0"

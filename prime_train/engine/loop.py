@@ -47,7 +47,7 @@ from prime_train.config.loader import ConfigError, load_config
 from prime_train.config.schema import Config
 from prime_train.contract import ExitCode, Heartbeat, Phase, RunDir, newest_checkpoint, write_heartbeat
 from prime_train.engine import parallel
-from prime_train.engine.checkpoint import Checkpointer, TrainState
+from prime_train.engine.checkpoint import Checkpointer, StartOver, TrainState
 from prime_train.engine.lifeline import NODE_LOST_EXIT, PeerWatch, watch_peers, watch_supervisor
 from prime_train.engine.metrics import EngineConfigError, MetricsLogger
 from prime_train.engine.model import num_parameters
@@ -652,6 +652,11 @@ def run(job_class: type[TrainingJob], config_path: str) -> int:
         logger.warning("%s; exiting 75", exc)
         _record_exit(cfg, ExitCode.PREEMPTED, str(exc), Phase.STOPPED)
         return ExitCode.PREEMPTED
+    except StartOver as exc:  # said in words, not a traceback: the supervisor retries and the next start is clean
+        logger.error("%s", exc)
+        print(f"error: {exc}", file=sys.stderr)
+        _record_exit(cfg, ExitCode.FAILED, str(exc))
+        return ExitCode.FAILED
     except (EngineConfigError, ConfigError) as exc:
         logger.error("configuration error: %s", exc)
         print(f"configuration error: {exc}", file=sys.stderr)
