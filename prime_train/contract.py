@@ -217,6 +217,9 @@ RUN_DIRS = frozenset(
 )
 
 
+LATEST_LOGS = "latest"  # logs/latest -> attempt-<n>, the newest attempt's logs
+
+
 def _inside(path: str, root: str) -> bool:
     """Whether resolved `path` is `root` or below it (both resolved)."""
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
@@ -232,6 +235,7 @@ class RunDir:
       config.toml  events.jsonl  supervisor.json  progress.json  metrics.jsonl
       gpu.jsonl                 the GPU readings the supervisor acted on (PRIME_TRAIN_GPU_REPLAY replays them)
       logs/attempt-<n>/<process>.log  logs/latest -> attempt-<n>
+      logs/attempt-<n>/ranks/   torchrun's --log-dir: every rank's output
       checkpoints/step-<N>/     written as step-<N>.tmp, renamed when whole
       checkpoints/step-<N>.corrupt/  a checkpoint that failed verification, set aside (never deleted, never whole)
       weights/step-<N>/         RL: HF weights published for the inference workers, renamed when whole
@@ -239,9 +243,14 @@ class RunDir:
       profile/summary.json      `prime-train profile`
       tensorboard/
     ```
+
+    The checkpoints are where the run's config puts them: `ckpt_dir` is its ckpt.dir (a directory every node
+    sees, with several nodes), None or "" for checkpoints/ above. Build one from a config with
+    `Config.layout`, from a run directory alone with `RunDir.of_run` and the run's config.toml: every
+    reader of the checkpoints, on either side, then gets the same answer.
     """
 
-    def __init__(self, root: str | os.PathLike[str]):
+    def __init__(self, root: str | os.PathLike[str], *, ckpt_dir: str | os.PathLike[str] | None = None):
         self.root = Path(root)
         self.lock_path = self.root / ".lock"
         self.processes_path = self.root / "processes.json"
@@ -249,16 +258,28 @@ class RunDir:
         self.events_path = self.root / "events.jsonl"
         self.supervisor_path = self.root / "supervisor.json"
         self.logs_dir = self.root / "logs"
-        self.latest_logs = self.logs_dir / "latest"
+        self.latest_logs = self.logs_dir / LATEST_LOGS
         self.progress_path = self.root / "progress.json"
         self.gpu_log_path = self.root / "gpu.jsonl"
         self.metrics_path = self.root / "metrics.jsonl"
-        self.checkpoints_dir = self.root / "checkpoints"
+        # the one rule for where the step-N checkpoints are (a relative ckpt.dir is read from the working directory)
+        self.checkpoints_dir = Path(ckpt_dir).expanduser() if ckpt_dir else self.root / "checkpoints"
         self.weights_dir = self.root / "weights"
         self.final_dir = self.root / "final"
         self.profile_dir = self.root / "profile"
         self.profile_summary_path = self.profile_dir / "summary.json"
         self.tensorboard_dir = self.root / "tensorboard"
+
+    @classmethod
+    def of_run(cls, root: str | os.PathLike[str], config: Any) -> RunDir:
+        """The run directory `root` as its run laid it out: checkpoints where its config.toml's ckpt.dir says.
+
+        `config`: that file as parsed TOML (read within bounds by the caller: it may be hostile); anything of
+        the wrong shape reads as the defaults (checkpoints/ in the run directory).
+        """
+        ckpt = config.get("ckpt") if isinstance(config, dict) else None
+        shared = ckpt.get("dir") if isinstance(ckpt, dict) else None
+        return cls(root, ckpt_dir=shared if isinstance(shared, str) else None)
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.root)!r})"
@@ -269,15 +290,19 @@ class RunDir:
             raise ValueError(f"attempt number must be >= 0, got {n}")
         return self.logs_dir / f"attempt-{n}"
 
+    def rank_logs(self, n: int) -> Path:
+        """torchrun's --log-dir of attempt `n`: every rank's output (only rank 0's reaches the trainer log)."""
+        return self.attempt_logs(n) / "ranks"
+
     def published_weights(self, step: int) -> Path:
         """Where an RL trainer publishes the weights of `step` for its workers."""
         return self.weights_dir / f"step-{step}"
 
     def create(self) -> None:
         """Create the run directory with its logs/ and checkpoints/ (existing ones are kept); UnsafeLink when one of
-        them is a symlink leading out of the run directory."""
+        them is a symlink leading out of the run directory. A ckpt.dir elsewhere is the job's to create."""
         self.root.mkdir(parents=True, exist_ok=True)
-        for d in (self.logs_dir, self.checkpoints_dir):
+        for d in (self.logs_dir, self.root / "checkpoints"):
             self.ensure_dir(d)
 
     def ensure_dir(self, path: str | os.PathLike[str]) -> Path:

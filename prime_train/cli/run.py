@@ -122,12 +122,12 @@ def train(
     def decide() -> bool:
         """As `run` decides it (resilience/rerun.py), once the directory is ours: a finished run is not trained
         again unasked; --fresh moves the old outputs aside first."""
-        _finish_interrupted_set_aside(RunDir(cfg.run_dir), console)
+        _finish_interrupted_set_aside(cfg.layout, console)
         rerun = plan_rerun(cfg, fresh=fresh, resume=resume)
         if rerun.message:
             console.print(output.literal(rerun.message), highlight=False, soft_wrap=True)
         if rerun.launch and fresh:
-            _set_old_run_aside(RunDir(cfg.run_dir), console)
+            _set_old_run_aside(cfg.layout, console)
         return rerun.launch
 
     try:

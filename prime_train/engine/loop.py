@@ -45,7 +45,7 @@ import torch
 
 from prime_train.config.loader import ConfigError, load_config
 from prime_train.config.schema import Config
-from prime_train.contract import ExitCode, Heartbeat, Phase, RunDir, newest_checkpoint, write_heartbeat
+from prime_train.contract import ExitCode, Heartbeat, Phase, newest_checkpoint, write_heartbeat
 from prime_train.engine import parallel
 from prime_train.engine.checkpoint import Checkpointer, TrainState
 from prime_train.engine.lifeline import NODE_LOST_EXIT, PeerWatch, watch_peers, watch_supervisor
@@ -155,7 +155,7 @@ class TrainingJob:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.run_dir = RunDir(cfg.run_dir)
+        self.run_dir = cfg.layout
         # first: a stop during a long start-up (rendezvous, model load, resume) must end it, not kill it mid-write
         self.stop = StopFlag()
         self.stop.install()
@@ -630,7 +630,7 @@ def _not_finite(value: Any) -> bool:
 def _record_exit(cfg: Config, code: int, reason: str, phase: Phase = Phase.FAILED) -> None:
     """Leave the verdict in progress.json: torchrun turns every worker failure into exit 1."""
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # every node's supervisor reads its own run directory
-        run_dir = RunDir(cfg.run_dir)
+        run_dir = cfg.layout
         run_dir.root.mkdir(parents=True, exist_ok=True)
         write_heartbeat(run_dir.progress_path, Heartbeat.now(None, phase, exit_code=code, reason=shown_path(reason)))
 

@@ -169,7 +169,7 @@ def _checkpoint_path(sup: Supervisor, step: int) -> Path | None:
         return None
     job = cfg.job
     if not job.command:
-        return Path(cfg.checkpoints_dir) / f"step-{step}"
+        return cfg.layout.checkpoints_dir / f"step-{step}"
     if not job.checkpoint_dir:
         return None
     try:

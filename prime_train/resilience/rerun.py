@@ -77,7 +77,7 @@ class Rerun:
 
 def finished_run(cfg: Config) -> Finished | None:
     """The finished run in cfg's run directory, or None when there is none (never run, or stopped part way)."""
-    run_dir = RunDir(cfg.run_dir)
+    run_dir = cfg.layout
     if os.path.lexists(run_dir.root / SET_ASIDE_JOURNAL):
         return None  # a --fresh cut short: the run it set aside is not this directory's any more
     final = run_dir.final_dir if (run_dir.final_dir / "config.json").is_file() else None

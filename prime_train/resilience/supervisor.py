@@ -30,7 +30,6 @@ from prime_train.contract import (
     ExitCode,
     Heartbeat,
     Phase,
-    RunDir,
     RunLock,
     newest_checkpoint,
     newest_external_checkpoint,
@@ -102,7 +101,7 @@ class SupervisorOptions:
 class Supervisor:
     def __init__(self, cfg: Config, observer: Observer | None = None, options: SupervisorOptions | None = None):
         self.cfg = cfg
-        self.run_dir = RunDir(cfg.run_dir)
+        self.run_dir = cfg.layout  # its checkpoints where ckpt.dir puts them: what the job writes, this watches
         self.options = options or SupervisorOptions()
         # secrets out of every file it writes and every line it prints: by shape, and by value (the credentials
         # of its environment and of the config)
@@ -293,7 +292,7 @@ class Supervisor:
                 else None
             )
             return found[0] if found else None
-        newest = newest_checkpoint(self.cfg.checkpoints_dir)  # ckpt.dir, where several nodes share them
+        newest = newest_checkpoint(self.run_dir.checkpoints_dir)  # ckpt.dir, where several nodes share them
         return newest.step if newest else None
 
     def _job_kind(self) -> str:
@@ -304,7 +303,7 @@ class Supervisor:
         if attempt is self.attempts[0] or self.cfg.ckpt.resume == "auto":
             return self.run_dir.config_path
         cfg = self.cfg.model_copy(deep=True)
-        if newest_checkpoint(self.cfg.checkpoints_dir) is not None:
+        if newest_checkpoint(self.run_dir.checkpoints_dir) is not None:
             cfg.ckpt.resume = "auto"
         path = self.run_dir.root / f"config.attempt-{attempt.number}.toml"
         replace_file_atomic(path, self.redactor.masked_config(cfg).text.encode(), mode=0o666)  # never through a link
@@ -341,7 +340,7 @@ class Supervisor:
         plan = plan_engine_launch(
             self.cfg,
             config_path,
-            log_dir=str(self.run_dir.attempt_logs(attempt.number) / "ranks"),
+            log_dir=str(self.run_dir.rank_logs(attempt.number)),
             num_gpus=len(trainer_gpus),
         )
         for k, v in plan.env.items():
@@ -396,7 +395,7 @@ class Supervisor:
         logs = self.run_dir.attempt_logs(attempt.number)
         self.run_dir.ensure_dir(logs)  # contract.UnsafeLink (an OSError) when logs/ leads out of the run directory
         with contextlib.suppress(OSError):  # a convenience: a full disk (or a `latest` not ours) must not stop it
-            replace_symlink(self.run_dir.logs_dir / "latest", logs.name)
+            replace_symlink(self.run_dir.latest_logs, logs.name)
         specs = self._specs(attempt)
         self._roles = {spec.name: spec.role for spec in specs}
         for spec in specs:
@@ -575,11 +574,9 @@ class Supervisor:
 
     def _background_watchers(self, progress: ProgressWatcher, gpu, attempt: Attempt) -> list:
         sup, ck = self.cfg.supervisor, self.cfg.ckpt
-        # an external job's checkpoints get the same retention when they follow the step-N naming
-        ckpt_dir = Path(self.cfg.job.checkpoint_dir) if self.cfg.job.command and self.cfg.job.checkpoint_dir else None
         watchers: list = [
             DiskWatcher(
-                ckpt_dir or self.run_dir.checkpoints_dir,
+                self._checkpoints_dir(),
                 keep_last=ck.keep_last,
                 keep_every=ck.keep_every,
                 high_watermark=sup.disk_high_watermark,
@@ -598,7 +595,7 @@ class Supervisor:
         self._rank_logs = None
         if not self.cfg.job.command:
             # torchrun keeps the other ranks' output in its --log-dir only: their failures are scanned there
-            self._rank_logs = RankLogs(self.run_dir.attempt_logs(attempt.number) / "ranks", self._on_finding)
+            self._rank_logs = RankLogs(self.run_dir.rank_logs(attempt.number), self._on_finding)
             watchers.append(self._rank_logs)
         preemption = self.options.preemption
         if preemption is None and detect_cloud() is not None:
@@ -722,11 +719,14 @@ class Supervisor:
             return f"stopped ({self._stop_reason}) before the attempt's first step: nothing new to checkpoint; {then}"
         return f"stopped ({self._stop_reason}) at step {attempt.last_step}; {then}"
 
+    def _checkpoints_dir(self) -> Path:
+        """The checkpoints the disk watcher keeps: the layout's (ckpt.dir), or an external job's job.checkpoint_dir."""
+        job = self.cfg.job
+        return Path(job.checkpoint_dir) if job.command and job.checkpoint_dir else self.run_dir.checkpoints_dir
+
     def _disk_statement(self) -> str:
         """What is left on the checkpoints' disk, in words (for a disk-full failure)."""
-        job = self.cfg.job
-        ckpt_dir = Path(job.checkpoint_dir) if job.command and job.checkpoint_dir else self.run_dir.checkpoints_dir
-        return disk_statement(ckpt_dir)
+        return disk_statement(self._checkpoints_dir())
 
     # ------------------------------------------------------------------ state and status
 
