@@ -1,8 +1,9 @@
 """The job contract: what the supervisor and a training job agree on, and the only thing they share.
 
 Both sides import this module and nothing else of each other (docs/architecture.md, "The run
-directory"). It holds the exit codes, the phases a job reports, the heartbeat it writes, the
-environment variables the supervisor sets, and the run directory's paths and checkpoint naming.
+directory"). It holds the exit codes, the phases a job reports, the heartbeat it writes and the failures
+it may name there, the environment variables the supervisor sets, and the run directory's paths and
+checkpoint naming.
 Standard library only: the supervisor, lint and the pre-commit hook import it on machines without
 torch, and it must stay cheap to import.
 """
@@ -30,7 +31,18 @@ class ExitCode(enum.IntEnum):
     OK = 0
     FAILED = 1  # `prime-train run` only: restarts exhausted, or a failure that is not retried
     PREEMPTED = 75  # EX_TEMPFAIL: checkpointed and stopped on request (SIGTERM, a spot notice); resume me
+    # the engine: another node went silent and this rank ended itself (its heartbeat names node_lost); retried. Apart
+    # from a crash (1) and the codes above, so its log and `echo $?` say so
+    NODE_LOST = 76
     CONFIG = 78  # EX_CONFIG: a configuration error; never retried
+
+
+class JobFailure(enum.StrEnum):
+    """The failures a job names itself in its heartbeat (`failure`, with phase failed); the supervisor takes its
+    word over its own reading of the log. Each is a kind of resilience/failures.FailureKind, with its retry rule."""
+
+    LOSS_NOT_FINITE = "loss_not_finite"  # the loss or the gradients became NaN/inf: the run diverged
+    NODE_LOST = "node_lost"  # another node of a multi-node job went silent (exit 76)
 
 
 # ---------------------------------------------------------------- phases
@@ -101,8 +113,8 @@ class Heartbeat:
     reward: float | None = None  # RL: the mean sampled reward of the last step
     exit_code: int | None = None  # with phase stopped or failed: torchrun reports every worker failure as 1
     reason: str | None = None  # with phase stopped or failed: why, in words
-    # with phase failed: the kind of failure the job diagnosed itself, as the supervisor names them
-    # (resilience/failures.py: "loss_not_finite"); the supervisor takes it over its own reading of the log
+    # with phase failed: the kind of failure the job diagnosed itself (JobFailure; an external job may name any
+    # of resilience/failures.FailureKind); the supervisor takes it over its own reading of the log
     failure: str | None = None
     resumed_from: int | None = None  # the step this attempt started from: its checkpoint's step, 0 when fresh
     # RL: the policy step the rollout workers were last told to load, how many loaded it, and the slowest one's
@@ -124,7 +136,7 @@ class Heartbeat:
                 continue
             if isinstance(value, float) and not math.isfinite(value):
                 value = None
-            out[key] = value.value if isinstance(value, Phase) else value
+            out[key] = value.value if isinstance(value, enum.Enum) else value
         return out
 
     @classmethod
