@@ -2,8 +2,8 @@
 
 Both sides import this module and nothing else of each other (docs/architecture.md, "The run
 directory"). It holds the exit codes, the phases a job reports, the heartbeat it writes and the failures
-it may name there, the environment variables the supervisor sets, and the run directory's paths and
-checkpoint naming.
+it may name there, the environment variables the supervisor sets, the supervisor's states and the
+events it records, and the run directory's paths and checkpoint naming.
 Standard library only: the supervisor, lint and the pre-commit hook import it on machines without
 torch, and it must stay cheap to import.
 """
@@ -195,6 +195,86 @@ ENV_PROFILE = "PRIME_TRAIN_PROFILE"  # "<warmup>,<steps>": `prime-train profile`
 # outlive it. The create time (seconds since the epoch, as psutil.Process.create_time gives it) tells that
 # process from a later one that got its recycled pid.
 ENV_SUPERVISOR = "PRIME_TRAIN_SUPERVISOR"
+
+
+# ---------------------------------------------------------------- what the supervisor records
+
+
+class SupervisorState(enum.StrEnum):
+    """supervisor.json's `state`: where `prime-train run` is in the run's life (`prime-train status` reads it)."""
+
+    STARTING = "starting"  # the run directory is claimed; no attempt runs yet
+    RUNNING = "running"  # an attempt's processes run
+    RESTARTING = "restarting"  # an attempt failed; the next one waits out its backoff
+    DONE = "done"  # the job finished: exit 0
+    STOPPED = "stopped"  # stopped on request (Ctrl-C, SIGTERM) after the job checkpointed: exit 75
+    PREEMPTED = "preempted"  # the cloud takes the instance back: exit 75, for the layer above to resume elsewhere
+    FAILED = "failed"  # restarts exhausted or a failure never retried: exit 1 (78 for a configuration error)
+
+
+# States of a supervisor still at work: one whose pid is gone died without saying how it ended.
+LIVE_STATES = frozenset({SupervisorState.STARTING, SupervisorState.RUNNING, SupervisorState.RESTARTING})
+
+
+class Event(enum.StrEnum):
+    """events.jsonl's names, grouped as a run meets them: each line is {"time", "event": <one of these>, ...fields},
+    written by the supervisor (and `run --fresh`), read by `status`, `diagnose` and people. Every name the package
+    emits is here (tests/test_architecture.py)."""
+
+    RUN_STARTED = "run_started"  # the supervisor took the run directory: run_dir, pid, job
+    ORPHAN_ENDED = "orphan_ended"  # a process a killed predecessor left running was ended
+    RUN_SET_ASIDE_STARTED = "run_set_aside_started"  # --fresh begins moving the old outputs into previous/
+    RUN_SET_ASIDE = "run_set_aside"  # --fresh moved the old outputs into previous/<time>/
+    ENV_WARNING = "env_warning"  # an environment variable that does not do what it is believed to
+    ATTEMPT_STARTED = "attempt_started"  # an attempt begins: its number and the step it resumes from
+    PROCESS_STARTED = "process_started"  # a child started (or a rollout worker restarted): its pid and masked argv
+    PROCESS_EXITED = "process_exited"  # a child exited: its exit code and the step reached
+    ATTEMPT_ENDED = "attempt_ended"  # the attempt's processes are stopped; any left alive are named
+    FAILURE = "failure"  # an attempt failed: the classified Failure (kind, message, evidence, retryable)
+    DECISION = "decision"  # the restart policy's answer to a failure: restart or not, the delay, why
+    RUN_FINISHED = "run_finished"  # the job finished
+    RUN_STOPPED = "run_stopped"  # the run stopped on request
+    RUN_PREEMPTED = "run_preempted"  # the instance is going away: exit 75 for the layer above
+    RUN_FAILED = "run_failed"  # the run could not start (its config.toml could not be written)
+    STOP_REQUESTED = "stop_requested"  # SIGTERM forwarded to the job: it checkpoints and exits 75
+    STOP_FORCED = "stop_forced"  # a second Ctrl-C: the job killed without waiting for its checkpoint
+    PREEMPTION_NOTICE = "preemption_notice"  # the cloud's metadata server announced a spot interruption
+    PREEMPTION_FORWARDED = "preemption_forwarded"  # that notice forwarded to the job as SIGTERM
+    HANG_DETECTED = "hang_detected"  # no progress within the phase's allowance
+    WEIGHTS_LOADED = "weights_loaded"  # RL: the rollout workers loaded a new policy step (from the heartbeat)
+    LOG_FINDING = "log_finding"  # a line of a child's log matched a known failure or warning pattern
+    WATCHER_ERROR = "watcher_error"  # a watcher raised; the run goes on without that poll
+    CHECKPOINT_DELETED = "checkpoint_deleted"  # retention or the disk cap deleted a whole checkpoint (never the newest)
+    CHECKPOINT_DELETE_REFUSED = "checkpoint_delete_refused"  # a deletion refused (a symlink, outside the directory)
+    RETENTION_BELOW_KEEP_LAST = "retention_below_keep_last"  # the disk cap left fewer than ckpt.keep_last
+    CHECKPOINT_QUARANTINED = "checkpoint_quarantined"  # the job set a checkpoint aside as damaged (step-N.corrupt)
+    CHECKPOINT_TMP_REMOVED = "checkpoint_tmp_removed"  # an unfinished save of a dead job was removed
+    CHECKPOINT_TMP_REMOVE_FAILED = "checkpoint_tmp_remove_failed"  # ... and could not be
+    REMOTE_RESTORE_SKIPPED = "remote_restore_skipped"  # nothing fetched: a local checkpoint, or none in the bucket
+    REMOTE_RESTORE_FAILED = "remote_restore_failed"  # the bucket could not be read: the run does not start
+    REMOTE_CHECKPOINT_RESTORED = "remote_checkpoint_restored"  # a checkpoint fetched from the bucket, verified
+    REMOTE_CHECKPOINT_CORRUPT = "remote_checkpoint_corrupt"  # one in the bucket failed verification: an older one tried
+    CHECKPOINT_BACKUP_NOTE = "checkpoint_backup_note"  # something the store says about itself (compression fallback)
+    CHECKPOINT_UPLOAD_STARTED = "checkpoint_upload_started"  # a whole checkpoint is being uploaded
+    CHECKPOINT_UPLOADED = "checkpoint_uploaded"  # ... and is in the bucket
+    CHECKPOINT_UPLOAD_FAILED = "checkpoint_upload_failed"  # ... and failed: retried after a backoff
+    CHECKPOINT_UPLOAD_SKIPPED = "checkpoint_upload_skipped"  # deleted here while it was being uploaded
+    CHECKPOINT_ALREADY_UPLOADED = "checkpoint_already_uploaded"  # the bucket already holds this step or a newer one
+    CHECKPOINT_UPLOAD_UNFINISHED = "checkpoint_upload_unfinished"  # an upload still running when the run ended
+    REMOTE_CHECKPOINTS_DELETED = "remote_checkpoints_deleted"  # ckpt.remote_keep_last applied in the bucket
+    REMOTE_RETENTION_FAILED = "remote_retention_failed"  # ... and failed
+    HEARTBEAT_UPLOAD_FAILED = "heartbeat_upload_failed"  # progress.json could not be copied to the bucket
+    HEARTBEAT_UPLOAD_RECOVERED = "heartbeat_upload_recovered"  # ... and can again
+    GPU_BASELINE = "gpu_baseline"  # the GPUs' memory before the attempt (or lowered): "empty" means back at it
+    GPU_UNREADABLE = "gpu_unreadable"  # NVML failed; GPU health is not judged meanwhile
+    GPU_XID = "gpu_xid"  # the driver reported an Xid error
+    GPU_ECC = "gpu_ecc"  # uncorrectable ECC errors
+    GPU_THROTTLE = "gpu_throttle"  # a GPU throttles (power, heat)
+    GPU_EMPTY = "gpu_empty"  # a role's GPUs back at their baseline memory, 0 %, while its process lives
+    GPU_PLAN = "gpu_plan"  # how the GPUs were split between the trainer and the workers, when it is not as asked
+    INFERENCE_HEALTHY = "inference_healthy"  # a worker answers /health
+    INFERENCE_WEDGED = "inference_wedged"  # a worker stopped answering /health
+    INFERENCE_DIED = "inference_died"  # a worker died or is wedged: restarted on its own
 
 
 # ---------------------------------------------------------------- the run directory

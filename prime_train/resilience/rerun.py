@@ -29,6 +29,7 @@ from prime_train.config.schema import Config
 from prime_train.contract import (
     Phase,
     RunDir,
+    SupervisorState,
     fsync_dir,
     list_checkpoints,
     newest_checkpoint,
@@ -83,7 +84,7 @@ def finished_run(cfg: Config) -> Finished | None:
     final = run_dir.final_dir if (run_dir.final_dir / "config.json").is_file() else None
     if cfg.job.command:
         state = read_json(run_dir.supervisor_path) or {}
-        if state.get("state") != "done":
+        if state.get("state") != SupervisorState.DONE:
             return None
         step = state.get("step")
         return Finished(step if isinstance(step, int) else None, final)

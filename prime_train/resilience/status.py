@@ -21,7 +21,7 @@ from typing import BinaryIO
 
 import psutil
 
-from prime_train.contract import Heartbeat, RunDir, list_checkpoints
+from prime_train.contract import LIVE_STATES, Heartbeat, RunDir, list_checkpoints
 from prime_train.resilience import bounded
 from prime_train.resilience.redact import Redactor
 from prime_train.resilience.rl_summary import rl_summary
@@ -197,7 +197,7 @@ def run_status(run_dir: Path, redactor: Redactor | None = None) -> dict:
     if hb is None and isinstance(job.get("progress_file"), str):
         hb = Heartbeat.from_dict(bounded.read_json(job["progress_file"], notes=notes))
     state = sup.get("state") if isinstance(sup.get("state"), str) else "unknown"
-    if state in ("running", "restarting", "starting") and not _alive(sup.get("pid")):
+    if state in LIVE_STATES and not _alive(sup.get("pid")):
         state = "dead (supervisor not running)"
     events = _recent_events(rd.events_path, notes)
     age = time.time() - hb.time if hb is not None and hb.time is not None and math.isfinite(hb.time) else None
@@ -233,7 +233,8 @@ def owner_alive(rd: RunDir) -> bool:
     if _alive(holder.get("pid")) and not _started_after(holder.get("pid"), holder.get("since")):
         return True
     sup = bounded.read_json(rd.supervisor_path) or {}
-    return sup.get("state") in ("running", "restarting", "starting") and _alive(sup.get("pid"))
+    state = sup.get("state")
+    return isinstance(state, str) and state in LIVE_STATES and _alive(sup.get("pid"))
 
 
 def run_logs(run_dir: Path, process: str = "", attempt: int | None = None) -> list[Path]:
