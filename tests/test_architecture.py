@@ -259,3 +259,18 @@ def test_every_event_the_package_records_is_named_from_the_contracts_catalogue()
                 stray.append(f"{name}:{line}: {ast.unparse(value)}")
     assert not stray, f"events not named from contract.Event (add the name to the catalogue, emit Event.X): {stray}"
     assert emitted == {e.value for e in Event}, f"in the catalogue, never emitted: {sorted({*Event} - emitted)}"
+
+
+def test_a_runs_paths_come_from_its_layout_never_from_a_run_directory_built_again_from_its_config():
+    # RunDir(cfg.run_dir) would put the checkpoints in checkpoints/ whatever ckpt.dir says: Config.layout is the one
+    # place a config's run directory is built (contract.RunDir, docs/architecture.md "The layout")
+    import re
+
+    rebuilt = re.compile(r"RunDir\([^)]*\bcfg\b")
+    found = [
+        f"{name}:{n}"
+        for name, path in MODULES.items()
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if rebuilt.search(line)
+    ]
+    assert not found, found
