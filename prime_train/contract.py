@@ -1,8 +1,9 @@
 """The job contract: what the supervisor and a training job agree on, and the only thing they share.
 
 Both sides import this module and nothing else of each other (docs/architecture.md, "The run
-directory"). It holds the exit codes, the phases a job reports, the heartbeat it writes, the
-environment variables the supervisor sets, and the run directory's paths and checkpoint naming.
+directory"). It holds the exit codes, the phases a job reports, the heartbeat it writes and the failures
+it may name there, the environment variables the supervisor sets, the supervisor's states and the
+events it records, and the run directory's paths and checkpoint naming.
 Standard library only: the supervisor, lint and the pre-commit hook import it on machines without
 torch, and it must stay cheap to import.
 """
@@ -30,7 +31,18 @@ class ExitCode(enum.IntEnum):
     OK = 0
     FAILED = 1  # `prime-train run` only: restarts exhausted, or a failure that is not retried
     PREEMPTED = 75  # EX_TEMPFAIL: checkpointed and stopped on request (SIGTERM, a spot notice); resume me
+    # the engine: another node went silent and this rank ended itself (its heartbeat names node_lost); retried. Apart
+    # from a crash (1) and the codes above, so its log and `echo $?` say so
+    NODE_LOST = 76
     CONFIG = 78  # EX_CONFIG: a configuration error; never retried
+
+
+class JobFailure(enum.StrEnum):
+    """The failures a job names itself in its heartbeat (`failure`, with phase failed); the supervisor takes its
+    word over its own reading of the log. Each is a kind of resilience/failures.FailureKind, with its retry rule."""
+
+    LOSS_NOT_FINITE = "loss_not_finite"  # the loss or the gradients became NaN/inf: the run diverged
+    NODE_LOST = "node_lost"  # another node of a multi-node job went silent (exit 76)
 
 
 # ---------------------------------------------------------------- phases
@@ -101,8 +113,8 @@ class Heartbeat:
     reward: float | None = None  # RL: the mean sampled reward of the last step
     exit_code: int | None = None  # with phase stopped or failed: torchrun reports every worker failure as 1
     reason: str | None = None  # with phase stopped or failed: why, in words
-    # with phase failed: the kind of failure the job diagnosed itself, as the supervisor names them
-    # (resilience/failures.py: "loss_not_finite"); the supervisor takes it over its own reading of the log
+    # with phase failed: the kind of failure the job diagnosed itself (JobFailure; an external job may name any
+    # of resilience/failures.FailureKind); the supervisor takes it over its own reading of the log
     failure: str | None = None
     resumed_from: int | None = None  # the step this attempt started from: its checkpoint's step, 0 when fresh
     # RL: the policy step the rollout workers were last told to load, how many loaded it, and the slowest one's
@@ -124,7 +136,7 @@ class Heartbeat:
                 continue
             if isinstance(value, float) and not math.isfinite(value):
                 value = None
-            out[key] = value.value if isinstance(value, Phase) else value
+            out[key] = value.value if isinstance(value, enum.Enum) else value
         return out
 
     @classmethod
@@ -185,6 +197,86 @@ ENV_PROFILE = "PRIME_TRAIN_PROFILE"  # "<warmup>,<steps>": `prime-train profile`
 ENV_SUPERVISOR = "PRIME_TRAIN_SUPERVISOR"
 
 
+# ---------------------------------------------------------------- what the supervisor records
+
+
+class SupervisorState(enum.StrEnum):
+    """supervisor.json's `state`: where `prime-train run` is in the run's life (`prime-train status` reads it)."""
+
+    STARTING = "starting"  # the run directory is claimed; no attempt runs yet
+    RUNNING = "running"  # an attempt's processes run
+    RESTARTING = "restarting"  # an attempt failed; the next one waits out its backoff
+    DONE = "done"  # the job finished: exit 0
+    STOPPED = "stopped"  # stopped on request (Ctrl-C, SIGTERM) after the job checkpointed: exit 75
+    PREEMPTED = "preempted"  # the cloud takes the instance back: exit 75, for the layer above to resume elsewhere
+    FAILED = "failed"  # restarts exhausted or a failure never retried: exit 1 (78 for a configuration error)
+
+
+# States of a supervisor still at work: one whose pid is gone died without saying how it ended.
+LIVE_STATES = frozenset({SupervisorState.STARTING, SupervisorState.RUNNING, SupervisorState.RESTARTING})
+
+
+class Event(enum.StrEnum):
+    """events.jsonl's names, grouped as a run meets them: each line is {"time", "event": <one of these>, ...fields},
+    written by the supervisor (and `run --fresh`), read by `status`, `diagnose` and people. Every name the package
+    emits is here (tests/test_architecture.py)."""
+
+    RUN_STARTED = "run_started"  # the supervisor took the run directory: run_dir, pid, job
+    ORPHAN_ENDED = "orphan_ended"  # a process a killed predecessor left running was ended
+    RUN_SET_ASIDE_STARTED = "run_set_aside_started"  # --fresh begins moving the old outputs into previous/
+    RUN_SET_ASIDE = "run_set_aside"  # --fresh moved the old outputs into previous/<time>/
+    ENV_WARNING = "env_warning"  # an environment variable that does not do what it is believed to
+    ATTEMPT_STARTED = "attempt_started"  # an attempt begins: its number and the step it resumes from
+    PROCESS_STARTED = "process_started"  # a child started (or a rollout worker restarted): its pid and masked argv
+    PROCESS_EXITED = "process_exited"  # a child exited: its exit code and the step reached
+    ATTEMPT_ENDED = "attempt_ended"  # the attempt's processes are stopped; any left alive are named
+    FAILURE = "failure"  # an attempt failed: the classified Failure (kind, message, evidence, retryable)
+    DECISION = "decision"  # the restart policy's answer to a failure: restart or not, the delay, why
+    RUN_FINISHED = "run_finished"  # the job finished
+    RUN_STOPPED = "run_stopped"  # the run stopped on request
+    RUN_PREEMPTED = "run_preempted"  # the instance is going away: exit 75 for the layer above
+    RUN_FAILED = "run_failed"  # the run could not start (its config.toml could not be written)
+    STOP_REQUESTED = "stop_requested"  # SIGTERM forwarded to the job: it checkpoints and exits 75
+    STOP_FORCED = "stop_forced"  # a second Ctrl-C: the job killed without waiting for its checkpoint
+    PREEMPTION_NOTICE = "preemption_notice"  # the cloud's metadata server announced a spot interruption
+    PREEMPTION_FORWARDED = "preemption_forwarded"  # that notice forwarded to the job as SIGTERM
+    HANG_DETECTED = "hang_detected"  # no progress within the phase's allowance
+    WEIGHTS_LOADED = "weights_loaded"  # RL: the rollout workers loaded a new policy step (from the heartbeat)
+    LOG_FINDING = "log_finding"  # a line of a child's log matched a known failure or warning pattern
+    WATCHER_ERROR = "watcher_error"  # a watcher raised; the run goes on without that poll
+    CHECKPOINT_DELETED = "checkpoint_deleted"  # retention or the disk cap deleted a whole checkpoint (never the newest)
+    CHECKPOINT_DELETE_REFUSED = "checkpoint_delete_refused"  # a deletion refused (a symlink, outside the directory)
+    RETENTION_BELOW_KEEP_LAST = "retention_below_keep_last"  # the disk cap left fewer than ckpt.keep_last
+    CHECKPOINT_QUARANTINED = "checkpoint_quarantined"  # the job set a checkpoint aside as damaged (step-N.corrupt)
+    CHECKPOINT_TMP_REMOVED = "checkpoint_tmp_removed"  # an unfinished save of a dead job was removed
+    CHECKPOINT_TMP_REMOVE_FAILED = "checkpoint_tmp_remove_failed"  # ... and could not be
+    REMOTE_RESTORE_SKIPPED = "remote_restore_skipped"  # nothing fetched: a local checkpoint, or none in the bucket
+    REMOTE_RESTORE_FAILED = "remote_restore_failed"  # the bucket could not be read: the run does not start
+    REMOTE_CHECKPOINT_RESTORED = "remote_checkpoint_restored"  # a checkpoint fetched from the bucket, verified
+    REMOTE_CHECKPOINT_CORRUPT = "remote_checkpoint_corrupt"  # one in the bucket failed verification: an older one tried
+    CHECKPOINT_BACKUP_NOTE = "checkpoint_backup_note"  # something the store says about itself (compression fallback)
+    CHECKPOINT_UPLOAD_STARTED = "checkpoint_upload_started"  # a whole checkpoint is being uploaded
+    CHECKPOINT_UPLOADED = "checkpoint_uploaded"  # ... and is in the bucket
+    CHECKPOINT_UPLOAD_FAILED = "checkpoint_upload_failed"  # ... and failed: retried after a backoff
+    CHECKPOINT_UPLOAD_SKIPPED = "checkpoint_upload_skipped"  # deleted here while it was being uploaded
+    CHECKPOINT_ALREADY_UPLOADED = "checkpoint_already_uploaded"  # the bucket already holds this step or a newer one
+    CHECKPOINT_UPLOAD_UNFINISHED = "checkpoint_upload_unfinished"  # an upload still running when the run ended
+    REMOTE_CHECKPOINTS_DELETED = "remote_checkpoints_deleted"  # ckpt.remote_keep_last applied in the bucket
+    REMOTE_RETENTION_FAILED = "remote_retention_failed"  # ... and failed
+    HEARTBEAT_UPLOAD_FAILED = "heartbeat_upload_failed"  # progress.json could not be copied to the bucket
+    HEARTBEAT_UPLOAD_RECOVERED = "heartbeat_upload_recovered"  # ... and can again
+    GPU_BASELINE = "gpu_baseline"  # the GPUs' memory before the attempt (or lowered): "empty" means back at it
+    GPU_UNREADABLE = "gpu_unreadable"  # NVML failed; GPU health is not judged meanwhile
+    GPU_XID = "gpu_xid"  # the driver reported an Xid error
+    GPU_ECC = "gpu_ecc"  # uncorrectable ECC errors
+    GPU_THROTTLE = "gpu_throttle"  # a GPU throttles (power, heat)
+    GPU_EMPTY = "gpu_empty"  # a role's GPUs back at their baseline memory, 0 %, while its process lives
+    GPU_PLAN = "gpu_plan"  # how the GPUs were split between the trainer and the workers, when it is not as asked
+    INFERENCE_HEALTHY = "inference_healthy"  # a worker answers /health
+    INFERENCE_WEDGED = "inference_wedged"  # a worker stopped answering /health
+    INFERENCE_DIED = "inference_died"  # a worker died or is wedged: restarted on its own
+
+
 # ---------------------------------------------------------------- the run directory
 
 STEP_RE = re.compile(r"^step-(\d+)$")
@@ -217,6 +309,9 @@ RUN_DIRS = frozenset(
 )
 
 
+LATEST_LOGS = "latest"  # logs/latest -> attempt-<n>, the newest attempt's logs
+
+
 def _inside(path: str, root: str) -> bool:
     """Whether resolved `path` is `root` or below it (both resolved)."""
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
@@ -232,6 +327,7 @@ class RunDir:
       config.toml  events.jsonl  supervisor.json  progress.json  metrics.jsonl
       gpu.jsonl                 the GPU readings the supervisor acted on (PRIME_TRAIN_GPU_REPLAY replays them)
       logs/attempt-<n>/<process>.log  logs/latest -> attempt-<n>
+      logs/attempt-<n>/ranks/   torchrun's --log-dir: every rank's output
       checkpoints/step-<N>/     written as step-<N>.tmp, renamed when whole
       checkpoints/step-<N>.corrupt/  a checkpoint that failed verification, set aside (never deleted, never whole)
       weights/step-<N>/         RL: HF weights published for the inference workers, renamed when whole
@@ -239,9 +335,14 @@ class RunDir:
       profile/summary.json      `prime-train profile`
       tensorboard/
     ```
+
+    The checkpoints are where the run's config puts them: `ckpt_dir` is its ckpt.dir (a directory every node
+    sees, with several nodes), None or "" for checkpoints/ above. Build one from a config with
+    `Config.layout`, from a run directory alone with `RunDir.of_run` and the run's config.toml: every
+    reader of the checkpoints, on either side, then gets the same answer.
     """
 
-    def __init__(self, root: str | os.PathLike[str]):
+    def __init__(self, root: str | os.PathLike[str], *, ckpt_dir: str | os.PathLike[str] | None = None):
         self.root = Path(root)
         self.lock_path = self.root / ".lock"
         self.processes_path = self.root / "processes.json"
@@ -249,16 +350,28 @@ class RunDir:
         self.events_path = self.root / "events.jsonl"
         self.supervisor_path = self.root / "supervisor.json"
         self.logs_dir = self.root / "logs"
-        self.latest_logs = self.logs_dir / "latest"
+        self.latest_logs = self.logs_dir / LATEST_LOGS
         self.progress_path = self.root / "progress.json"
         self.gpu_log_path = self.root / "gpu.jsonl"
         self.metrics_path = self.root / "metrics.jsonl"
-        self.checkpoints_dir = self.root / "checkpoints"
+        # the one rule for where the step-N checkpoints are (a relative ckpt.dir is read from the working directory)
+        self.checkpoints_dir = Path(ckpt_dir).expanduser() if ckpt_dir else self.root / "checkpoints"
         self.weights_dir = self.root / "weights"
         self.final_dir = self.root / "final"
         self.profile_dir = self.root / "profile"
         self.profile_summary_path = self.profile_dir / "summary.json"
         self.tensorboard_dir = self.root / "tensorboard"
+
+    @classmethod
+    def of_run(cls, root: str | os.PathLike[str], config: Any) -> RunDir:
+        """The run directory `root` as its run laid it out: checkpoints where its config.toml's ckpt.dir says.
+
+        `config`: that file as parsed TOML (read within bounds by the caller: it may be hostile); anything of
+        the wrong shape reads as the defaults (checkpoints/ in the run directory).
+        """
+        ckpt = config.get("ckpt") if isinstance(config, dict) else None
+        shared = ckpt.get("dir") if isinstance(ckpt, dict) else None
+        return cls(root, ckpt_dir=shared if isinstance(shared, str) else None)
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.root)!r})"
@@ -269,15 +382,19 @@ class RunDir:
             raise ValueError(f"attempt number must be >= 0, got {n}")
         return self.logs_dir / f"attempt-{n}"
 
+    def rank_logs(self, n: int) -> Path:
+        """torchrun's --log-dir of attempt `n`: every rank's output (only rank 0's reaches the trainer log)."""
+        return self.attempt_logs(n) / "ranks"
+
     def published_weights(self, step: int) -> Path:
         """Where an RL trainer publishes the weights of `step` for its workers."""
         return self.weights_dir / f"step-{step}"
 
     def create(self) -> None:
         """Create the run directory with its logs/ and checkpoints/ (existing ones are kept); UnsafeLink when one of
-        them is a symlink leading out of the run directory."""
+        them is a symlink leading out of the run directory. A ckpt.dir elsewhere is the job's to create."""
         self.root.mkdir(parents=True, exist_ok=True)
-        for d in (self.logs_dir, self.checkpoints_dir):
+        for d in (self.logs_dir, self.root / "checkpoints"):
             self.ensure_dir(d)
 
     def ensure_dir(self, path: str | os.PathLike[str]) -> Path:

@@ -134,7 +134,7 @@ def job_exit_code(returncode: int, heartbeat: Heartbeat | None, started_at: floa
 def write_run_config(cfg: Config) -> RunDir:
     """Create the run directory and keep the resolved config in it, as run, secret values as `***` (the job
     reads the real ones from the environment `masked_run_config(cfg).env` gives it)."""
-    run_dir = RunDir(cfg.run_dir)
+    run_dir = cfg.layout
     run_dir.create()
     # a new file renamed over config.toml: a link planted there is replaced, never written through
     replace_file_atomic(run_dir.config_path, masked_run_config(cfg).text.encode("utf-8"), mode=0o666)
@@ -158,8 +158,8 @@ def train_directly(cfg: Config, decide: Callable[[], bool] | None = None) -> int
     """
     from prime_train.resilience.ownership import claim_run_dir, end_orphans, record_processes, supervisor_token
 
-    with claim_run_dir(RunDir(cfg.run_dir), "prime-train train"):
-        end_orphans(RunDir(cfg.run_dir), cfg.supervisor.term_grace_s)
+    with claim_run_dir(cfg.layout, "prime-train train"):
+        end_orphans(cfg.layout, cfg.supervisor.term_grace_s)
         if decide is not None and not decide():
             return ExitCode.OK
         run_dir = write_run_config(cfg)

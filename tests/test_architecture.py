@@ -225,3 +225,52 @@ def test_no_source_file_is_over_800_lines():
         if (n := len(p.read_text().splitlines())) > 800
     }
     assert not long, long
+
+
+def _event_names(tree: ast.AST) -> list[tuple[ast.expr, int]]:
+    """The event names a module gives: the first argument of every `.emit(...)` on an event log (not the CLI's
+    output.emit, which prints), and the value of every "event" key of a dict literal (what a watcher returns for
+    the supervisor to emit)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "emit":
+            printed = isinstance(node.func.value, ast.Name) and node.func.value.id == "output"
+            if node.args and not printed:
+                found.append((node.args[0], node.lineno))
+        elif isinstance(node, ast.Dict):
+            pairs = zip(node.keys, node.values, strict=True)
+            found += [(v, node.lineno) for k, v in pairs if isinstance(k, ast.Constant) and k.value == "event"]
+    return found
+
+
+def test_every_event_the_package_records_is_named_from_the_contracts_catalogue():
+    from prime_train.contract import Event
+
+    emitted: set[str] = set()
+    stray = []
+    for name, path in MODULES.items():
+        if name == "prime_train.resilience.events":
+            continue  # EventLog itself, which writes the name it is given
+        for value, line in _event_names(ast.parse(path.read_text())):
+            member = ast.unparse(value).removeprefix("Event.")
+            if isinstance(value, ast.Attribute) and member in Event.__members__:
+                emitted.add(Event[member].value)
+            else:
+                stray.append(f"{name}:{line}: {ast.unparse(value)}")
+    assert not stray, f"events not named from contract.Event (add the name to the catalogue, emit Event.X): {stray}"
+    assert emitted == {e.value for e in Event}, f"in the catalogue, never emitted: {sorted({*Event} - emitted)}"
+
+
+def test_a_runs_paths_come_from_its_layout_never_from_a_run_directory_built_again_from_its_config():
+    # RunDir(cfg.run_dir) would put the checkpoints in checkpoints/ whatever ckpt.dir says: Config.layout is the one
+    # place a config's run directory is built (contract.RunDir, docs/architecture.md "The layout")
+    import re
+
+    rebuilt = re.compile(r"RunDir\([^)]*\bcfg\b")
+    found = [
+        f"{name}:{n}"
+        for name, path in MODULES.items()
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if rebuilt.search(line)
+    ]
+    assert not found, found

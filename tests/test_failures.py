@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from prime_train.contract import ExitCode, JobFailure
 from prime_train.resilience.failures import HINTS, RETRYABLE, Failure, FailureKind
 from prime_train.resilience.patterns import PATTERNS
 from prime_train.resilience.policy import WHY_NOT_RETRIED, RestartPolicy
@@ -15,6 +16,11 @@ def test_every_kind_has_a_retry_rule_and_a_hint_and_every_unretried_kind_a_reaso
     assert set(RETRYABLE) == set(FailureKind) == set(HINTS)
     assert all(HINTS[k] and "\n" not in HINTS[k] for k in FailureKind)
     assert set(WHY_NOT_RETRIED) == {k for k, retry in RETRYABLE.items() if not retry}
+
+
+def test_every_failure_a_job_may_name_in_its_heartbeat_is_a_kind_the_supervisor_knows():
+    assert {k.value for k in JobFailure} <= {k.value for k in FailureKind}
+    assert ExitCode.NODE_LOST == 76 and len({int(c) for c in ExitCode}) == len(ExitCode)
 
 
 def test_every_kind_the_log_scanner_reports_is_a_failure_kind_the_policy_knows():

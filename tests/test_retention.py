@@ -59,9 +59,24 @@ def test_rundir_paths_follow_the_documented_layout_without_touching_disk(tmp_pat
     assert rd.tensorboard_dir == rd.root / "tensorboard"
     assert rd.attempt_logs(3) == rd.root / "logs" / "attempt-3"
     assert rd.latest_logs == rd.logs_dir / "latest"
+    assert rd.rank_logs(3) == rd.root / "logs" / "attempt-3" / "ranks"
     rd.create()
     assert rd.logs_dir.is_dir() and rd.checkpoints_dir.is_dir()
     rd.create()  # idempotent
+
+
+def test_one_layout_puts_the_checkpoints_where_ckpt_dir_says_for_the_config_and_for_a_reader_of_config_toml(tmp_path):
+    from prime_train.config.schema import Config
+
+    shared = tmp_path / "shared"
+    cfg = Config.model_validate({"run": {"name": "r", "output_dir": str(tmp_path)}, "ckpt": {"dir": str(shared)}})
+    assert cfg.layout.root == tmp_path / "r" and cfg.layout.checkpoints_dir == shared
+    assert RunDir.of_run(tmp_path / "r", {"ckpt": {"dir": str(shared)}}).checkpoints_dir == shared
+    assert RunDir(tmp_path, ckpt_dir="~/c").checkpoints_dir == Path.home() / "c"
+    for unset in ({}, {"ckpt": {"dir": ""}}, {"ckpt": {"dir": 3}}, {"ckpt": "x"}, None):  # a hostile config.toml too
+        assert RunDir.of_run(tmp_path / "r", unset).checkpoints_dir == tmp_path / "r" / "checkpoints"
+    cfg.layout.create()  # ckpt.dir is the job's to make; the run directory's own checkpoints/ is made as ever
+    assert not shared.exists() and (tmp_path / "r" / "checkpoints").is_dir()
 
 
 def test_write_json_atomic_replaces_the_file_and_leaves_no_temp_files(tmp_path):

@@ -3,6 +3,7 @@ errors, surfaced log lines, restarts exhausted, SIGTERM. Real subprocesses, real
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -15,8 +16,10 @@ import pytest
 
 from prime_train.config.schema import Config
 from prime_train.contract import read_json
-from prime_train.resilience.events import read_events
+from prime_train.resilience.events import EventLog, read_events
 from prime_train.resilience.failures import FailureKind
+from prime_train.resilience.ownership import Housekeeper
+from prime_train.resilience.status import run_status
 from prime_train.resilience.supervisor import Observer, Supervisor, SupervisorOptions
 
 JOB = Path(__file__).parent / "jobs" / "counter_job.py"
@@ -303,3 +306,68 @@ def test_quiet_run_prints_no_progress_lines_but_keeps_what_went_wrong_and_the_su
     assert "| step" not in quiet, quiet
     assert "injected crash at step 4" in quiet, quiet  # a failure is a problem: -q keeps it
     assert "run sup:" in quiet, quiet  # and the summary table is the result
+
+
+# ---------------------------------------------------------------- checkpoints in ckpt.dir, outside the run directory
+
+
+def shared_ckpt_config(tmp_path: Path, shared: Path, *job_args: str, command: bool = True, **supervisor) -> Config:
+    """A run whose checkpoints are in `shared` (ckpt.dir, as several nodes need), outside its run directory."""
+    progress = tmp_path / "job-progress.json"
+    job = [sys.executable, str(JOB), "--ckpt-dir", str(shared), "--progress", str(progress), *job_args]
+    return Config.model_validate(
+        {
+            "run": {"name": "shared", "output_dir": str(tmp_path / "runs")},
+            "ckpt": {"dir": str(shared), "keep_last": None},  # keep all: only the disk cap deletes
+            "job": {"command": job, "progress_file": str(progress)} if command else {},
+            "supervisor": {"poll_interval_s": 0.1, "stall_timeout_s": 30, "startup_timeout_s": 30, **supervisor},
+        }
+    )
+
+
+def test_with_ckpt_dir_outside_the_run_the_disk_cap_deletes_the_oldest_checkpoints_there_and_says_so(tmp_path):
+    shared = tmp_path / "shared-ckpt"
+    # 100 kB checkpoints under a 250 kB cap: about two fit
+    cfg = shared_ckpt_config(tmp_path, shared, "--steps", "40", "--interval", "5", "--step-time", "0.1",
+                             "--ckpt-bytes", "100000", max_disk_gb=250e-6, disk_high_watermark=1.0)  # fmt: skip
+    sup = Supervisor(cfg, Recorder())
+    aside = shared / "step-1.corrupt"
+
+    def set_one_aside():  # as a job does with a checkpoint it found damaged: reported, never deleted
+        deadline = time.time() + 60
+        while time.time() < deadline and (read_json(Path(cfg.job.progress_file)) or {}).get("step", 0) < 3:
+            time.sleep(0.05)
+        aside.mkdir()
+        (aside / "quarantine.json").write_text(json.dumps({"step": 1, "reason": "a shard failed its checksum"}))
+
+    threading.Thread(target=set_one_aside, daemon=True).start()
+    assert sup.run() == 0
+    deleted = events_of(sup, "checkpoint_deleted")
+    assert deleted, "the disk cap watched an empty checkpoints/ in the run directory, not ckpt.dir"
+    assert {Path(e["path"]).parent for e in deleted} == {shared}
+    assert all(e["reason"] == "watermark" and e["step"] < 40 for e in deleted)
+    assert deleted[0]["step"] == 5, "the oldest goes first"
+    left = sorted(int(p.name[5:]) for p in shared.glob("step-*") if p.name[5:].isdigit())
+    assert left[-1] == 40 and len(left) <= 3, "the newest stays; the cap holds but for the one saved last"
+    assert not any(e["step"] in left for e in deleted)
+    assert aside.is_dir()
+    [quarantined] = events_of(sup, "checkpoint_quarantined")
+    assert Path(quarantined["path"]) == aside
+    assert run_status(sup.run_dir.root)["checkpoints"] == left
+
+
+def test_unfinished_saves_are_cleaned_up_in_ckpt_dir_after_an_engine_attempt(tmp_path):
+    shared = tmp_path / "shared-ckpt"
+    stale = shared / "step-7.tmp"  # a save its writer died in: no live writer names it
+    stale.mkdir(parents=True)
+    (shared / "step-5").mkdir()
+    cfg = shared_ckpt_config(tmp_path, shared, command=False)
+    sup = Supervisor(cfg, Recorder())
+    sup.run_dir.create()
+    events = EventLog(sup.run_dir.events_path)
+    Housekeeper(sup.run_dir, events, lambda m: None).after_attempt({}, clean_tmp=True)
+    assert not stale.exists() and (shared / "step-5").is_dir()
+    assert [e["path"] for e in read_events(sup.run_dir.events_path) if e["event"] == "checkpoint_tmp_removed"] == [
+        str(stale)
+    ]
+    assert "step-5" in sup._disk_statement()

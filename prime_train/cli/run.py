@@ -17,7 +17,7 @@ from prime_train.cli.common import (
     split_overrides,
 )
 from prime_train.cli.errors import CliError
-from prime_train.contract import ExitCode, RunDir
+from prime_train.contract import Event, ExitCode, RunDir, SupervisorState
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -51,7 +51,7 @@ def _set_old_run_aside(
 
     def record(dest: Path, names: list[str]) -> None:
         if events is not None:
-            events.emit("run_set_aside_started", moving_to=str(dest), moving=names)
+            events.emit(Event.RUN_SET_ASIDE_STARTED, moving_to=str(dest), moving=names)
 
     try:
         moved = set_aside(run_dir, record=record)
@@ -87,7 +87,7 @@ def _finish_interrupted_set_aside(run_dir: RunDir, console: Console, events: Eve
         soft_wrap=True,
     )
     if events is not None:
-        events.emit("run_set_aside", moved_to=str(dest), moved=names, finished_after_interruption=True)
+        events.emit(Event.RUN_SET_ASIDE, moved_to=str(dest), moved=names, finished_after_interruption=True)
 
 
 def train(
@@ -122,12 +122,12 @@ def train(
     def decide() -> bool:
         """As `run` decides it (resilience/rerun.py), once the directory is ours: a finished run is not trained
         again unasked; --fresh moves the old outputs aside first."""
-        _finish_interrupted_set_aside(RunDir(cfg.run_dir), console)
+        _finish_interrupted_set_aside(cfg.layout, console)
         rerun = plan_rerun(cfg, fresh=fresh, resume=resume)
         if rerun.message:
             console.print(output.literal(rerun.message), highlight=False, soft_wrap=True)
         if rerun.launch and fresh:
-            _set_old_run_aside(RunDir(cfg.run_dir), console)
+            _set_old_run_aside(cfg.layout, console)
         return rerun.launch
 
     try:
@@ -259,7 +259,7 @@ def _supervise(
     if moved is not None:
         sup.run_dir.create()
         assert events is not None
-        events.emit("run_set_aside", moved_to=str(moved[0]), moved=moved[1])
+        events.emit(Event.RUN_SET_ASIDE, moved_to=str(moved[0]), moved=moved[1])
     console.print(output.literal("prime-train", "bold cyan") + output.literal(f": run directory {cfg.run_dir}"))
     with observer:
         interrupts = 0
@@ -279,7 +279,7 @@ def _supervise(
         signal.signal(signal.SIGINT, on_signal)
         code = sup.run()
     console.print(summary_table(sup))
-    results = final_results(sup.run_dir, written_since=started if sup.state == "done" else None)
+    results = final_results(sup.run_dir, written_since=started if sup.state == SupervisorState.DONE else None)
     for line in results:
         console.print(output.literal(line), highlight=False)
     if as_json:

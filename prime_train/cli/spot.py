@@ -228,7 +228,7 @@ def spot_recovery_gate(
         store = (
             CheckpointStore(cfg.ckpt.remote, endpoint_url=cfg.ckpt.remote_endpoint_url)
             if cfg.ckpt.remote
-            else DirectoryRecoveries(cfg.checkpoints_dir)
+            else DirectoryRecoveries(cfg.layout.checkpoints_dir)
         )
         why = recovery_gate(
             store, task_id=task_id, max_recoveries=cfg.spot.max_recoveries, exit_code=exited,

@@ -13,6 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from prime_train.contract import RunDir
+
 # Integers past this do not fit the 64-bit integers TOML, torch and NumPy use.
 INT64_MAX = 2**63 - 1
 # The longest file name (one path component) Linux filesystems take, in bytes; and a bound on a run directory's
@@ -601,8 +603,7 @@ class Config(Section):
         return os.path.join(self.run.output_dir, self.run.name)
 
     @property
-    def checkpoints_dir(self) -> str:
-        """Where the engine's step-N checkpoints are: ckpt.dir, else <run dir>/checkpoints."""
-        import os
-
-        return os.path.expanduser(self.ckpt.dir) if self.ckpt.dir else os.path.join(self.run_dir, "checkpoints")
+    def layout(self) -> RunDir:
+        """The run directory's paths, its checkpoints where ckpt.dir puts them: what the supervisor, the engine and
+        every command read (contract.RunDir)."""
+        return RunDir(self.run_dir, ckpt_dir=self.ckpt.dir)

@@ -259,9 +259,9 @@ class Checkpointer:
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
-        # ckpt.dir: a place every node sees, when the run directories are node-local disks (several nodes);
-        # Config.checkpoints_dir states the same rule for the supervisor
-        self.ckpt_dir = Path(cfg.dir).expanduser() if cfg.dir else run_dir.checkpoints_dir
+        # the run layout's (Config.layout): ckpt.dir, a place every node sees when the run directories are node-local
+        # disks (several nodes), else checkpoints/; the supervisor watches the same directory
+        self.ckpt_dir = run_dir.checkpoints_dir
         self._distributed = dist.is_available() and dist.is_initialized()
         self._save_pg: dist.ProcessGroup | None = None
         self._sync_pg: dist.ProcessGroup | None = None

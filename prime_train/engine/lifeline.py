@@ -88,9 +88,6 @@ PEER_TIMEOUT_S = 15.0
 BEAT_S = 1.0
 PEER_PREFIX = "prime_train/beat/"
 PEER_DONE_PREFIX = "prime_train/done/"
-# How a rank that ends itself because a node was lost exits: distinct from a crash (1) and from the contract's
-# codes, so its log and `echo $?` say so; its heartbeat names the failure (node_lost) for the supervisor.
-NODE_LOST_EXIT = 76
 
 
 class PeerWatch:

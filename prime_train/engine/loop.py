@@ -45,10 +45,10 @@ import torch
 
 from prime_train.config.loader import ConfigError, load_config
 from prime_train.config.schema import Config
-from prime_train.contract import ExitCode, Heartbeat, Phase, RunDir, newest_checkpoint, write_heartbeat
+from prime_train.contract import ExitCode, Heartbeat, JobFailure, Phase, newest_checkpoint, write_heartbeat
 from prime_train.engine import parallel
 from prime_train.engine.checkpoint import Checkpointer, StartOver, TrainState
-from prime_train.engine.lifeline import NODE_LOST_EXIT, PeerWatch, watch_peers, watch_supervisor
+from prime_train.engine.lifeline import PeerWatch, watch_peers, watch_supervisor
 from prime_train.engine.metrics import EngineConfigError, MetricsLogger
 from prime_train.engine.model import num_parameters
 from prime_train.engine.optim import build_optimizer
@@ -155,7 +155,7 @@ class TrainingJob:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.run_dir = RunDir(cfg.run_dir)
+        self.run_dir = cfg.layout
         # first: a stop during a long start-up (rendezvous, model load, resume) must end it, not kill it mid-write
         self.stop = StopFlag()
         self.stop.install()
@@ -250,14 +250,14 @@ class TrainingJob:
             self._beat(
                 state.step if state is not None else None,
                 Phase.FAILED,
-                exit_code=NODE_LOST_EXIT,
+                exit_code=ExitCode.NODE_LOST,
                 reason=message,
-                failure="node_lost",
+                failure=JobFailure.NODE_LOST,
             )
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(NODE_LOST_EXIT)
+            os._exit(ExitCode.NODE_LOST)
 
     def _beat(self, step: int | None, phase: Phase, **fields: Any) -> None:
         """progress.json in this node's run directory: global rank 0 through the metrics logger, local rank 0 of
@@ -570,7 +570,7 @@ class TrainingJob:
             "Lower train.lr or lengthen the warmup, keep train.grad_clip set, prefer bf16 to fp16, check the data"
         )
         logger.error("%s", reason)
-        self.heartbeat(Phase.FAILED, exit_code=ExitCode.FAILED, reason=reason, failure="loss_not_finite")
+        self.heartbeat(Phase.FAILED, exit_code=ExitCode.FAILED, reason=reason, failure=JobFailure.LOSS_NOT_FINITE)
         return ExitCode.FAILED
 
     def _log_line(self, step: int, m: dict, t_start: float, start_step: int) -> None:
@@ -630,7 +630,7 @@ def _not_finite(value: Any) -> bool:
 def _record_exit(cfg: Config, code: int, reason: str, phase: Phase = Phase.FAILED) -> None:
     """Leave the verdict in progress.json: torchrun turns every worker failure into exit 1."""
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # every node's supervisor reads its own run directory
-        run_dir = RunDir(cfg.run_dir)
+        run_dir = cfg.layout
         run_dir.root.mkdir(parents=True, exist_ok=True)
         write_heartbeat(run_dir.progress_path, Heartbeat.now(None, phase, exit_code=code, reason=shown_path(reason)))
 

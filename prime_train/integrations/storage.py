@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
-from prime_train.contract import ExitCode, fsync_dir, newest_checkpoint, read_json, write_json_atomic
+from prime_train.contract import Event, ExitCode, fsync_dir, newest_checkpoint, read_json, write_json_atomic
 from prime_train.integrations.checkpoint_archive import (
     ARCHIVE_SUFFIXES,
     STAGING_PREFIX,
@@ -495,13 +495,13 @@ class CheckpointStore:
                 logger.warning("%s; trying an older one", exc)
                 if events is not None:
                     events.emit(
-                        "remote_checkpoint_corrupt", step=exc.step, file=exc.file, reason=exc.detail,
+                        Event.REMOTE_CHECKPOINT_CORRUPT, step=exc.step, file=exc.file, reason=exc.detail,
                         unsafe=isinstance(exc, UnsafeArchive),
                     )  # fmt: skip
                 continue
             if events is not None:
                 events.emit(
-                    "remote_checkpoint_restored", step=ckpt.step, path=str(path), bytes=ckpt.archive_bytes,
+                    Event.REMOTE_CHECKPOINT_RESTORED, step=ckpt.step, path=str(path), bytes=ckpt.archive_bytes,
                     seconds=round(time.monotonic() - started, 2), source=self._where(ckpt.archive_key),
                 )  # fmt: skip
             return ckpt.step

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from prime_train.contract import Event
 from prime_train.resilience.events import EventLog
 from prime_train.resilience.failures import Failure
 from prime_train.resilience.watchers import DiskWatcher, PreemptionWatcher
@@ -35,7 +36,7 @@ class Background:
                     for event in w.poll():
                         self.events.emit(**event)
                 except Exception as exc:  # a watcher bug must not take the run down
-                    self.events.emit("watcher_error", watcher=type(w).__name__, error=repr(exc))
+                    self.events.emit(Event.WATCHER_ERROR, watcher=type(w).__name__, error=repr(exc))
             self._stop.wait(self.interval)
 
     def failure(self) -> Failure | None:

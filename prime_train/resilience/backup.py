@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prime_train.contract import RunDir, newest_checkpoint
+from prime_train.contract import Event, RunDir, newest_checkpoint
 from prime_train.integrations.storage import CheckpointStore, EventSink, StorageError, remove_stale_staging
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class BackupWatcher:
         self._next_heartbeat = clock()
         self._heartbeat_failing = False
         for note in store.notes:
-            self._pending.append({"event": "checkpoint_backup_note", "note": note})
+            self._pending.append({"event": Event.CHECKPOINT_BACKUP_NOTE, "note": note})
         removed = remove_stale_staging(self.ckpt_dir)
         if removed:
             logger.info("removed temp archives of an interrupted upload: %s", ", ".join(p.name for p in removed))
@@ -119,7 +119,7 @@ class BackupWatcher:
         if still is not None:
             events.append(
                 {
-                    "event": "checkpoint_upload_unfinished",
+                    "event": Event.CHECKPOINT_UPLOAD_UNFINISHED,
                     "step": still,
                     "reason": f"still uploading after {timeout_s:.0f}s at shutdown; the bucket keeps the previous one",
                 }
@@ -146,7 +146,7 @@ class BackupWatcher:
             )
             self._upload = thread
         thread.start()
-        return [{"event": "checkpoint_upload_started", "step": newest.step, "path": str(newest.path)}]
+        return [{"event": Event.CHECKPOINT_UPLOAD_STARTED, "step": newest.step, "path": str(newest.path)}]
 
     def _upload_one(self, step: int, path: Path) -> None:
         _lower_priority()
@@ -159,7 +159,7 @@ class BackupWatcher:
                     self._remote_newest = remote[-1].step if remote else None
             known = self._remote_newest
             if known is not None and step <= known:
-                events.append({"event": "checkpoint_already_uploaded", "step": step, "remote_step": known})
+                events.append({"event": Event.CHECKPOINT_ALREADY_UPLOADED, "step": step, "remote_step": known})
                 self._succeeded()
                 return
             result = self.store.upload(path, step)
@@ -176,7 +176,7 @@ class BackupWatcher:
         self._succeeded()
         done: list[dict[str, Any]] = [
             {
-                "event": "checkpoint_uploaded",
+                "event": Event.CHECKPOINT_UPLOADED,
                 "step": step,
                 "bytes": result["bytes"],
                 "raw_bytes": result["raw_bytes"],
@@ -192,9 +192,9 @@ class BackupWatcher:
         try:
             deleted = self.store.apply_retention(self.keep_last, self.keep_every)
             if deleted:
-                done.append({"event": "remote_checkpoints_deleted", "steps": deleted, "reason": "retention"})
+                done.append({"event": Event.REMOTE_CHECKPOINTS_DELETED, "steps": deleted, "reason": "retention"})
         except Exception as exc:
-            done.append({"event": "remote_retention_failed", "reason": self._reason(exc)})
+            done.append({"event": Event.REMOTE_RETENTION_FAILED, "reason": self._reason(exc)})
         with self._lock:
             self._pending.extend(done)
 
@@ -204,7 +204,7 @@ class BackupWatcher:
             with self._lock:
                 self._retry_step = None
             return {
-                "event": "checkpoint_upload_skipped",
+                "event": Event.CHECKPOINT_UPLOAD_SKIPPED,
                 "step": step,
                 "reason": f"{path.name} was deleted locally while it was being uploaded",
             }
@@ -214,7 +214,7 @@ class BackupWatcher:
             retry_in = self._retry_delay
             self._retry_delay = min(self._retry_delay * 2, self.retry_max_s)
         return {
-            "event": "checkpoint_upload_failed",
+            "event": Event.CHECKPOINT_UPLOAD_FAILED,
             "step": step,
             "reason": self._reason(exc),
             "retry_in_s": round(retry_in, 1),
@@ -254,11 +254,11 @@ class BackupWatcher:
                 first = not self._heartbeat_failing
                 self._heartbeat_failing = True
                 if first:  # once per outage, not every interval
-                    self._pending.append({"event": "heartbeat_upload_failed", "reason": self._reason(exc)})
+                    self._pending.append({"event": Event.HEARTBEAT_UPLOAD_FAILED, "reason": self._reason(exc)})
             return
         with self._lock:
             if self._heartbeat_failing:
-                self._pending.append({"event": "heartbeat_upload_recovered"})
+                self._pending.append({"event": Event.HEARTBEAT_UPLOAD_RECOVERED})
             self._heartbeat_failing = False
 
     # ------------------------------------------------------------ helpers
@@ -292,12 +292,14 @@ def restore_before_start(
     local = newest_checkpoint(ckpt_dir)
     if local is not None:
         if events is not None:
-            events.emit("remote_restore_skipped", reason=f"local checkpoint {local.path.name} present", step=local.step)
+            events.emit(
+                Event.REMOTE_RESTORE_SKIPPED, reason=f"local checkpoint {local.path.name} present", step=local.step
+            )
         return None
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     step = store.restore_newest(ckpt_dir, events)
     if step is None and events is not None:
-        events.emit("remote_restore_skipped", reason=f"no whole checkpoint in {store.url}", step=None)
+        events.emit(Event.REMOTE_RESTORE_SKIPPED, reason=f"no whole checkpoint in {store.url}", step=None)
     return step
 
 
@@ -315,7 +317,7 @@ def start_backup(
                 say(f"restored checkpoint step-{step} from {ck.remote}")
     except (StorageError, ImportError) as exc:
         message = f"cannot read checkpoints from ckpt.remote = {ck.remote!r}: {exc}"
-        events.emit("remote_restore_failed", reason=message)
+        events.emit(Event.REMOTE_RESTORE_FAILED, reason=message)
         say(message)
         return None, message
     watcher = BackupWatcher(

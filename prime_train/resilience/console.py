@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from prime_train.contract import Phase
+from prime_train.contract import Phase, SupervisorState
 from prime_train.resilience import bounded
 from prime_train.resilience.logscan import Finding
 from prime_train.resilience.rl_summary import rl_summary, summary_lines
@@ -111,7 +111,7 @@ def summary_table(sup: Supervisor) -> Table:
         # where it resumed (the job's heartbeat says so), not 0: a resumed run did not train from the start
         first = a.resumed_from if a.resumed_from is not None else a.first_step
         steps = f"{first if first is not None else '-'} → {a.last_step if a.last_step is not None else '-'}"
-        cause = f"{a.failure.kind}" if a.failure else ("stopped" if sup.state == "stopped" else "ok")
+        cause = f"{a.failure.kind}" if a.failure else ("stopped" if sup.state == SupervisorState.STOPPED else "ok")
         table.add_row(
             str(a.number),
             _fmt_duration(duration),
@@ -169,7 +169,7 @@ def _checkpoint_path(sup: Supervisor, step: int) -> Path | None:
         return None
     job = cfg.job
     if not job.command:
-        return Path(cfg.checkpoints_dir) / f"step-{step}"
+        return cfg.layout.checkpoints_dir / f"step-{step}"
     if not job.checkpoint_dir:
         return None
     try:

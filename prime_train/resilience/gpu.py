@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from prime_train.contract import append_jsonl
+from prime_train.contract import Event, append_jsonl
 from prime_train.resilience.failures import Failure, FailureKind
 
 logger = logging.getLogger("prime_train.gpu")
@@ -516,7 +516,9 @@ class GpuHealthWatcher:
         self.baseline = {r.index: r.memory_used_mib for r in readings if r.memory_used_mib is not None}
         self._reported_baseline = dict(self.baseline)
         self._record(readings, force=True)
-        return [{"event": "gpu_baseline", "memory_used_mib": {str(i): round(m, 1) for i, m in self.baseline.items()}}]
+        return [
+            {"event": Event.GPU_BASELINE, "memory_used_mib": {str(i): round(m, 1) for i, m in self.baseline.items()}}
+        ]
 
     def forget(self, role: str) -> None:
         """The role's process was restarted: its GPUs get a fresh start-up."""
@@ -530,7 +532,7 @@ class GpuHealthWatcher:
         except Exception as exc:  # NVML can fail mid-run (a GPU lost); a watcher must not crash the supervisor
             if not self._read_error_reported:
                 self._read_error_reported = True
-                self._unreadable = {"event": "gpu_unreadable", "error": f"{type(exc).__name__}: {exc}"}
+                self._unreadable = {"event": Event.GPU_UNREADABLE, "error": f"{type(exc).__name__}: {exc}"}
             return None
 
     def _record(self, readings: list[GpuReading], force: bool = False) -> None:
@@ -571,7 +573,7 @@ class GpuHealthWatcher:
         for xid in r.xid:
             fatal = xid in FATAL_XIDS
             meaning = FATAL_XIDS.get(xid) or WARNING_XIDS.get(xid) or "see NVIDIA's Xid catalogue"
-            events.append({"event": "gpu_xid", "gpu": r.index, "xid": xid, "meaning": meaning, "fatal": fatal})
+            events.append({"event": Event.GPU_XID, "gpu": r.index, "xid": xid, "meaning": meaning, "fatal": fatal})
             if fatal:
                 self._fail(f"GPU {r.index} ({r.name or r.uuid}) reported Xid {xid}: {meaning}", [r])
         return events
@@ -589,7 +591,9 @@ class GpuHealthWatcher:
             f"error(s) ({before} -> {r.ecc_uncorrected}): its memory can no longer be trusted",
             [r],
         )
-        return [{"event": "gpu_ecc", "gpu": r.index, "previous": before, "current": r.ecc_uncorrected, "fatal": True}]
+        return [
+            {"event": Event.GPU_ECC, "gpu": r.index, "previous": before, "current": r.ecc_uncorrected, "fatal": True}
+        ]
 
     def _check_throttle(self, r: GpuReading) -> list[dict[str, Any]]:
         # warn once per GPU and reason: a power-capped GPU flips the bit every few seconds, and one line
@@ -602,7 +606,7 @@ class GpuHealthWatcher:
         warned |= new
         return [
             {
-                "event": "gpu_throttle",
+                "event": Event.GPU_THROTTLE,
                 "gpu": r.index,
                 "reasons": sorted(active),
                 "new_reasons": sorted(new),
@@ -629,7 +633,7 @@ class GpuHealthWatcher:
                 lowered[str(r.index)] = round(r.memory_used_mib, 1)
         if not lowered:
             return []
-        return [{"event": "gpu_baseline", "memory_used_mib": lowered, "reason": "lowered: memory of another "
+        return [{"event": Event.GPU_BASELINE, "memory_used_mib": lowered, "reason": "lowered: memory of another "
                  "process that was on the GPU before this attempt has been freed"}]  # fmt: skip
 
     def _role_listed(self, role: str, gpus: list[GpuReading]) -> bool:
@@ -665,7 +669,7 @@ class GpuHealthWatcher:
         held = ", ".join(f"{r.memory_used_mib:.0f}" for r in gpus)
         base = ", ".join(f"{self.baseline[r.index]:.0f}" for r in gpus)
         evidence = [r for poll in history for r in poll]
-        event = {"event": "gpu_empty", "role": role, "gpus": [r.index for r in gpus], "polls": len(history)}
+        event = {"event": Event.GPU_EMPTY, "role": role, "gpus": [r.index for r in gpus], "polls": len(history)}
         if role == "trainer":
             if self.failure is not None:
                 return []

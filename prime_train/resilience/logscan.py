@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from prime_train.contract import LATEST_LOGS
 from prime_train.resilience.failures import FailureKind
 from prime_train.resilience.patterns import (
     CONTEXT_PATTERNS,
@@ -600,7 +601,7 @@ def _logs_of_directory(directory: Path, all_attempts: bool, skipped: list[str]) 
     if all_attempts:
         chosen = attempts
     else:
-        latest = logs_dir / "latest"
+        latest = logs_dir / LATEST_LOGS
         # realpath, not Path.resolve: it never raises, a symlink loop included
         target = Path(os.path.realpath(latest)) if latest.is_dir() else attempts[-1]
         # report paths through attempt-<n>, which stays true after the next restart moves `latest`

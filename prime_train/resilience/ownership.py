@@ -24,6 +24,7 @@ from typing import Any
 import psutil
 
 from prime_train.contract import (
+    Event,
     RunDir,
     RunDirUnsafe,
     RunLock,
@@ -78,6 +79,16 @@ def record_processes(run_dir: RunDir, named: dict[str, Iterable[psutil.Process]]
                 entries.append({"name": name, **described})
     try:
         write_json_atomic(run_dir.processes_path, {"owner_pid": os.getpid(), "processes": entries})
+    except OSError:
+        return False
+    return True
+
+
+def record_state(run_dir: RunDir, state: dict[str, Any]) -> bool:
+    """Write supervisor.json (`prime-train status` reads it); False when it could not be written: a full disk is not
+    the supervisor's death, it keeps the state in memory and writes it again later."""
+    try:
+        write_json_atomic(run_dir.supervisor_path, state)
     except OSError:
         return False
     return True
@@ -185,7 +196,7 @@ class Housekeeper:
                 continue
             self._quarantine_seen.add(q["path"])
             reason = q["reason"] or "no reason recorded"
-            self.events.emit("checkpoint_quarantined", step=q["step"], path=q["path"], reason=reason)
+            self.events.emit(Event.CHECKPOINT_QUARANTINED, step=q["step"], path=q["path"], reason=reason)
             self.message(
                 f"checkpoint step-{q['step']} failed verification ({reason}): set aside as {Path(q['path']).name}, "
                 "never deleted; the job resumes from the newest checkpoint that verifies"
@@ -204,10 +215,12 @@ class Housekeeper:
         try:
             removed = clean_stale_tmp(self.run_dir.checkpoints_dir)
         except (OSError, ValueError) as exc:
-            self.events.emit("checkpoint_tmp_remove_failed", reason=str(exc))
+            self.events.emit(Event.CHECKPOINT_TMP_REMOVE_FAILED, reason=str(exc))
             return
         for path in removed:
-            self.events.emit("checkpoint_tmp_removed", path=str(path), reason="an unfinished save of a job that died")
+            self.events.emit(
+                Event.CHECKPOINT_TMP_REMOVED, path=str(path), reason="an unfinished save of a job that died"
+            )
 
 
 def disk_statement(ckpt_dir: Path) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from prime_train.resilience.failures import FailureKind
+from prime_train.resilience.failures import WHY_NOT_RETRIED, FailureKind
 
 FATAL = "fatal"
 WARNING = "warning"
@@ -65,7 +65,7 @@ _OOM_KILLER_HINT = (
     "the job was SIGKILLed, most often by the kernel's OOM killer (`dmesg -T | grep -i oom`): host RAM ran out; "
     "lower data.num_workers or train.micro_batch_size, load weights with less CPU memory, or use a bigger machine"
 )
-_DEVICE_ASSERT_RESUME = "resuming replays the same batch, so the run is not retried"
+_DEVICE_ASSERT_RESUME = f"not retried: {WHY_NOT_RETRIED[K.DEVICE_ASSERT]}"
 
 # Order matters only within one line: the first fatal match names it. Specific causes come
 # before the generic ones they often appear with (shared memory before disk full, an

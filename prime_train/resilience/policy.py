@@ -4,15 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prime_train.resilience.failures import Failure, FailureKind
-
-# Why a kind that is not retryable (failures.RETRYABLE) is never retried: each one fails the same
-# way again after a resume from the newest checkpoint.
-WHY_NOT_RETRIED = {
-    FailureKind.CONFIG_ERROR: "the config fails the same way every time",
-    FailureKind.DEVICE_ASSERT: "a resume replays the same batch, whose ids or labels are out of range",
-    FailureKind.LOSS_NOT_FINITE: "the same lr, precision and data diverge again",
-}
+from prime_train.resilience.failures import WHY_NOT_RETRIED, Failure, FailureKind
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from prime_train.config.schema import Config
 from prime_train.contract import (
     Phase,
     RunDir,
+    SupervisorState,
     fsync_dir,
     list_checkpoints,
     newest_checkpoint,
@@ -77,13 +78,13 @@ class Rerun:
 
 def finished_run(cfg: Config) -> Finished | None:
     """The finished run in cfg's run directory, or None when there is none (never run, or stopped part way)."""
-    run_dir = RunDir(cfg.run_dir)
+    run_dir = cfg.layout
     if os.path.lexists(run_dir.root / SET_ASIDE_JOURNAL):
         return None  # a --fresh cut short: the run it set aside is not this directory's any more
     final = run_dir.final_dir if (run_dir.final_dir / "config.json").is_file() else None
     if cfg.job.command:
         state = read_json(run_dir.supervisor_path) or {}
-        if state.get("state") != "done":
+        if state.get("state") != SupervisorState.DONE:
             return None
         step = state.get("step")
         return Finished(step if isinstance(step, int) else None, final)

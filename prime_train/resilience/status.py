@@ -21,7 +21,7 @@ from typing import BinaryIO
 
 import psutil
 
-from prime_train.contract import Heartbeat, RunDir, list_checkpoints
+from prime_train.contract import LIVE_STATES, Heartbeat, RunDir, list_checkpoints
 from prime_train.resilience import bounded
 from prime_train.resilience.redact import Redactor
 from prime_train.resilience.rl_summary import rl_summary
@@ -107,10 +107,10 @@ def _runs_in(directory: Path) -> list[Path]:
     return [p for p in entries if p.is_dir() and any((p / m).exists() for m in RUN_MARKERS)]
 
 
-def _run_config(rd: RunDir, notes: list[str] | None = None) -> dict:
-    """The config the run was started with (config.toml), {} where there is none, it is not TOML, or it is over
+def _run_config(path: Path, notes: list[str] | None = None) -> dict:
+    """The config the run was started with (its config.toml), {} where there is none, it is not TOML, or it is over
     the size a config may have (noted: parsing a huge one would take minutes)."""
-    text = bounded.read_text(rd.config_path, bounded.MAX_TEXT_BYTES, notes)
+    text = bounded.read_text(path, bounded.MAX_TEXT_BYTES, notes)
     try:
         return tomllib.loads(text) if text is not None else {}
     except (tomllib.TOMLDecodeError, RecursionError):
@@ -129,13 +129,6 @@ def _config_section(config: dict, name: str) -> dict:
     return section if isinstance(section, dict) else {}
 
 
-def _checkpoints_dir(rd: RunDir, config: dict) -> Path:
-    """Where the engine kept the run's checkpoints: config.toml's ckpt.dir (several nodes share one), else
-    checkpoints/ (a relative ckpt.dir is read from here, as the supervisor that ran it did from its directory)."""
-    shared = _config_section(config, "ckpt").get("dir")
-    return Path(shared).expanduser() if isinstance(shared, str) and shared else rd.checkpoints_dir
-
-
 def _node(config: dict) -> dict | None:
     """Which node of a multi-node job this run directory is ({node_rank, nnodes}; node_rank None when SkyPilot's
     environment gave it), None for one node. The step and checkpoints shown are the job's: ranks step together."""
@@ -147,9 +140,10 @@ def _node(config: dict) -> dict | None:
     return {"node_rank": rank if _is_int(rank) else None, "nnodes": nnodes}
 
 
-def _checkpoint_steps(rd: RunDir, config: dict, job: dict) -> list[int]:
-    """Steps of the whole checkpoints: the run's own, and an external job's in its job.checkpoint_dir."""
-    steps = {c.step for c in list_checkpoints(_checkpoints_dir(rd, config))}
+def _checkpoint_steps(rd: RunDir, job: dict) -> list[int]:
+    """Steps of the whole checkpoints: the run's own (in ckpt.dir when its config set one: a relative one is read
+    from here, as the supervisor that ran it did from its directory), and an external job's in job.checkpoint_dir."""
+    steps = {c.step for c in list_checkpoints(rd.checkpoints_dir)}
     directory, pattern = job.get("checkpoint_dir"), job.get("checkpoint_pattern", r"step[-_]?(\d+)$")
     if isinstance(directory, str) and isinstance(pattern, str):
         try:  # relative to where the supervisor ran, as it reads it; from elsewhere it may not be found
@@ -194,16 +188,16 @@ def run_status(run_dir: Path, redactor: Redactor | None = None) -> dict:
 
     Files of any shape read without an exception: a field of the wrong type reads as unknown. Files of any size
     read within bounds (bounded.py): what was left out is said in `notes`."""
-    rd = RunDir(run_dir)
     notes: list[str] = []
+    config = _run_config(RunDir(run_dir).config_path, notes)
+    rd = RunDir.of_run(run_dir, config)  # its checkpoints where its config put them
     sup = bounded.read_json(rd.supervisor_path, notes=notes) or {}
-    config = _run_config(rd, notes)
     job = _job_table(config)
     hb = Heartbeat.from_dict(bounded.read_json(rd.progress_path, notes=notes))
     if hb is None and isinstance(job.get("progress_file"), str):
         hb = Heartbeat.from_dict(bounded.read_json(job["progress_file"], notes=notes))
     state = sup.get("state") if isinstance(sup.get("state"), str) else "unknown"
-    if state in ("running", "restarting", "starting") and not _alive(sup.get("pid")):
+    if state in LIVE_STATES and not _alive(sup.get("pid")):
         state = "dead (supervisor not running)"
     events = _recent_events(rd.events_path, notes)
     age = time.time() - hb.time if hb is not None and hb.time is not None and math.isfinite(hb.time) else None
@@ -217,7 +211,7 @@ def run_status(run_dir: Path, redactor: Redactor | None = None) -> dict:
         "phase": hb.phase.value if hb is not None else None,
         "loss": hb.loss if hb is not None else None,
         "heartbeat_age_s": round(age, 1) if age is not None else None,
-        "checkpoints": _checkpoint_steps(rd, config, job),
+        "checkpoints": _checkpoint_steps(rd, job),
         "node": _node(config),
         "last_failure": _newest_failure(sup, events, rd.events_path, notes),
         "recent_events": events,
@@ -239,7 +233,8 @@ def owner_alive(rd: RunDir) -> bool:
     if _alive(holder.get("pid")) and not _started_after(holder.get("pid"), holder.get("since")):
         return True
     sup = bounded.read_json(rd.supervisor_path) or {}
-    return sup.get("state") in ("running", "restarting", "starting") and _alive(sup.get("pid"))
+    state = sup.get("state")
+    return isinstance(state, str) and state in LIVE_STATES and _alive(sup.get("pid"))
 
 
 def run_logs(run_dir: Path, process: str = "", attempt: int | None = None) -> list[Path]:
@@ -248,7 +243,7 @@ def run_logs(run_dir: Path, process: str = "", attempt: int | None = None) -> li
     Raises NotARunDir for a directory that holds no run, NoLogs (naming what there is) for logs that do not exist."""
     rd = RunDir(run_dir)
     check_run_dir(rd.root)
-    folder = rd.attempt_logs(attempt) if attempt else rd.logs_dir / "latest"
+    folder = rd.attempt_logs(attempt) if attempt else rd.latest_logs
     if not folder.is_dir():
         have = sorted(p.name for p in rd.logs_dir.glob("attempt-*")) if rd.logs_dir.is_dir() else []
         raise NoLogs(f"no logs at {folder}; there are: {', '.join(have) or 'none (the run has not started)'}")

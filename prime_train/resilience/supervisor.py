@@ -27,18 +27,19 @@ from prime_train.contract import (
     ENV_ATTEMPT,
     ENV_RUN_DIR,
     ENV_SUPERVISOR,
+    LIVE_STATES,
+    Event,
     ExitCode,
     Heartbeat,
     Phase,
-    RunDir,
     RunLock,
+    SupervisorState,
     newest_checkpoint,
     newest_external_checkpoint,
     read_heartbeat,
     read_json,
     replace_file_atomic,
     replace_symlink,
-    write_json_atomic,
 )
 from prime_train.launch import gpu_devices, job_exit_code, plan_engine_launch
 from prime_train.resilience.background import Background
@@ -51,6 +52,7 @@ from prime_train.resilience.ownership import (
     claim_run_dir,
     disk_statement,
     end_orphans,
+    record_state,
     supervisor_token,
 )
 from prime_train.resilience.policy import RestartPolicy
@@ -102,7 +104,7 @@ class SupervisorOptions:
 class Supervisor:
     def __init__(self, cfg: Config, observer: Observer | None = None, options: SupervisorOptions | None = None):
         self.cfg = cfg
-        self.run_dir = RunDir(cfg.run_dir)
+        self.run_dir = cfg.layout  # its checkpoints where ckpt.dir puts them: what the job writes, this watches
         self.options = options or SupervisorOptions()
         # secrets out of every file it writes and every line it prints: by shape, and by value (the credentials
         # of its environment and of the config)
@@ -124,7 +126,7 @@ class Supervisor:
         self._worker_restarts: dict[str, int] = {}
         self._log_progress: LogProgress | None = None
         self.events: EventLog | None = None
-        self.state = "starting"
+        self.state = SupervisorState.STARTING
         self._step_times: list[float] = []
         self._last_status: dict[str, Any] = {}
         self._cloud_notice: dict[str, Any] | None = None
@@ -168,9 +170,10 @@ class Supervisor:
         try:
             return self._run()
         except BaseException:  # a bug, a KeyboardInterrupt: supervisor.json must not go on saying "running"
-            if self.state in ("starting", "running", "restarting"):
+            if self.state in LIVE_STATES:
                 with contextlib.suppress(Exception):
-                    self._set_state("stopped" if self._stop.is_set() else "failed", final=True)
+                    stopped = self._stop.is_set()
+                    self._set_state(SupervisorState.STOPPED if stopped else SupervisorState.FAILED, final=True)
             raise
         finally:
             assert self.lock is not None
@@ -179,28 +182,28 @@ class Supervisor:
     def _run(self) -> int:
         self.run_dir.create()
         self.events = EventLog(self.run_dir.events_path, self.redactor)
-        self.events.emit("run_started", run_dir=str(self.run_dir.root), pid=os.getpid(), job=self._job_kind())
+        self.events.emit(Event.RUN_STARTED, run_dir=str(self.run_dir.root), pid=os.getpid(), job=self._job_kind())
         for orphan in self._orphans:
-            self.events.emit("orphan_ended", **orphan)
+            self.events.emit(Event.ORPHAN_ENDED, **orphan)
         self._attempt_base = max(attempt_numbers(self.run_dir), default=0)
         self._keeper = Housekeeper(self.run_dir, self.events, self.observer.message)
         try:
             masked = self.redactor.masked_config(self.cfg).text.encode()  # secret values as ***
             replace_file_atomic(self.run_dir.config_path, masked, mode=0o666)  # renamed over a link, never through it
         except OSError as exc:
-            self.events.emit("run_failed", reason=f"cannot write {self.run_dir.config_path}: {exc}")
+            self.events.emit(Event.RUN_FAILED, reason=f"cannot write {self.run_dir.config_path}: {exc}")
             self.observer.message(f"cannot write {self.run_dir.config_path}: {exc}; {self._disk_statement()}")
-            self._set_state("failed")
+            self._set_state(SupervisorState.FAILED)
             return ExitCode.FAILED
         if "VLLM_USE_V1" in os.environ:
             # vLLM 0.11 removed the V0 engine; the variable is ignored, and people believe it does something
             self.events.emit(
-                "env_warning", variable="VLLM_USE_V1", detail="ignored since vLLM 0.11 (V1 is the only engine)"
+                Event.ENV_WARNING, variable="VLLM_USE_V1", detail="ignored since vLLM 0.11 (V1 is the only engine)"
             )
             self.observer.message("warning: VLLM_USE_V1 is set but does nothing since vLLM 0.11; unset it")
         restart_error = self._start_backup()
         if restart_error is not None:
-            self._set_state("failed")
+            self._set_state(SupervisorState.FAILED)
             self._write_state(final=True)
             return ExitCode.FAILED
         restarts = 0
@@ -216,42 +219,42 @@ class Supervisor:
                 failure.message += f"; {self._disk_statement()}"
             if failure is None:
                 if self._stop.is_set():
-                    self._set_state("stopped")
-                    self.events.emit("run_stopped", reason=self._stop_reason, step=attempt.last_step)
+                    self._set_state(SupervisorState.STOPPED)
+                    self.events.emit(Event.RUN_STOPPED, reason=self._stop_reason, step=attempt.last_step)
                     self.observer.message(self._stopped_message(attempt))
                     code = ExitCode.PREEMPTED
                 else:
-                    self._set_state("done")
-                    self.events.emit("run_finished", step=attempt.last_step, attempts=len(self.attempts))
+                    self._set_state(SupervisorState.DONE)
+                    self.events.emit(Event.RUN_FINISHED, step=attempt.last_step, attempts=len(self.attempts))
                     code = ExitCode.OK
                 break
-            self.events.emit("failure", attempt=attempt.number, **failure.to_dict())
+            self.events.emit(Event.FAILURE, attempt=attempt.number, **failure.to_dict())
             self.observer.message(
                 f"attempt {attempt.number} failed: {failure.kind}: {failure.message} — {failure.hint}"
             )
             if self._stop.is_set():
-                self._set_state("stopped")
+                self._set_state(SupervisorState.STOPPED)
                 code = ExitCode.PREEMPTED
                 break
             if failure.kind is FailureKind.PREEMPTED and self._cloud_notice is not None:
                 # the instance is going away: restarting here would be killed with it. Exit 75 so the
                 # layer above (SkyPilot's recover_on_exit_codes) resumes the run on a new instance.
-                self._set_state("preempted")
-                self.events.emit("run_preempted", step=attempt.last_step, **self._cloud_notice)
+                self._set_state(SupervisorState.PREEMPTED)
+                self.events.emit(Event.RUN_PREEMPTED, step=attempt.last_step, **self._cloud_notice)
                 code = ExitCode.PREEMPTED
                 break
             decision = self.policy.decide(failure, restarts)
-            self.events.emit("decision", restart=decision.restart, delay_s=decision.delay_s, reason=decision.reason)
+            self.events.emit(Event.DECISION, restart=decision.restart, delay_s=decision.delay_s, reason=decision.reason)
             if not decision.restart:
-                self._set_state("failed")
+                self._set_state(SupervisorState.FAILED)
                 code = ExitCode.CONFIG if failure.kind is FailureKind.CONFIG_ERROR else ExitCode.FAILED
                 self.observer.message(f"giving up: {decision.reason}")
                 break
             restarts += 1
-            self._set_state("restarting")
+            self._set_state(SupervisorState.RESTARTING)
             self.observer.message(f"{decision.reason}; restarting in {decision.delay_s:.0f}s")
             if self._stop.wait(decision.delay_s):
-                self._set_state("stopped")
+                self._set_state(SupervisorState.STOPPED)
                 code = ExitCode.PREEMPTED
                 break
         self._finish_backup(code)
@@ -293,7 +296,7 @@ class Supervisor:
                 else None
             )
             return found[0] if found else None
-        newest = newest_checkpoint(self.cfg.checkpoints_dir)  # ckpt.dir, where several nodes share them
+        newest = newest_checkpoint(self.run_dir.checkpoints_dir)  # ckpt.dir, where several nodes share them
         return newest.step if newest else None
 
     def _job_kind(self) -> str:
@@ -304,7 +307,7 @@ class Supervisor:
         if attempt is self.attempts[0] or self.cfg.ckpt.resume == "auto":
             return self.run_dir.config_path
         cfg = self.cfg.model_copy(deep=True)
-        if newest_checkpoint(self.cfg.checkpoints_dir) is not None:
+        if newest_checkpoint(self.run_dir.checkpoints_dir) is not None:
             cfg.ckpt.resume = "auto"
         path = self.run_dir.root / f"config.attempt-{attempt.number}.toml"
         replace_file_atomic(path, self.redactor.masked_config(cfg).text.encode(), mode=0o666)  # never through a link
@@ -330,7 +333,7 @@ class Supervisor:
         if self.cfg.run.job == "rl":
             gpus = gpu_plan(self.cfg, devices)
             if gpus.note:
-                self.events.emit("gpu_plan", note=gpus.note, trainer=gpus.trainer, workers=gpus.workers)
+                self.events.emit(Event.GPU_PLAN, note=gpus.note, trainer=gpus.trainer, workers=gpus.workers)
                 self.observer.message(f"note: {gpus.note}")
             workers = inference_specs(self.cfg, config_path, gpus)
             trainer_gpus = gpus.trainer
@@ -341,7 +344,7 @@ class Supervisor:
         plan = plan_engine_launch(
             self.cfg,
             config_path,
-            log_dir=str(self.run_dir.attempt_logs(attempt.number) / "ranks"),
+            log_dir=str(self.run_dir.rank_logs(attempt.number)),
             num_gpus=len(trainer_gpus),
         )
         for k, v in plan.env.items():
@@ -366,7 +369,7 @@ class Supervisor:
         with self._findings_lock:
             self.findings.append(finding)
         if self.events is not None:
-            self.events.emit("log_finding", **finding.to_dict())
+            self.events.emit(Event.LOG_FINDING, **finding.to_dict())
         self.observer.finding(finding)
 
     def _child(self, spec: ProcessSpec, log_path: Path) -> ChildProcess:
@@ -396,7 +399,7 @@ class Supervisor:
         logs = self.run_dir.attempt_logs(attempt.number)
         self.run_dir.ensure_dir(logs)  # contract.UnsafeLink (an OSError) when logs/ leads out of the run directory
         with contextlib.suppress(OSError):  # a convenience: a full disk (or a `latest` not ours) must not stop it
-            replace_symlink(self.run_dir.logs_dir / "latest", logs.name)
+            replace_symlink(self.run_dir.latest_logs, logs.name)
         specs = self._specs(attempt)
         self._roles = {spec.name: spec.role for spec in specs}
         for spec in specs:
@@ -406,9 +409,8 @@ class Supervisor:
             child.start()
             self.children.append(child)
             assert self.events is not None
-            self.events.emit(
-                "process_started", attempt=attempt.number, process=spec.name, pid=child.pid, argv=redact_argv(spec.argv)
-            )
+            self.events.emit(Event.PROCESS_STARTED, attempt=attempt.number, process=spec.name, pid=child.pid,
+                             argv=redact_argv(spec.argv))  # fmt: skip
         self._housekeeping()
 
     def _progress_reader(self) -> Callable[[], dict[str, Any] | None]:
@@ -425,7 +427,7 @@ class Supervisor:
         assert self.events is not None
         sup = self.cfg.supervisor
         attempt.resumed_from = self._expected_resume(attempt)
-        self.events.emit("attempt_started", attempt=attempt.number, resume_from=attempt.resumed_from)
+        self.events.emit(Event.ATTEMPT_STARTED, attempt=attempt.number, resume_from=attempt.resumed_from)
         if attempt.resumed_from:
             self.observer.message(f"resuming from step {attempt.resumed_from}")
         progress = ProgressWatcher(
@@ -450,7 +452,7 @@ class Supervisor:
             self._teardown(attempt)
             full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
             return Failure(FailureKind.DISK_FULL if full else FailureKind.CRASH, f"cannot start the attempt: {exc}")
-        self._set_state("running", attempt=attempt.number)
+        self._set_state(SupervisorState.RUNNING, attempt=attempt.number)
         background = Background(self._background_watchers(progress, gpu, attempt), sup.poll_interval_s, self.events)
         background.start()
         failure: Failure | None = None
@@ -468,14 +470,14 @@ class Supervisor:
                 self._status(attempt, progress, background)
                 self._housekeeping()
                 if self._stop.is_set() and not stop_sent:
-                    self.events.emit("stop_requested", reason=self._stop_reason)
+                    self.events.emit(Event.STOP_REQUESTED, reason=self._stop_reason)
                     self.observer.message(f"stopping ({self._stop_reason}): the trainer saves a checkpoint and exits")
                     for c in self.children:
                         c.signal(signal.SIGTERM)
                     stop_sent = True
                     stop_deadline = time.time() + sup.term_grace_s
                 if self._stop_now.is_set():
-                    self.events.emit("stop_forced", reason="a second Ctrl-C", step=progress.step)
+                    self.events.emit(Event.STOP_FORCED, reason="a second Ctrl-C", step=progress.step)
                     self.observer.message("second Ctrl-C: killing the job now, without waiting for its checkpoint")
                     for c in self.children:
                         c.kill()
@@ -491,7 +493,7 @@ class Supervisor:
                 if notice:
                     self._cloud_notice = notice
                 if notice and not stop_sent:
-                    self.events.emit("preemption_forwarded", **notice)
+                    self.events.emit(Event.PREEMPTION_FORWARDED, **notice)
                     self.observer.message(f"preemption notice from {notice['cloud']}: checkpointing now")
                     for c in self.children:
                         c.signal(signal.SIGTERM)
@@ -549,7 +551,7 @@ class Supervisor:
             else:
                 why = "stopped answering /health"
             assert self.events is not None
-            self.events.emit("inference_died", process=child.name, exit_code=code, reason=why, restarts=count,
+            self.events.emit(Event.INFERENCE_DIED, process=child.name, exit_code=code, reason=why, restarts=count,
                              last_lines=tail)  # fmt: skip
             self.observer.message(f"{child.name} {why}; last lines:\n  " + "\n  ".join(tail or ["(no output)"]))
             if count > self.cfg.supervisor.max_restarts:
@@ -568,18 +570,16 @@ class Supervisor:
                 health.forget(child.name)
             if gpu is not None:
                 gpu.forget(child.name)
-            self.events.emit("process_started", process=child.name, pid=replacement.pid,
+            self.events.emit(Event.PROCESS_STARTED, process=child.name, pid=replacement.pid,
                              argv=redact_argv(child.spec.argv), restart=count)  # fmt: skip
             self.observer.message(f"restarted {child.name} (restart {count})")
         return None
 
     def _background_watchers(self, progress: ProgressWatcher, gpu, attempt: Attempt) -> list:
         sup, ck = self.cfg.supervisor, self.cfg.ckpt
-        # an external job's checkpoints get the same retention when they follow the step-N naming
-        ckpt_dir = Path(self.cfg.job.checkpoint_dir) if self.cfg.job.command and self.cfg.job.checkpoint_dir else None
         watchers: list = [
             DiskWatcher(
-                ckpt_dir or self.run_dir.checkpoints_dir,
+                self._checkpoints_dir(),
                 keep_last=ck.keep_last,
                 keep_every=ck.keep_every,
                 high_watermark=sup.disk_high_watermark,
@@ -598,7 +598,7 @@ class Supervisor:
         self._rank_logs = None
         if not self.cfg.job.command:
             # torchrun keeps the other ranks' output in its --log-dir only: their failures are scanned there
-            self._rank_logs = RankLogs(self.run_dir.attempt_logs(attempt.number) / "ranks", self._on_finding)
+            self._rank_logs = RankLogs(self.run_dir.rank_logs(attempt.number), self._on_finding)
             watchers.append(self._rank_logs)
         preemption = self.options.preemption
         if preemption is None and detect_cloud() is not None:
@@ -670,7 +670,7 @@ class Supervisor:
         attempt.exit_code = code
         assert self.events is not None
         self.events.emit(
-            "process_exited", process=child.name, exit_code=code, returncode=returncode, step=progress.step
+            Event.PROCESS_EXITED, process=child.name, exit_code=code, returncode=returncode, step=progress.step
         )
         with self._findings_lock:
             findings = list(self.findings)
@@ -693,7 +693,7 @@ class Supervisor:
         assert self._keeper is not None
         named = {c.name: c.known_processes() for c in self.children}
         self._keeper.after_attempt(named, clean_tmp=not self.cfg.job.command)
-        self.events.emit("attempt_ended", attempt=attempt.number, leftover_pids=leftovers)
+        self.events.emit(Event.ATTEMPT_ENDED, attempt=attempt.number, leftover_pids=leftovers)
 
     def _housekeeping(self) -> None:
         """Each poll: the process record, quarantine notices, and supervisor.json if a full disk refused it."""
@@ -722,22 +722,25 @@ class Supervisor:
             return f"stopped ({self._stop_reason}) before the attempt's first step: nothing new to checkpoint; {then}"
         return f"stopped ({self._stop_reason}) at step {attempt.last_step}; {then}"
 
+    def _checkpoints_dir(self) -> Path:
+        """The checkpoints the disk watcher keeps: the layout's (ckpt.dir), or an external job's job.checkpoint_dir."""
+        job = self.cfg.job
+        return Path(job.checkpoint_dir) if job.command and job.checkpoint_dir else self.run_dir.checkpoints_dir
+
     def _disk_statement(self) -> str:
         """What is left on the checkpoints' disk, in words (for a disk-full failure)."""
-        job = self.cfg.job
-        ckpt_dir = Path(job.checkpoint_dir) if job.command and job.checkpoint_dir else self.run_dir.checkpoints_dir
-        return disk_statement(ckpt_dir)
+        return disk_statement(self._checkpoints_dir())
 
     # ------------------------------------------------------------------ state and status
 
-    def _set_state(self, state: str, **extra: Any) -> None:
+    def _set_state(self, state: SupervisorState, **extra: Any) -> None:
         self.state = state
         self._write_state(**extra)
 
     def _write_state(self, final: bool = False, **extra: Any) -> None:
         last = self.attempts[-1] if self.attempts else None
-        self._state_unwritten = not _write_json_or_keep(
-            self.run_dir.supervisor_path,
+        self._state_unwritten = not record_state(
+            self.run_dir,
             {
                 "pid": os.getpid(),
                 "state": self.state,
@@ -786,12 +789,3 @@ def _redacting(observer: Observer, redactor: Redactor) -> Observer:
         finding=lambda f: observer.finding(redactor.value(f)),
         message=lambda m: observer.message(redactor(m)),
     )
-
-
-def _write_json_or_keep(path: Path, obj: Any) -> bool:
-    """write_json_atomic, but a full disk (or any write error) is not the supervisor's death: False instead."""
-    try:
-        write_json_atomic(path, obj)
-    except OSError:
-        return False
-    return True

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prime_train.contract import SLOW_PHASES, STARTUP_PHASES, Heartbeat, Phase, list_checkpoints
+from prime_train.contract import SLOW_PHASES, STARTUP_PHASES, Event, Heartbeat, Phase, list_checkpoints
 from prime_train.resilience.failures import Failure, FailureKind
 from prime_train.resilience.logscan import Finding, LogScanner
 from prime_train.retention import safe_remove_checkpoint, select_for_deletion
@@ -90,7 +90,7 @@ class ProgressWatcher:
                     # RL: each policy the workers loaded is on record, with how many loaded it and how fast
                     self.weights_step = hb.weights_step
                     events.append({
-                        "event": "weights_loaded", "step": hb.weights_step,
+                        "event": Event.WEIGHTS_LOADED, "step": hb.weights_step,
                         "workers": hb.workers_reloaded, "reload_s": hb.weight_reload_s,
                     })  # fmt: skip
                 if hb.step is not None:
@@ -107,7 +107,9 @@ class ProgressWatcher:
                 evidence=[json.dumps(self.last_seen.to_dict())] if self.last_seen else [],
                 step=self.step,
             )
-            events.append({"event": "hang_detected", "idle_s": round(idle, 1), "step": self.step, "phase": self.phase})
+            events.append(
+                {"event": Event.HANG_DETECTED, "idle_s": round(idle, 1), "step": self.step, "phase": self.phase}
+            )
         return events
 
     def idle_s(self) -> float:
@@ -270,7 +272,7 @@ class DiskWatcher:
         if breached and self.keep_last is not None and len(remaining) < self.keep_last:
             why = "the disk is over supervisor.disk_high_watermark (or supervisor.max_disk_gb): oldest went first"
             kept = [c.step for c in remaining]
-            event = {"event": "retention_below_keep_last", "kept": kept, "keep_last": self.keep_last, "reason": why}
+            event = {"event": Event.RETENTION_BELOW_KEEP_LAST, "kept": kept, "keep_last": self.keep_last, "reason": why}
             events.append(event)
         usage = self._usage_fraction()
         self.last_usage = usage
@@ -303,8 +305,8 @@ class DiskWatcher:
         try:
             safe_remove_checkpoint(path, self.ckpt_dir)
         except (ValueError, OSError) as exc:
-            return {"event": "checkpoint_delete_refused", "path": str(path), "step": step, "reason": str(exc)}
-        return {"event": "checkpoint_deleted", "path": str(path), "step": step, "reason": reason, "bytes": size}
+            return {"event": Event.CHECKPOINT_DELETE_REFUSED, "path": str(path), "step": step, "reason": str(exc)}
+        return {"event": Event.CHECKPOINT_DELETED, "path": str(path), "step": step, "reason": reason, "bytes": size}
 
 
 def _tree_bytes(path: Path) -> int:
@@ -362,7 +364,7 @@ class PreemptionWatcher:
                 continue
             if found:
                 self.notice = {"cloud": name, "detail": found, "time": self.clock()}
-                return [{"event": "preemption_notice", "cloud": name, "detail": found}]
+                return [{"event": Event.PREEMPTION_NOTICE, "cloud": name, "detail": found}]
         return []
 
     @property

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from prime_train.config.schema import Config
-from prime_train.contract import ExitCode
+from prime_train.contract import Event, ExitCode
 from prime_train.resilience.failures import FailureKind
 from prime_train.resilience.process import ProcessSpec
 from prime_train.rl.vllm_server import (
@@ -206,7 +206,7 @@ class InferenceHealthWatcher:
             ok = self.check(url, self.timeout_s)
             if ok:
                 if name not in self.seen_healthy:
-                    events.append({"event": "inference_healthy", "process": name, "url": url})
+                    events.append({"event": Event.INFERENCE_HEALTHY, "process": name, "url": url})
                 self.seen_healthy.add(name)
                 self.failed_polls[name] = 0
                 continue
@@ -216,7 +216,7 @@ class InferenceHealthWatcher:
             if self.failed_polls[name] >= self.misses:
                 self.wedged.add(name)
                 events.append(
-                    {"event": "inference_wedged", "process": name, "url": url, "misses": self.failed_polls[name],
+                    {"event": Event.INFERENCE_WEDGED, "process": name, "url": url, "misses": self.failed_polls[name],
                      "last_wait_s": round(time.time() - t0, 2)}
                 )  # fmt: skip
         return events
