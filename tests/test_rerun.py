@@ -154,6 +154,20 @@ def test_fresh_is_refused_while_the_bucket_holds_the_old_checkpoints(tmp_path):
         plan_rerun(cfg, fresh=True, resume=False)
 
 
+def test_fresh_is_refused_while_ckpt_dir_outside_the_run_holds_the_old_checkpoints(tmp_path):
+    """--fresh moves the run directory's outputs; checkpoints that ckpt.dir keeps elsewhere would be resumed from."""
+    shared = tmp_path / "shared-ckpts"
+    cfg = _config(tmp_path / "runs", ckpt={"dir": str(shared)})
+    assert plan_rerun(cfg, fresh=True, resume=False).launch  # nothing there yet: nothing to resume from
+    (shared / "step-4").mkdir(parents=True)
+    (shared / "step-4" / ".metadata").write_bytes(b"x")
+    with pytest.raises(RerunRefused, match=r"ckpt\.dir = .*shared-ckpts.*own ckpt\.dir"):
+        plan_rerun(cfg, fresh=True, resume=False)
+    inside = _config(tmp_path / "runs", ckpt={"dir": str(tmp_path / "runs" / "r" / "checkpoints")})
+    (tmp_path / "runs" / "r" / "checkpoints" / "step-2").mkdir(parents=True)
+    assert plan_rerun(inside, fresh=True, resume=False).launch  # the run directory's own: set_aside moves them
+
+
 def test_rewind_keeps_rows_up_to_the_resumed_step_byte_for_byte(tmp_path):
     run_dir = RunDir(tmp_path)
     rows = [f'{{"step": {s}, "loss": {s / 3}}}\n' for s in range(6)]

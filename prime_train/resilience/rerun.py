@@ -137,6 +137,15 @@ def _check_fresh(cfg: Config) -> None:
             f"--fresh: ckpt.remote = {cfg.ckpt.remote!r} still holds the old run's checkpoints, and a run with none "
             "here restores the newest from there; give the new run its own ckpt.remote prefix or run.name"
         )
+    layout = cfg.layout
+    moved_dir = layout.root / "checkpoints"  # what set_aside moves (OLD_RUN_OUTPUTS)
+    kept = layout.checkpoints_dir
+    if not cfg.job.command and os.path.abspath(kept) != os.path.abspath(moved_dir) and list_checkpoints(kept):
+        raise RerunRefused(
+            f"--fresh: ckpt.dir = {cfg.ckpt.dir!r} still holds the old run's checkpoints, which --fresh does not "
+            "move (only the run directory's own outputs), and the new run would resume from them; give it its own "
+            "ckpt.dir, or move them away"
+        )
     job = cfg.job
     if (
         job.command
