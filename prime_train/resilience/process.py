@@ -34,6 +34,7 @@ import psutil
 
 from prime_train.config.schema import LoggingConfig
 from prime_train.contract import open_nofollow
+from prime_train.resilience.bounded import size_text
 from prime_train.resilience.redact import Redactor
 
 
@@ -72,10 +73,6 @@ def log_cap_bytes(max_log_mb: float | None) -> int | None:
     if not max_log_mb:
         return None
     return max(MIN_LOG_BYTES, int(max_log_mb * 2**20))
-
-
-def _size_text(n: int) -> str:
-    return f"{n / 2**20:.1f} MB" if n >= 2**20 else f"{n / 1024:.1f} KB" if n >= 1024 else f"{n} bytes"
 
 
 class _LogFile:
@@ -198,8 +195,8 @@ class _LogFile:
         head_ends_line = self._head_end == 0 or os.pread(fd, 1, self._head_end - 1) == b"\n"
         note = (
             ("" if head_ends_line else "\n")
-            + f"[prime-train] {_size_text(self.dropped)} of this process's output dropped here: this log keeps its "
-            f"first {_size_text(self._head_end)} and its newest output (logging.max_log_mb = "
+            + f"[prime-train] {size_text(self.dropped)} of this process's output dropped here: this log keeps its "
+            f"first {size_text(self._head_end)} and its newest output (logging.max_log_mb = "
             f"{self.max_bytes / 2**20:g})\n"
         ).encode()
         os.pwrite(fd, note, self._head_end)
