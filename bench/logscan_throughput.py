@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from prime_train.kit.process import ChildProcess, ProcessSpec
 from prime_train.resilience.logscan import MAX_OPEN_TRACEBACKS, LogScanner, scan_log
-from prime_train.resilience.process import ChildProcess, ProcessSpec
 
 BACKGROUND = [
     "12:00:{s:02d} INFO step {i}/200000 | loss 2.{i:04d} | lr 3.00e-04 | grad 0.4{s:02d} | 41.2k tok/s | eta {i}s",

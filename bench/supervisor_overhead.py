@@ -28,7 +28,7 @@ from rich.table import Table
 
 from prime_train.config.loader import dump_toml, load_config
 from prime_train.contract import read_json
-from prime_train.resilience.events import read_events
+from prime_train.kit.events import read_events
 from prime_train.resilience.supervisor import Observer, Supervisor, SupervisorOptions
 
 REPO = Path(__file__).resolve().parents[1]

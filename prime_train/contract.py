@@ -39,7 +39,7 @@ class ExitCode(enum.IntEnum):
 
 class JobFailure(enum.StrEnum):
     """The failures a job names itself in its heartbeat (`failure`, with phase failed); the supervisor takes its
-    word over its own reading of the log. Each is a kind of resilience/failures.FailureKind, with its retry rule."""
+    word over its own reading of the log. Each is a kind of kit/failures.FailureKind, with its retry rule."""
 
     LOSS_NOT_FINITE = "loss_not_finite"  # the loss or the gradients became NaN/inf: the run diverged
     NODE_LOST = "node_lost"  # another node of a multi-node job went silent (exit 76)
@@ -114,7 +114,7 @@ class Heartbeat:
     exit_code: int | None = None  # with phase stopped or failed: torchrun reports every worker failure as 1
     reason: str | None = None  # with phase stopped or failed: why, in words
     # with phase failed: the kind of failure the job diagnosed itself (JobFailure; an external job may name any
-    # of resilience/failures.FailureKind); the supervisor takes it over its own reading of the log
+    # of kit/failures.FailureKind); the supervisor takes it over its own reading of the log
     failure: str | None = None
     resumed_from: int | None = None  # the step this attempt started from: its checkpoint's step, 0 when fresh
     # RL: the policy step the rollout workers were last told to load, how many loaded it, and the slowest one's
@@ -289,7 +289,7 @@ QUARANTINE_NOTE = "quarantine.json"
 
 # What prime-train writes at the top of a run directory: its files, and its directories (with the names other
 # modules give them: rerun.py's previous/, the vLLM cache under inference/, W&B's wandb/). `run` and `train` refuse
-# a run directory with a symlink at one of them (RunDir.unsafe_links, resilience/ownership.claim_run_dir).
+# a run directory with a symlink at one of them (RunDir.unsafe_links, kit/ownership.claim_run_dir).
 RUN_FILES = frozenset(
     {
         ".lock",

@@ -21,7 +21,7 @@ from prime_train.config.schema import Config
 from prime_train.contract import ENV_SUPERVISOR, ExitCode, Heartbeat, RunDir, read_heartbeat, replace_file_atomic
 
 if TYPE_CHECKING:
-    from prime_train.resilience.redact import MaskedConfig
+    from prime_train.kit.redact import MaskedConfig
 
 # The module each job runs as (`python -m MODULE --config RUN/config.toml`, under torchrun for several processes).
 JOB_MODULES = {"sft": "prime_train.engine.train", "pretrain": "prime_train.engine.train", "rl": "prime_train.rl.train"}
@@ -30,7 +30,7 @@ JOB_MODULES = {"sft": "prime_train.engine.train", "pretrain": "prime_train.engin
 def gpu_devices() -> list[str]:
     """The GPUs a run here may use, as CUDA_VISIBLE_DEVICES entries: the user's own list when it is set, else
     every GPU NVML sees (or the recording PRIME_TRAIN_GPU_REPLAY names); [] on a machine without NVIDIA GPUs."""
-    from prime_train.resilience.gpu import ENV_GPU_REPLAY, gpu_inventory, readings_of, visible_devices
+    from prime_train.kit.gpu import ENV_GPU_REPLAY, gpu_inventory, readings_of, visible_devices
 
     devices = visible_devices()
     if devices is not None and not os.environ.get(ENV_GPU_REPLAY):
@@ -143,7 +143,7 @@ def write_run_config(cfg: Config) -> RunDir:
 
 def masked_run_config(cfg: Config) -> MaskedConfig:
     """The run's config.toml text with secrets masked, and the job's environment that restores them."""
-    from prime_train.resilience.redact import Redactor
+    from prime_train.kit.redact import Redactor
 
     return Redactor.for_run(cfg).masked_config(cfg)
 
@@ -156,7 +156,7 @@ def train_directly(cfg: Config, decide: Callable[[], bool] | None = None) -> int
     `decide`, called once the directory is owned (so what it holds cannot change under it), says whether to
     train at all: a finished run is not trained again unasked (resilience/rerun.py); 0 when it says no.
     """
-    from prime_train.resilience.ownership import claim_run_dir, end_orphans, record_processes, supervisor_token
+    from prime_train.kit.ownership import claim_run_dir, end_orphans, record_processes, supervisor_token
 
     with claim_run_dir(cfg.layout, "prime-train train"):
         end_orphans(cfg.layout, cfg.supervisor.term_grace_s)

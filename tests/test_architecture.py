@@ -5,7 +5,9 @@
 - the supervisor side never imports torch, and never the engine or RL's training half;
   only the CLI may reach the engine, lazily, inside a command that needs it;
 - RL's torch-free half (what lint, preflight and the supervisor import) never imports its training half;
-- the job contract imports nothing of the package but itself.
+- the job contract imports nothing of the package but itself;
+- prime_train's direct children stand in layers (LAYERS): each imports only its own layer's bottom modules
+  or layers below it, so no two of them import each other, however indirectly.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ TORCH_FREE_TOP = (
     "prime_train.vocab",
 )
 RL_TORCH_FREE = (
-    "prime_train.rl.environments",
+    "prime_train.environments",
     "prime_train.rl.budget",
     "prime_train.rl.workers",
     "prime_train.rl.client",
@@ -218,6 +220,49 @@ def test_importing_every_supervisor_side_module_loads_no_torch():
     assert result.stdout.strip() == "", f"heavy modules loaded by the supervisor side: {result.stdout.strip()}"
 
 
+# prime_train's direct children, bottom first (docs/architecture.md "The layers"). A package imports only from
+# layers below its own; the modules of the bottom layer may also import each other.
+LAYERS = (
+    ("contract", "retention", "tasks", "vocab", "environments"),
+    ("config",),
+    ("kit",),
+    ("engine",),
+    ("rl",),
+    ("integrations",),
+    ("launch",),
+    ("validator",),
+    ("resilience",),
+    ("cli",),
+    ("__main__",),
+)
+
+
+def _child(module: str) -> str | None:
+    """The direct child of prime_train a module belongs to (None for the package itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_every_direct_child_of_the_package_has_a_layer():
+    layered = {name for layer in LAYERS for name in layer}
+    children = {c for m in MODULES if (c := _child(m)) is not None}
+    assert children == layered, f"without a layer: {sorted(children - layered)}; gone: {sorted(layered - children)}"
+
+
+def test_the_packages_import_only_downward_through_the_layers():
+    level = {name: n for n, layer in enumerate(LAYERS) for name in layer}
+    bad = []
+    for m, found in IMPORTS.items():
+        source = _child(m)
+        for i in found:
+            target = _child(i.target) if i.target.startswith("prime_train.") else None
+            if source is None or target is None or target == source:
+                continue
+            if level[target] > level[source] or (level[target] == level[source] and level[source] != 0):
+                bad.append(f"{where(i)} ({source} is layer {level[source]}, {target} layer {level[target]})")
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
 def test_no_source_file_is_over_800_lines():
     long = {
         str(p.relative_to(PACKAGE.parent)): n
@@ -249,7 +294,7 @@ def test_every_event_the_package_records_is_named_from_the_contracts_catalogue()
     emitted: set[str] = set()
     stray = []
     for name, path in MODULES.items():
-        if name == "prime_train.resilience.events":
+        if name == "prime_train.kit.events":
             continue  # EventLog itself, which writes the name it is given
         for value, line in _event_names(ast.parse(path.read_text())):
             member = ast.unparse(value).removeprefix("Event.")

@@ -168,7 +168,7 @@ class ToolEnv:
     uses_tools = True
 
     def prompts(self, split, n, seed):
-        from prime_train.rl.environments import Prompt
+        from prime_train.environments import Prompt
 
         return [Prompt("call the tool", "ok", {}) for _ in range(n)]
 

@@ -35,7 +35,7 @@ from prime_train.integrations.checkpoint_archive import (
     extract_archive,
     write_archive,
 )
-from prime_train.resilience.events import read_events
+from prime_train.kit.events import read_events
 from prime_train.retention import list_quarantined
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -287,7 +287,7 @@ def test_a_measured_step_prices_only_the_gpu_it_was_measured_on():
 
 def _replayed_gpus(tmp_path, name: str) -> str:
     """A gpu.jsonl as the supervisor records it, naming one GPU: what PRIME_TRAIN_GPU_REPLAY replays."""
-    from prime_train.resilience.gpu import GpuReading
+    from prime_train.kit.gpu import GpuReading
 
     reading = GpuReading(0, "GPU-0", name, 0.0, 500.0, 81559.0)
     path = tmp_path / "gpu.jsonl"

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from prime_train.rl.environments import (
+from prime_train.environments import (
     BuiltinEnvironment,
     Environment,
     EnvironmentLoadError,
@@ -136,7 +136,7 @@ def test_unknown_environment_name_lists_the_accepted_forms():
 
 
 USER_MODULE = """
-from prime_train.rl.environments import Prompt
+from prime_train.environments import Prompt
 
 
 class Echo:

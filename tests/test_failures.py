@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from prime_train.contract import ExitCode, JobFailure
-from prime_train.resilience.failures import HINTS, RETRYABLE, Failure, FailureKind
+from prime_train.kit.failures import HINTS, RETRYABLE, Failure, FailureKind
 from prime_train.resilience.patterns import PATTERNS
 from prime_train.resilience.policy import WHY_NOT_RETRIED, RestartPolicy
 
@@ -53,7 +53,7 @@ def test_failure_dict_names_the_kind_and_whether_it_is_retried():
 def _judge(returncode: int, *, stop_requested: bool = False, role: str = "job", tail: list[str] | None = None):
     import time
 
-    from prime_train.resilience.process import ProcessSpec
+    from prime_train.kit.process import ProcessSpec
     from prime_train.resilience.verdict import exit_verdict
 
     spec = ProcessSpec(role, ["job"], role=role)

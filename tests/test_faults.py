@@ -17,7 +17,7 @@ import pytest
 from enginetools import TINY, WIDE, cli, env, kill_group, start, tiny_overrides, wait_for
 
 from prime_train.contract import RunDir, read_heartbeat, read_json
-from prime_train.resilience.events import read_events
+from prime_train.kit.events import read_events
 
 JOBS = Path(__file__).parent / "jobs"
 FAST = {"data.datasets.0.num_examples": 400, "supervisor.poll_interval_s": 0.5, "supervisor.backoff_initial_s": 0.2}
@@ -189,7 +189,7 @@ def test_a_save_that_fills_the_disk_leaves_no_tmp_and_the_failure_says_what_is_l
 
 
 def test_the_disk_full_statement_names_free_space_the_whole_checkpoints_and_what_is_set_aside(tmp_path):
-    from prime_train.resilience.ownership import disk_statement
+    from prime_train.kit.ownership import disk_statement
     from prime_train.retention import quarantine_checkpoint
 
     ckpt = tmp_path / "checkpoints"

@@ -262,8 +262,8 @@ def engine_rejection(cfg: Config) -> str | None:
     from prime_train.engine import data as engine_data
     from prime_train.engine import parallel, records, schedule
     from prime_train.engine.metrics import EngineConfigError
+    from prime_train.environments import load_environment
     from prime_train.launch import procs_per_node
-    from prime_train.rl.environments import load_environment
 
     if cfg.job.command:
         return None  # an external command: the engine does not run

@@ -29,7 +29,7 @@ from enginetools import (
 )
 
 from prime_train.contract import read_json
-from prime_train.resilience.events import read_events
+from prime_train.kit.events import read_events
 
 pytestmark = [
     pytest.mark.gpu,

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from prime_train.resilience.failures import FailureKind
-from prime_train.resilience.gpu import (
+from prime_train.kit.failures import FailureKind
+from prime_train.kit.gpu import (
     BASELINE_MARGIN_MIB,
     ENV_GPU_REPLAY,
     GpuHealthWatcher,

@@ -14,8 +14,8 @@ import pytest
 from enginetools import TINY, TINY_RL, cli, env, kill_group, start, tiny_overrides, wait_for
 
 from prime_train.contract import read_json
-from prime_train.resilience.events import read_events
-from prime_train.resilience.gpu import ENV_GPU_REPLAY, ReplaySource
+from prime_train.kit.events import read_events
+from prime_train.kit.gpu import ENV_GPU_REPLAY, ReplaySource
 
 TRACES = Path(__file__).parent / "data" / "gpu"
 

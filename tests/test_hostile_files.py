@@ -22,9 +22,10 @@ from rich.console import Console
 
 from prime_train.config.schema import Config
 from prime_train.contract import ExitCode, RunDir
-from prime_train.resilience import bounded, logscan
+from prime_train.kit import bounded
+from prime_train.kit.failures import Failure, FailureKind
+from prime_train.resilience import logscan
 from prime_train.resilience.console import summary_table
-from prime_train.resilience.failures import Failure, FailureKind
 from prime_train.resilience.supervisor import Attempt
 
 REPO = Path(__file__).resolve().parents[1]

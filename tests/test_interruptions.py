@@ -21,7 +21,7 @@ from enginetools import TINY, WIDE, cli, env, run_cli, tiny_overrides
 
 from prime_train.config.schema import Config
 from prime_train.contract import ExitCode, RunDir, read_json
-from prime_train.resilience.events import read_events
+from prime_train.kit.events import read_events
 from prime_train.resilience.logscan import LogScanner
 from prime_train.resilience.rerun import SET_ASIDE_JOURNAL, finish_set_aside, plan_rerun
 from prime_train.resilience.supervisor import Observer, Supervisor

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from prime_train.kit.failures import FailureKind
 from prime_train.resilience.diagnose import diagnose_command
-from prime_train.resilience.failures import FailureKind
 from prime_train.resilience.logscan import (
     MAX_OPEN_TRACEBACKS,
     Finding,

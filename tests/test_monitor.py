@@ -19,7 +19,7 @@ from prime_train.config.schema import Config
 from prime_train.contract import RunDir
 from prime_train.engine.metrics import MetricsLogger
 from prime_train.integrations import monitor as mon
-from prime_train.resilience.redact import redact
+from prime_train.kit.redact import redact
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / ".github" / "workflows" / "training-monitor.yml"

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pynvml
 import pytest
 
-from prime_train.resilience.gpu import MIB, GpuProcess, NvmlSource
+from prime_train.kit.gpu import MIB, GpuProcess, NvmlSource
 
 
 class FakeDriver:

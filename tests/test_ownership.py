@@ -20,7 +20,7 @@ from enginetools import TINY, cli, env, kill_group, start, tiny_overrides, wait_
 from prime_train.config.loader import dump_toml
 from prime_train.config.schema import Config
 from prime_train.contract import RunDir, read_json
-from prime_train.resilience.events import read_events
+from prime_train.kit.events import read_events
 
 JOB = Path(__file__).parent / "jobs" / "counter_job.py"
 
@@ -153,7 +153,7 @@ def test_a_new_supervisor_ends_the_orphaned_job_of_its_run_dir_before_launching(
 
 
 def test_a_recycled_pid_in_the_process_record_is_never_signalled(tmp_path):
-    from prime_train.resilience.ownership import end_orphans, record_processes
+    from prime_train.kit.ownership import end_orphans, record_processes
 
     run_dir = RunDir(tmp_path / "run")
     run_dir.root.mkdir()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from prime_train.resilience.process import LINE_CHARS, ChildProcess, LineCallback, ProcessSpec
+from prime_train.kit.process import LINE_CHARS, ChildProcess, LineCallback, ProcessSpec
 
 HOSTILE_LINES = 60_000  # ~2.4 MB of `[0001ab] Traceback (most recent call last):`
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from enginetools import run_cli
 
 from prime_train.contract import ExitCode
-from prime_train.resilience.events import read_events
+from prime_train.kit.events import read_events
 
 # attempt 1 reaches step 3, saves step-3 and dies of a (printed) CUDA OOM; attempt 2 saves step-6 and finishes
 RECOVERING_JOB = """

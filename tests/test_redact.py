@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from prime_train.config.loader import MASK
 from prime_train.config.schema import Config
-from prime_train.resilience.events import EventLog, read_events
-from prime_train.resilience.redact import (
+from prime_train.kit.events import EventLog, read_events
+from prime_train.kit.redact import (
     REDACTED,
     Redactor,
     is_secret_name,

@@ -14,7 +14,7 @@ from enginetools import TINY, WIDE, cli, env, run_cli, tiny_overrides
 from prime_train.config.schema import Config
 from prime_train.contract import RunDir, read_json
 from prime_train.engine.metrics import rewind_metrics
-from prime_train.resilience.events import read_events
+from prime_train.kit.events import read_events
 from prime_train.resilience.rerun import RerunRefused, plan_rerun
 
 # a checkpoint at step 3 only: the last step is exported, not checkpointed (ckpt.resumable_final_save is off)

@@ -11,7 +11,7 @@ import torch
 from enginetools import TINY_RL, cli, env, final_weights, free_port, kill_group, metrics, start, wait_for
 
 from prime_train.contract import read_json
-from prime_train.resilience.events import read_events
+from prime_train.kit.events import read_events
 
 
 def rl_args(tmp_path, sft_model, name: str, **extra) -> list[str]:
@@ -136,7 +136,7 @@ def test_killed_rollout_worker_is_restarted_and_training_reaches_the_end(tmp_pat
 
 
 LONG_TAIL_ENV = '''
-from prime_train.rl.environments import Prompt
+from prime_train.environments import Prompt
 
 
 class LongTail:

@@ -23,7 +23,7 @@ from enginetools import (
 )
 
 from prime_train.contract import read_json
-from prime_train.resilience.events import read_events
+from prime_train.kit.events import read_events
 
 
 def trainer_pids(run_dir) -> list[int]:

@@ -21,7 +21,7 @@ import tomli_w
 from prime_train.config.loader import load_config
 from prime_train.config.schema import Config
 from prime_train.contract import RunDir
-from prime_train.resilience.redact import REDACTED, Redactor, redact
+from prime_train.kit.redact import REDACTED, Redactor, redact
 
 REPO = Path(__file__).resolve().parents[1]
 # No shape any rule knows; a quote and a backslash, so that every escaped form differs from the value.
@@ -155,7 +155,7 @@ def test_status_and_diagnose_without_the_variables_show_no_secret(escaped_run, a
 
 
 def _child(tmp_path: Path, code: str, **kw):
-    from prime_train.resilience.process import ChildProcess, ProcessSpec
+    from prime_train.kit.process import ChildProcess, ProcessSpec
 
     lines: list[str] = []
     spec = ProcessSpec("job", [sys.executable, "-c", code], env=kw.pop("env", {}), role="job")
@@ -181,7 +181,7 @@ def test_a_child_masks_the_secrets_its_own_environment_names_without_being_told(
 def test_a_secret_in_a_long_line_without_newline_is_masked_across_the_cut():
     import tempfile
 
-    from prime_train.resilience.process import HOLD_BYTES, _LogFile
+    from prime_train.kit.process import HOLD_BYTES, _LogFile
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "job.log"
@@ -203,7 +203,7 @@ CHATTY = (
 
 
 def test_a_chatty_job_s_log_is_capped_keeping_its_head_and_its_tail(tmp_path):
-    from prime_train.resilience.process import log_cap_bytes
+    from prime_train.kit.process import log_cap_bytes
 
     cfg = Config.model_validate({"logging": {"max_log_mb": 0.5}})
     cap = log_cap_bytes(cfg.logging.max_log_mb)
@@ -225,7 +225,7 @@ def test_a_chatty_job_s_log_is_capped_keeping_its_head_and_its_tail(tmp_path):
 
 
 def test_max_log_mb_is_a_documented_config_field_and_zero_means_no_cap():
-    from prime_train.resilience.process import log_cap_bytes
+    from prime_train.kit.process import log_cap_bytes
 
     field = Config.model_fields["logging"].annotation.model_fields["max_log_mb"]
     assert field.description and field.default > 0

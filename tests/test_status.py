@@ -12,7 +12,7 @@ import pytest
 from enginetools import run_cli
 
 from prime_train.contract import RunDir
-from prime_train.resilience.events import read_events
+from prime_train.kit.events import read_events
 from prime_train.resilience.status import run_status
 
 GOOD_EVENT = {"time": 1_700_000_000.0, "event": "attempt_started", "attempt": 1}

@@ -32,8 +32,8 @@ from prime_train.integrations.storage import (
     UnsafeArchive,
     parse_remote,
 )
+from prime_train.kit.events import EventLog, read_events
 from prime_train.resilience.backup import BackupWatcher, restore_before_start
-from prime_train.resilience.events import EventLog, read_events
 from prime_train.retention import safe_remove_checkpoint
 
 boto3 = pytest.importorskip("boto3")

@@ -16,9 +16,9 @@ import pytest
 
 from prime_train.config.schema import Config
 from prime_train.contract import read_json
-from prime_train.resilience.events import EventLog, read_events
-from prime_train.resilience.failures import FailureKind
-from prime_train.resilience.ownership import Housekeeper
+from prime_train.kit.events import EventLog, read_events
+from prime_train.kit.failures import FailureKind
+from prime_train.kit.ownership import Housekeeper
 from prime_train.resilience.status import run_status
 from prime_train.resilience.supervisor import Observer, Supervisor, SupervisorOptions
 
@@ -216,7 +216,7 @@ def test_supervisor_modules_never_import_torch():
     code = (
         "import sys\n"
         "import prime_train.resilience.supervisor, prime_train.resilience.console, prime_train.resilience.status\n"
-        "import prime_train.resilience.gpu, prime_train.validator.preflight, prime_train.launch\n"
+        "import prime_train.kit.gpu, prime_train.validator.preflight, prime_train.launch\n"
         "print(sorted(m for m in ('torch', 'transformers', 'numpy', 'wandb') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

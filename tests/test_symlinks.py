@@ -30,8 +30,8 @@ from prime_train.contract import (
     open_nofollow,
     write_json_atomic,
 )
-from prime_train.resilience.events import EventLog, read_events
-from prime_train.resilience.ownership import claim_run_dir
+from prime_train.kit.events import EventLog, read_events
+from prime_train.kit.ownership import claim_run_dir
 
 VICTIM_BYTES = b"precious: not prime-train's to touch\n" * 3
 
@@ -231,7 +231,7 @@ def test_the_event_log_keeps_its_events_rather_than_append_through_a_link(tmp_pa
 
 
 def test_the_gpu_recorder_never_appends_through_a_link(tmp_path):
-    from prime_train.resilience.gpu import GpuReading, GpuRecorder
+    from prime_train.kit.gpu import GpuReading, GpuRecorder
 
     victim = victim_file(tmp_path)
     path = tmp_path / "gpu.jsonl"

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from vllmtools import MAX_MODEL_LEN
 
 from prime_train.contract import read_json
-from prime_train.resilience.events import read_events
+from prime_train.kit.events import read_events
 from prime_train.rl.client import ContextLengthError, RolloutPool, WorkerError
 from prime_train.rl.generation import NO_ROOM_MESSAGE, max_tokens_too_large_message, prompt_too_long_message
 from prime_train.rl.vllm_server import ENTRY_MODULES, SUPPORTED_FROM, probe_vllm

@@ -21,7 +21,7 @@ import pytest
 
 from prime_train.config.schema import Config
 from prime_train.contract import ExitCode
-from prime_train.resilience.failures import FailureKind
+from prime_train.kit.failures import FailureKind
 from prime_train.resilience.logscan import Finding
 from prime_train.rl.budget import check_vllm_args
 from prime_train.rl.vllm_server import EXTENSION, EXTENSION_DIR, SUPPORTED_FROM, gone_flags, probe_vllm, vllm_args

@@ -15,8 +15,8 @@ import pytest
 
 from prime_train.config.schema import Config
 from prime_train.contract import list_checkpoints
-from prime_train.resilience.events import read_events
-from prime_train.resilience.failures import Failure, FailureKind
+from prime_train.kit.events import read_events
+from prime_train.kit.failures import Failure, FailureKind
 from prime_train.resilience.policy import RestartPolicy
 from prime_train.resilience.supervisor import Observer, Supervisor, SupervisorOptions
 from prime_train.resilience.watchers import DiskWatcher, PreemptionWatcher, ProgressWatcher

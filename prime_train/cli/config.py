@@ -90,7 +90,7 @@ def config_show(
     """
     import tomllib
 
-    from prime_train.resilience.redact import Redactor
+    from prime_train.kit.redact import Redactor
 
     cfg = load(*split_overrides(files, ctx.args))
     text = Redactor.for_run(cfg).masked_config(cfg).text  # secret values as ***, never printed

@@ -158,7 +158,7 @@ def _detach_stdout() -> None:
 
 def _save_traceback(exc: BaseException) -> str:
     """Write the traceback to a file and say where; if that fails, print it (it must not be lost)."""
-    from prime_train.resilience.redact import redact_argv
+    from prime_train.kit.redact import redact_argv
 
     text = "".join(traceback.format_exception(exc))
     if output.MODE.verbose:  # -v: the traceback here too, not only in the file

@@ -73,7 +73,7 @@ def literal(text: object, style: str = "") -> Text:
 def clip(text: object, limit: int = 2000) -> str:
     """`str(text)` cut to `limit` characters, saying how many were left out: what a job wrote (a 50 MB message) is
     cut before rich lays it out, as rich's folding of one long cell takes time quadratic in its length."""
-    from prime_train.resilience.bounded import clip as clipped
+    from prime_train.kit.bounded import clip as clipped
 
     return clipped(text, limit)
 

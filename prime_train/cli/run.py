@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from prime_train.config.schema import Config
-    from prime_train.resilience.events import EventLog
+    from prime_train.kit.events import EventLog
 
 
 # run and train re-run a run directory alike (resilience/rerun.py)
@@ -206,8 +206,8 @@ def _supervise(
     import time
 
     from prime_train.contract import RunDirBusy
+    from prime_train.kit.events import EventLog
     from prime_train.resilience.console import ConsoleObserver, final_results, summary_table
-    from prime_train.resilience.events import EventLog
     from prime_train.resilience.rerun import RerunRefused, plan_rerun
     from prime_train.resilience.supervisor import Supervisor, SupervisorOptions
     from prime_train.validator.preflight import preflight_command

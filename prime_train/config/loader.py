@@ -25,7 +25,7 @@ from prime_train.config.source import KeyPath, Position, locate, scan_positions
 
 COMMAND_LINE = "<command line>"
 
-# How a run directory's config.toml stores a secret value (resilience/redact.py decides which values are secret).
+# How a run directory's config.toml stores a secret value (kit/redact.py decides which values are secret).
 MASK = "***"
 # Set by the supervisor for its job's processes: JSON [[key path, real value], ...] of each string that its
 # config.toml holds masked, so the job reads the real values back while the file never has them.

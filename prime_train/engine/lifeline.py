@@ -4,7 +4,7 @@ The supervisor (`prime-train run`, or `prime-train train`) names itself in PRIME
 "<pid>:<create time>". Every rank polls it once a second and, when it is gone, stops as on SIGTERM:
 the step finishes, a checkpoint is saved, the process exits 75 and its last heartbeat says why. A
 supervisor killed with kill -9 thus leaves no trainer behind to compete with the next one (which also
-ends any job of its run directory still alive, resilience/ownership.py).
+ends any job of its run directory still alive, kit/ownership.py).
 
 Why a poll of the pid and its start time rather than prctl(PR_SET_PDEATHSIG) or a pipe: both signal the
 death of the *direct* parent, and under torchrun the ranks' parent is torchrun, not the supervisor; a

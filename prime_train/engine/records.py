@@ -42,7 +42,7 @@ class Record:
 
 
 # An environment variable holds a credential when one of these is a word of its name. The supervisor's rule is
-# resilience/redact.py's looks_secret_name, which the engine may not import; this short form errs toward masking.
+# kit/redact.py's looks_secret_name, which the engine may not import; this short form errs toward masking.
 _CREDENTIAL_WORDS = {
     "KEY", "KEYS", "TOKEN", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "PASS", "PWD", "PASSPHRASE", "CREDENTIAL",
     "CREDENTIALS", "CREDS", "AUTH", "APIKEY",

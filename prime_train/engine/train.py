@@ -41,7 +41,7 @@ class SFTJob(TrainingJob):
         self._env = None
         self._env_prompts: list = []
         if cfg.train.eval_environment:
-            from prime_train.rl.environments import load_environment
+            from prime_train.environments import load_environment
 
             try:
                 self._env = load_environment(cfg.train.eval_environment, {})

@@ -51,7 +51,7 @@ from typing import Any
 
 from prime_train.config.schema import Config
 from prime_train.integrations.task_yaml import render_yaml
-from prime_train.resilience.redact import REDACTED, looks_secret_name, redact
+from prime_train.kit.redact import REDACTED, looks_secret_name, redact
 
 DEFAULT_SKYPILOT = "skypilot==0.14.1"
 SKY_PYTHON_ENV = "PRIME_TRAIN_SKY_PYTHON"

@@ -10,7 +10,7 @@ import re
 from prime_train.config.accelerators import parse_accelerators
 from prime_train.config.schema import Config
 from prime_train.contract import ExitCode
-from prime_train.resilience.redact import is_secret_name
+from prime_train.kit.redact import is_secret_name
 
 NO_SPOT = {"lambda": "Lambda Cloud has no spot instances", "kubernetes": "spot on Kubernetes needs spot-labelled nodes"}
 NO_MULTI_NODE = {"runpod", "vast", "primeintellect"}

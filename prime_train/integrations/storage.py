@@ -50,7 +50,7 @@ from prime_train.integrations.checkpoint_archive import (
     write_archive,
     zstandard_module,
 )
-from prime_train.resilience.redact import REDACTED, redact
+from prime_train.kit.redact import REDACTED, redact
 from prime_train.retention import safe_remove_checkpoint, select_for_deletion
 
 logger = logging.getLogger("prime_train.storage")
@@ -66,7 +66,7 @@ _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._\-]{1,61}[a-z0-9]$")
 
 
 class EventSink(Protocol):
-    """What restore reports to: resilience.events.EventLog fits."""
+    """What restore reports to: kit.events.EventLog fits."""
 
     def emit(self, event: str, **fields: Any) -> Any: ...
 

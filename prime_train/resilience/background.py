@@ -7,8 +7,8 @@ import threading
 from typing import Any
 
 from prime_train.contract import Event
-from prime_train.resilience.events import EventLog
-from prime_train.resilience.failures import Failure
+from prime_train.kit.events import EventLog
+from prime_train.kit.failures import Failure
 from prime_train.resilience.watchers import DiskWatcher, PreemptionWatcher
 
 

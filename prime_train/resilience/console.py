@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from prime_train.contract import Phase, SupervisorState
-from prime_train.resilience import bounded
+from prime_train.kit import bounded
 from prime_train.resilience.logscan import Finding
 from prime_train.resilience.rl_summary import rl_summary, summary_lines
 from prime_train.resilience.supervisor import Observer, Supervisor

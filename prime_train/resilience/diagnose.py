@@ -20,8 +20,8 @@ from typing import Any
 
 from prime_train.config.loader import near_paths
 from prime_train.contract import ExitCode
+from prime_train.kit.redact import Redactor
 from prime_train.resilience.logscan import FATAL, LOG_SUFFIXES, Finding, log_files, root_cause, scan_log
-from prime_train.resilience.redact import Redactor
 
 EXIT_CLEAN, EXIT_FATAL, EXIT_BAD_PATH = int(ExitCode.OK), int(ExitCode.FAILED), int(ExitCode.CONFIG)
 _ATTEMPT_DIR = re.compile(r"^attempt-(\d+)$")

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from prime_train.contract import LATEST_LOGS
-from prime_train.resilience.failures import FailureKind
+from prime_train.kit.failures import FailureKind
+from prime_train.kit.redact import redact
 from prime_train.resilience.patterns import (
     CONTEXT_PATTERNS,
     EXCEPTION_LINE,
@@ -39,7 +40,6 @@ from prime_train.resilience.patterns import (
     TRACEBACK_CUT_OFF,
     Pattern,
 )
-from prime_train.resilience.redact import redact
 
 # Longer lines are cut in findings: vLLM's "Supported architectures: dict_keys([...])" runs to
 # thousands of characters and would bury the console.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from prime_train.resilience.failures import WHY_NOT_RETRIED, FailureKind
+from prime_train.kit.failures import WHY_NOT_RETRIED, FailureKind
 
 FATAL = "fatal"
 WARNING = "warning"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prime_train.resilience.failures import WHY_NOT_RETRIED, Failure, FailureKind
+from prime_train.kit.failures import WHY_NOT_RETRIED, Failure, FailureKind
 
 
 @dataclass(frozen=True)

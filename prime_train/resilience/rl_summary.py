@@ -15,7 +15,7 @@ import math
 import os
 from typing import Any
 
-from prime_train.resilience import bounded
+from prime_train.kit import bounded
 
 # steps averaged at each end of the sampled curves: the measure ("last 10 steps minus the first 10")
 WINDOW = 10

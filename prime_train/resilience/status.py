@@ -22,8 +22,8 @@ from typing import BinaryIO
 import psutil
 
 from prime_train.contract import LIVE_STATES, Heartbeat, RunDir, list_checkpoints
-from prime_train.resilience import bounded
-from prime_train.resilience.redact import Redactor
+from prime_train.kit import bounded
+from prime_train.kit.redact import Redactor
 from prime_train.resilience.rl_summary import rl_summary
 
 

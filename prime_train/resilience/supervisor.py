@@ -3,7 +3,7 @@
 Plain Python, never imports torch. It meets the job only in the run directory (prime_train/contract.py,
 docs/architecture.md): it reads progress.json and the checkpoints, writes events.jsonl and supervisor.json.
 
-It owns its run directory for its whole life (resilience/ownership.py): a second owner is refused, and
+It owns its run directory for its whole life (kit/ownership.py): a second owner is refused, and
 what a killed predecessor left running is ended before anything starts. Its own files never take it
 down: on a full disk it keeps its state in memory and writes it again on the next poll.
 """
@@ -41,12 +41,9 @@ from prime_train.contract import (
     replace_file_atomic,
     replace_symlink,
 )
-from prime_train.launch import gpu_devices, job_exit_code, plan_engine_launch
-from prime_train.resilience.background import Background
-from prime_train.resilience.events import EventLog
-from prime_train.resilience.failures import Failure, FailureKind
-from prime_train.resilience.logscan import Finding, LogScanner
-from prime_train.resilience.ownership import (
+from prime_train.kit.events import EventLog
+from prime_train.kit.failures import Failure, FailureKind
+from prime_train.kit.ownership import (
     Housekeeper,
     attempt_numbers,
     claim_run_dir,
@@ -55,9 +52,12 @@ from prime_train.resilience.ownership import (
     record_state,
     supervisor_token,
 )
+from prime_train.kit.process import ChildProcess, ProcessSpec, log_cap_bytes
+from prime_train.kit.redact import Redactor, redact_argv
+from prime_train.launch import gpu_devices, job_exit_code, plan_engine_launch
+from prime_train.resilience.background import Background
+from prime_train.resilience.logscan import Finding, LogScanner
 from prime_train.resilience.policy import RestartPolicy
-from prime_train.resilience.process import ChildProcess, ProcessSpec, log_cap_bytes
-from prime_train.resilience.redact import Redactor, redact_argv
 from prime_train.resilience.verdict import exit_verdict, stop_signal
 from prime_train.resilience.watchers import (
     DiskWatcher,
@@ -531,7 +531,7 @@ class Supervisor:
 
         Wedged: alive but no longer answering /health, or its GPUs back at their memory from before the attempt
         (a vLLM engine that died silently under a live API server)."""
-        from prime_train.resilience.gpu import GpuHealthWatcher
+        from prime_train.kit.gpu import GpuHealthWatcher
 
         health = self._health_watcher
         gpu = next((w for w in background.watchers if isinstance(w, GpuHealthWatcher)), None)
@@ -617,7 +617,7 @@ class Supervisor:
 
     def _gpu_watcher(self, progress: ProgressWatcher, attempt: Attempt):
         """The GPU health watcher of this attempt, recording to gpu.jsonl; None on a machine without GPUs."""
-        from prime_train.resilience.gpu import GpuHealthWatcher, GpuRecorder, gpu_source, visible_devices
+        from prime_train.kit.gpu import GpuHealthWatcher, GpuRecorder, gpu_source, visible_devices
 
         source = self.options.gpu_source or gpu_source(attempt.number)
         if source is None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import signal
 
 from prime_train.contract import ExitCode, Heartbeat, Phase
-from prime_train.resilience.failures import Failure, FailureKind
+from prime_train.kit.failures import Failure, FailureKind
+from prime_train.kit.process import ProcessSpec
 from prime_train.resilience.logscan import Finding, classify
-from prime_train.resilience.process import ProcessSpec
 
 # How a process the supervisor sent SIGTERM (or a Ctrl-C reached) ends before it has a handler of its own:
 # by the signal (Popen's -N), or as a shell's 128 + N

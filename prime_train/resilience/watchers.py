@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from prime_train.contract import SLOW_PHASES, STARTUP_PHASES, Event, Heartbeat, Phase, list_checkpoints
-from prime_train.resilience.failures import Failure, FailureKind
+from prime_train.kit.failures import Failure, FailureKind
 from prime_train.resilience.logscan import Finding, LogScanner
 from prime_train.retention import safe_remove_checkpoint, select_for_deletion
 

@@ -133,7 +133,7 @@ def check_token_budget(cfg: Config, tokenizer: Any = None, *, pending_ok: bool =
     """
     if cfg.run.job != "rl" or cfg.job.command:
         return []
-    from prime_train.rl.environments import EnvironmentLoadError, load_environment
+    from prime_train.environments import EnvironmentLoadError, load_environment
 
     try:
         env = load_environment(cfg.rl.environment, cfg.rl.env_args)
@@ -236,7 +236,7 @@ def check_gotchas(
 
     if rl.tool_executor == "remote":
         if uses_tools is None:
-            from prime_train.rl.environments import EnvironmentLoadError, load_environment
+            from prime_train.environments import EnvironmentLoadError, load_environment
 
             try:
                 uses_tools = bool(load_environment(rl.environment, rl.env_args).uses_tools)

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prime_train.config.schema import Config
+from prime_train.environments import Environment, Prompt
 from prime_train.rl.client import ContextLengthError, RolloutPool, WorkerUnavailable
-from prime_train.rl.environments import Environment, Prompt
 
 logger = logging.getLogger("prime_train.rl")
 

@@ -33,8 +33,8 @@ from prime_train.contract import Phase
 from prime_train.engine import parallel
 from prime_train.engine.loop import TrainingJob, main
 from prime_train.engine.metrics import EngineConfigError
+from prime_train.environments import load_environment
 from prime_train.rl.client import ContextLengthError, RolloutPool, WeightLoad, worker_url
-from prime_train.rl.environments import load_environment
 from prime_train.rl.grpo import completion_logprobs, grpo_loss, token_weights
 from prime_train.rl.rollouts import RolloutBatch, RolloutSource, Sample
 from prime_train.rl.workers import resolve_backend

@@ -17,8 +17,8 @@ from typing import Any
 
 from prime_train.config.schema import Config
 from prime_train.contract import Event, ExitCode
-from prime_train.resilience.failures import FailureKind
-from prime_train.resilience.process import ProcessSpec
+from prime_train.kit.failures import FailureKind
+from prime_train.kit.process import ProcessSpec
 from prime_train.rl.vllm_server import (
     VllmEnv,
     find_vllm_python,

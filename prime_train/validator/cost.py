@@ -275,7 +275,7 @@ def _gpu_request(cfg: Config) -> Accelerators | None:
 def local_gpu_names() -> list[str]:
     """The names of this machine's GPUs that CUDA_VISIBLE_DEVICES leaves visible (NVML, or a replayed gpu.jsonl);
     [] on a machine without NVIDIA GPUs."""
-    from prime_train.resilience.gpu import ENV_GPU_REPLAY, NvmlSource, gpu_inventory, readings_of, visible_devices
+    from prime_train.kit.gpu import ENV_GPU_REPLAY, NvmlSource, gpu_inventory, readings_of, visible_devices
 
     if not (os.environ.get(ENV_GPU_REPLAY) or NvmlSource.available()):
         return []

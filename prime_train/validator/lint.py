@@ -95,7 +95,7 @@ def _masking(cfg: Config) -> Callable[[str], str]:
     def shown(message: str) -> str:
         nonlocal redactor
         if redactor is None:
-            from prime_train.resilience.redact import Redactor
+            from prime_train.kit.redact import Redactor
 
             redactor = Redactor.for_run(cfg)
         return redactor(message)
@@ -280,7 +280,7 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
         )
     problems.extend(_job_command_problems(cfg, sources))
     if cfg.train.eval_environment and not cfg.job.command:
-        from prime_train.rl.environments import load_environment
+        from prime_train.environments import load_environment
 
         try:  # as the SFT job loads it (engine/train.py), which otherwise refuses it only after start-up
             load_environment(cfg.train.eval_environment, {})

@@ -28,8 +28,8 @@ import psutil
 
 from prime_train.config.schema import Config
 from prime_train.contract import ExitCode
+from prime_train.kit.gpu import ENV_GPU_REPLAY, replayed_probe
 from prime_train.launch import node_rank, procs_per_node, rendezvous_endpoint, visible_gpu_count
-from prime_train.resilience.gpu import ENV_GPU_REPLAY, replayed_probe
 from prime_train.validator.checks import FAIL, PASS, WARN, CheckResult
 from prime_train.validator.memory import estimate, inputs_from_config
 from prime_train.validator.memory_inputs import MemoryInputError

@@ -9,8 +9,8 @@ preflight checks. Nothing here runs unless run.job == "rl" with the embedded eng
 from __future__ import annotations
 
 from prime_train.config.schema import Config
+from prime_train.kit.gpu import gpu_inventory, readings_of
 from prime_train.launch import gpu_devices
-from prime_train.resilience.gpu import gpu_inventory, readings_of
 from prime_train.rl.budget import Finding, check_gotchas, check_token_budget
 from prime_train.rl.vllm_server import CPU_MIN_HEAD_SIZE, no_environment_problem
 from prime_train.rl.workers import GpuPlan, gpu_plan, resolve_backend, vllm_environment

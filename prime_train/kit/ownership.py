@@ -33,7 +33,7 @@ from prime_train.contract import (
     read_json,
     write_json_atomic,
 )
-from prime_train.resilience.events import EventLog
+from prime_train.kit.events import EventLog
 from prime_train.retention import clean_stale_tmp, list_quarantined
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from prime_train.contract import open_nofollow
-from prime_train.resilience.redact import Redactor
+from prime_train.kit.redact import Redactor
 
 # Bytes of events kept in memory at most while the disk refuses them (a full disk); the oldest go first.
 UNWRITTEN_BYTES = 16 * 2**20

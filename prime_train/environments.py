@@ -228,7 +228,7 @@ def check_environment(env: Any, source: str) -> Environment:
         raise EnvironmentLoadError(
             f"rl.environment = {source!r} returned a {type(env).__name__} ({'; '.join(why)}); it must return an "
             "object with name, uses_tools, prompts(split, n, seed) and reward(prompt, completion) "
-            "(see prime_train.rl.environments.Environment)"
+            "(see prime_train.environments.Environment)"
         )
     return env
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from prime_train.contract import Event, append_jsonl
-from prime_train.resilience.failures import Failure, FailureKind
+from prime_train.kit.failures import Failure, FailureKind
 
 logger = logging.getLogger("prime_train.gpu")
 

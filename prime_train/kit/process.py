@@ -34,8 +34,8 @@ import psutil
 
 from prime_train.config.schema import LoggingConfig
 from prime_train.contract import open_nofollow
-from prime_train.resilience.bounded import size_text
-from prime_train.resilience.redact import Redactor
+from prime_train.kit.bounded import size_text
+from prime_train.kit.redact import Redactor
 
 
 @dataclass
