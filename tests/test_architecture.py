@@ -23,7 +23,13 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "prime_train"
 
 # what the supervisor process runs; config/ is shared by both sides (the engine reads the resolved config)
-SUPERVISOR_SIDE = ("prime_train.resilience", "prime_train.validator", "prime_train.integrations", "prime_train.cli")
+SUPERVISOR_SIDE = (
+    "prime_train.resilience",
+    "prime_train.kit",
+    "prime_train.validator",
+    "prime_train.integrations",
+    "prime_train.cli",
+)
 TORCH_FREE = (*SUPERVISOR_SIDE, "prime_train.config")
 TORCH_FREE_TOP = (
     "prime_train.contract",
