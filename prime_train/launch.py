@@ -1,24 +1,27 @@
-"""How a training job is started: one Python process, or torchrun for several; and `prime-train train`.
+"""How a training job is started: one Python process, or torchrun for several, and the environment it gets.
 
-Torch-free on purpose: the supervisor builds the same argv without importing torch.
+Torch-free on purpose: the supervisor and `prime-train train` (resilience/service.py) build the same argv and the
+same environment without importing torch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
 import sys
-import time
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import psutil
-
 from prime_train.config.schema import Config
-from prime_train.contract import ENV_SUPERVISOR, ExitCode, Heartbeat, RunDir, read_heartbeat, replace_file_atomic
+from prime_train.contract import (
+    ENV_ATTEMPT,
+    ENV_RUN_DIR,
+    ENV_SUPERVISOR,
+    ExitCode,
+    Heartbeat,
+    RunDir,
+    replace_file_atomic,
+)
 
 if TYPE_CHECKING:
     from prime_train.kit.redact import MaskedConfig
@@ -148,39 +151,43 @@ def masked_run_config(cfg: Config) -> MaskedConfig:
     return Redactor.for_run(cfg).masked_config(cfg)
 
 
-def train_directly(cfg: Config, decide: Callable[[], bool] | None = None) -> int:
-    """Train in the foreground; SIGTERM is passed on so the job checkpoints and exits 75.
+def job_environment(
+    cfg: Config,
+    run_dir: RunDir,
+    *,
+    attempt: int,
+    supervisor_token: str,
+    launch_env: Mapping[str, str] | None,
+    extra: Mapping[str, str] | None = None,
+    masked: MaskedConfig | None = None,
+) -> dict[str, str]:
+    """What a job's child process gets on top of the environment it inherits (os.environ), for the supervisor's
+    attempts and `prime-train train` alike; the caller starts it with `{**os.environ, **job_environment(...)}`.
 
-    Like `prime-train run`, it owns the run directory while it trains (contract.RunDirBusy when another
-    process does), ends what a killed predecessor left running, and its job stops when it is gone.
-    `decide`, called once the directory is owned (so what it holds cannot change under it), says whether to
-    train at all: a finished run is not trained again unasked (resilience/rerun.py); 0 when it says no.
+    - the real values of config.toml's `***` (`masked.env`, the config file the child reads as it was masked;
+      default `masked_run_config(cfg)`, what `write_run_config` writes): config.loader restores them;
+    - PYTHONUNBUFFERED=1, so the child's output reaches its log as it is written;
+    - PRIME_TRAIN_RUN_DIR (the run directory, absolute), PRIME_TRAIN_ATTEMPT (`attempt`, from 1),
+      PRIME_TRAIN_SUPERVISOR (`supervisor_token`, "<pid>:<create time>" of the owner: the job stops when that
+      process is gone, engine/lifeline.py);
+    - `extra` over all of these (the supervisor's own extra variables, the trainer's CUDA_VISIBLE_DEVICES);
+    - `launch_env`, the launch plan's variables (OMP_NUM_THREADS, ...), each only where none of the above set it,
+      and a value the user exported wins over the plan's; None for a job that is no launch plan of ours (an
+      external [job].command), which gets neither these nor the next;
+    - CUDA_DEVICE_ORDER=PCI_BUS_ID unless `extra` sets it: GPU numbers as nvidia-smi and NVML count them, which
+      CUDA_VISIBLE_DEVICES and the GPU watcher use.
     """
-    from prime_train.kit.ownership import claim_run_dir, end_orphans, record_processes, supervisor_token
-
-    with claim_run_dir(cfg.layout, "prime-train train"):
-        end_orphans(cfg.layout, cfg.supervisor.term_grace_s)
-        if decide is not None and not decide():
-            return ExitCode.OK
-        run_dir = write_run_config(cfg)
-        plan = plan_engine_launch(cfg, str(run_dir.config_path))
-        env = {**os.environ, **{k: v for k, v in plan.env.items() if k not in os.environ}}
-        env[ENV_SUPERVISOR] = supervisor_token()
-        env.update(masked_run_config(cfg).env)  # the real values of config.toml's ***
-        started = time.time()
-        child = subprocess.Popen(plan.argv, env=env)
-        with contextlib.suppress(psutil.Error):
-            record_processes(run_dir, {"trainer": [psutil.Process(child.pid)]})
-
-        def forward(signum, frame):
-            child.send_signal(signum)
-
-        # Ctrl-C reaches the child through the terminal's process group; we only have to outlive it
-        previous = {s: signal.signal(s, h) for s, h in ((signal.SIGTERM, forward), (signal.SIGINT, signal.SIG_IGN))}
-        try:
-            returncode = child.wait()
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
-        record_processes(run_dir, {})
-        return job_exit_code(returncode, read_heartbeat(run_dir.progress_path), started)
+    env = {
+        **(masked if masked is not None else masked_run_config(cfg)).env,
+        "PYTHONUNBUFFERED": "1",
+        ENV_RUN_DIR: os.path.abspath(run_dir.root),
+        ENV_ATTEMPT: str(attempt),
+        ENV_SUPERVISOR: supervisor_token,
+        **(extra or {}),
+    }
+    if launch_env is None:
+        return env
+    for k, v in launch_env.items():
+        env.setdefault(k, os.environ.get(k, v))
+    env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    return env

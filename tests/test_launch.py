@@ -6,9 +6,11 @@ import re
 import sys
 import time
 
+from prime_train.config.loader import ENV_CONFIG_SECRETS
 from prime_train.config.schema import Config
-from prime_train.contract import Heartbeat
-from prime_train.launch import job_exit_code, plan_engine_launch
+from prime_train.contract import ENV_ATTEMPT, ENV_RUN_DIR, ENV_SUPERVISOR, Heartbeat
+from prime_train.kit.redact import MaskedConfig
+from prime_train.launch import job_environment, job_exit_code, masked_run_config, plan_engine_launch
 
 
 def test_single_process_runs_python_module_without_torchrun():
@@ -122,3 +124,51 @@ def test_torchrun_exit_1_is_read_back_as_the_jobs_own_code():
     assert job_exit_code(1, hb("stopped", 75, start - 10), start) == 1
     assert job_exit_code(-9, None, start) == -9
     assert job_exit_code(0, hb("failed", 78, start + 1), start) == 0
+
+
+# ---------------------------------------------------------------- the job's environment
+
+
+def test_a_jobs_environment_holds_the_contracts_variables_and_the_config_secrets(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONUNBUFFERED", "0")  # the job's output must reach its log as written, whatever was set
+    secret = "served-api-key-1234567"
+    cfg = Config.model_validate(
+        {"run": {"output_dir": "runs", "name": "env"}, "inference": {"extra_args": ["--api-key", secret]}}
+    )
+    env = job_environment(cfg, cfg.layout, attempt=3, supervisor_token="123:456.5", launch_env={})
+    assert env[ENV_RUN_DIR] == str(tmp_path / "runs" / "env")  # absolute: a job may run in another directory
+    assert env[ENV_ATTEMPT] == "3" and env[ENV_SUPERVISOR] == "123:456.5"
+    assert env["PYTHONUNBUFFERED"] == "1"
+    # the real values of config.toml's ***, exactly as the config file the child reads was masked
+    assert env[ENV_CONFIG_SECRETS] == masked_run_config(cfg).env[ENV_CONFIG_SECRETS]
+    assert secret in env[ENV_CONFIG_SECRETS]
+    # the supervisor masks with its own redactor: the environment restores what that one masked
+    unmasked = MaskedConfig(text="", secrets=[])
+    assert ENV_CONFIG_SECRETS not in job_environment(
+        cfg, cfg.layout, attempt=1, supervisor_token="1:2.0", launch_env={}, masked=unmasked
+    )
+
+
+def test_the_launch_plans_variables_yield_to_the_users_and_to_extra(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # exported by the user: kept
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "FASTEST_FIRST")  # GPU numbers are NVML's, as CUDA_VISIBLE_DEVICES's
+    cfg = Config.model_validate({"run": {"output_dir": str(tmp_path), "name": "env"}})
+    launch = {"OMP_NUM_THREADS": "8", "MALLOC_ARENA_MAX": "2", "PYTHONUNBUFFERED": "0", "GIVEN": "plan"}
+    extra = {"GIVEN": "extra", "CUDA_VISIBLE_DEVICES": "4,5"}
+    env = job_environment(cfg, cfg.layout, attempt=1, supervisor_token="1:2.0", launch_env=launch, extra=extra)
+    assert env["OMP_NUM_THREADS"] == "3" and env["MALLOC_ARENA_MAX"] == "2"
+    assert env["PYTHONUNBUFFERED"] == "1" and env["GIVEN"] == "extra" and env["CUDA_VISIBLE_DEVICES"] == "4,5"
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert ENV_CONFIG_SECRETS not in env  # no secret in this config: nothing to restore
+    chosen = job_environment(
+        cfg, cfg.layout, attempt=1, supervisor_token="1:2.0", launch_env={}, extra={"CUDA_DEVICE_ORDER": "X"}
+    )
+    assert chosen["CUDA_DEVICE_ORDER"] == "X"
+
+
+def test_an_external_command_gets_no_launch_plan_variables(tmp_path):
+    cfg = Config.model_validate({"run": {"output_dir": str(tmp_path), "name": "env"}})
+    env = job_environment(cfg, cfg.layout, attempt=2, supervisor_token="1:2.0", launch_env=None, extra={"A": "b"})
+    assert set(env) == {"PYTHONUNBUFFERED", ENV_RUN_DIR, ENV_ATTEMPT, ENV_SUPERVISOR, "A"}

@@ -17,15 +17,14 @@ from prime_train.cli.common import (
     split_overrides,
 )
 from prime_train.cli.errors import CliError
-from prime_train.contract import Event, ExitCode, RunDir, SupervisorState
+from prime_train.contract import ExitCode
 
 if TYPE_CHECKING:
-    from pathlib import Path
+    from collections.abc import Callable
 
     from rich.console import Console
 
-    from prime_train.config.schema import Config
-    from prime_train.kit.events import EventLog
+    from prime_train.resilience.service import Reporter, RunOutcome
 
 
 # run and train re-run a run directory alike (resilience/rerun.py)
@@ -38,56 +37,6 @@ ResumeFlag = Annotated[bool, typer.Option("--resume", help="Train a finished run
 def _one_of(fresh: bool, resume: bool) -> None:
     if fresh and resume:
         raise typer.BadParameter("--fresh starts over, --resume trains on: one or the other", param_hint="--fresh")
-
-
-def _set_old_run_aside(
-    run_dir: RunDir, console: Console, events: EventLog | None = None
-) -> tuple[Path, list[str]] | None:
-    """--fresh: the old run's outputs into previous/<time>/, said on the console; CliError when they cannot move.
-
-    With `events`, the intent is in events.jsonl before the first rename (and the journal in the run directory
-    says the same): a supervisor killed part way leaves a move the next start finishes."""
-    from prime_train.resilience.rerun import describe_set_aside, set_aside
-
-    def record(dest: Path, names: list[str]) -> None:
-        if events is not None:
-            events.emit(Event.RUN_SET_ASIDE_STARTED, moving_to=str(dest), moving=names)
-
-    try:
-        moved = set_aside(run_dir, record=record)
-    except (OSError, ValueError) as exc:
-        raise CliError(f"--fresh: cannot move the old run aside in {run_dir.root}: {exc}", ExitCode.FAILED) from None
-    if moved is not None:
-        console.print(output.literal(describe_set_aside(*moved)), highlight=False, soft_wrap=True)
-    return moved
-
-
-def _finish_interrupted_set_aside(run_dir: RunDir, console: Console, events: EventLog | None = None) -> None:
-    """A --fresh that was killed part way (its journal is still there): finish moving the old run aside, said on
-    the console, before anything reads the run directory; CliError when it cannot be finished."""
-    from prime_train.resilience.rerun import finish_set_aside
-
-    try:
-        moved = finish_set_aside(run_dir)
-    except (OSError, ValueError) as exc:
-        raise CliError(
-            f"an earlier --fresh was interrupted while moving the old run aside in {run_dir.root}, and its move "
-            f"cannot be finished: {exc}",
-            ExitCode.FAILED,
-        ) from None
-    if moved is None:
-        return
-    dest, names = moved
-    console.print(
-        output.literal(
-            f"an earlier --fresh was interrupted while it moved the old run aside: finished moving its "
-            f"{', '.join(names)} to {dest}; this run starts over"
-        ),
-        highlight=False,
-        soft_wrap=True,
-    )
-    if events is not None:
-        events.emit(Event.RUN_SET_ASIDE, moved_to=str(dest), moved=names, finished_after_interruption=True)
 
 
 def train(
@@ -110,31 +59,13 @@ def train(
 
       prime-train train configs/tiny-sft.toml --distributed.nproc_per_node 2 --distributed.strategy fsdp
     """
-    from prime_train.contract import RunDirBusy
-    from prime_train.launch import train_directly
-    from prime_train.resilience.rerun import RerunRefused, plan_rerun
+    from prime_train.resilience.service import Reporter, RunRequest, RunService
 
     _one_of(fresh, resume)
     cfg = load_run_config(files, ctx.args)
     require_engine(cfg)
-    console = output.console()
-
-    def decide() -> bool:
-        """As `run` decides it (resilience/rerun.py), once the directory is ours: a finished run is not trained
-        again unasked; --fresh moves the old outputs aside first."""
-        _finish_interrupted_set_aside(cfg.layout, console)
-        rerun = plan_rerun(cfg, fresh=fresh, resume=resume)
-        if rerun.message:
-            console.print(output.literal(rerun.message), highlight=False, soft_wrap=True)
-        if rerun.launch and fresh:
-            _set_old_run_aside(cfg.layout, console)
-        return rerun.launch
-
-    try:
-        code = train_directly(cfg, decide)
-    except (RunDirBusy, RerunRefused) as exc:  # a second owner, or --fresh that would not start over: config errors
-        raise CliError(exc, ExitCode.CONFIG) from None
-    raise typer.Exit(code)
+    service = RunService(cfg, RunRequest(fresh=fresh, resume=resume), Reporter(say=_sayer(output.console())))
+    raise typer.Exit(_served(service.train).exit_code)
 
 
 def run(
@@ -176,6 +107,8 @@ def run(
 
       prime-train run --spot configs/examples/spot.toml --dry-run
     """
+    from prime_train.resilience.service import RunRequest, RunService
+
     paths, overrides = split_overrides(files, ctx.args)
     if spot:
         from prime_train.cli.spot import run_spot
@@ -186,129 +119,62 @@ def run(
     _one_of(fresh, resume)
     cfg = load(paths or [default_config()], overrides)
     require_engine(cfg)
-    raise typer.Exit(
-        _supervise(
-            cfg,
-            skip_preflight=skip_preflight,
-            verbose_inference=verbose_vllm,
-            fresh=fresh,
-            resume=resume,
-            as_json=as_json,
-        )
+    console = output.console(stderr=as_json)  # with --json, stdout is the outcome document alone
+    request = RunRequest(fresh=fresh, resume=resume, skip_preflight=skip_preflight, verbose_inference=verbose_vllm)
+    outcome = _served(RunService(cfg, request, _run_reporter(console, as_json)).supervise)
+    _print_outcome(outcome, console, as_json)
+    raise typer.Exit(outcome.exit_code)
+
+
+def _served(call: Callable[[], RunOutcome]) -> RunOutcome:
+    """What the run service came to; a run it refused ends as `error: <why>` with the refusal's exit code."""
+    from prime_train.resilience.service import RunRefused
+
+    try:
+        return call()
+    except RunRefused as exc:  # another owner, --fresh that would not start over (78); an old run that cannot move
+        raise CliError(exc, exc.code) from None
+
+
+def _sayer(console: Console) -> Callable[[str], None]:
+    """The service's lines, as they are (a path may hold brackets)."""
+    return lambda text: console.print(output.literal(text), highlight=False, soft_wrap=True)
+
+
+def _run_reporter(console: Console, as_json: bool) -> Reporter:
+    """`run`'s console: the service's lines, preflight's failures and warnings, and the supervisor's live view."""
+    from prime_train.resilience.console import ConsoleObserver
+    from prime_train.resilience.service import Reporter
+    from prime_train.validator.preflight import preflight_command
+
+    def starting(run_dir: str) -> None:
+        console.print(output.literal("prime-train", "bold cyan") + output.literal(f": run directory {run_dir}"))
+
+    observer = ConsoleObserver(console, quiet=output.MODE.quiet)
+    return Reporter(
+        say=_sayer(console),
+        starting=starting,
+        preflight=lambda cfg: preflight_command(cfg, as_json=False, quiet_pass=True, stderr=as_json),
+        observer=observer,
+        live=observer,
     )
 
 
-def _supervise(
-    cfg: Config, *, skip_preflight: bool, verbose_inference: bool, fresh: bool, resume: bool, as_json: bool = False
-) -> int:
-    """Preflight, then the supervisor with a live console until the run ends; its summary; the exit code."""
-    import signal
-    import time
+def _print_outcome(outcome: RunOutcome, console: Console, as_json: bool) -> None:
+    """How `run` ended: preflight's refusal, or the summary table and the final figures; with --json, the outcome
+    document on stdout."""
+    if outcome.preflight_failed:
+        output.labelled("preflight failed", "fix the above, or pass --skip-preflight", style="red", stderr=as_json)
+        output.failure_json("preflight failed: fix what it says, or pass --skip-preflight", outcome.exit_code)
+        return
+    if outcome.supervisor is not None:
+        from prime_train.resilience.console import summary_table
 
-    from prime_train.contract import RunDirBusy
-    from prime_train.kit.events import EventLog
-    from prime_train.resilience.console import ConsoleObserver, final_results, summary_table
-    from prime_train.resilience.rerun import RerunRefused, plan_rerun
-    from prime_train.resilience.supervisor import Supervisor, SupervisorOptions
-    from prime_train.validator.preflight import preflight_command
-
-    console = output.console(stderr=as_json)  # with --json, stdout is the outcome document alone
-    observer = ConsoleObserver(console, quiet=output.MODE.quiet)
-    sup = Supervisor(cfg, observer, SupervisorOptions(verbose_inference=verbose_inference))
-    try:
-        # before preflight: a second run into this directory is refused at once, and an orphaned job of a killed
-        # supervisor is ended before preflight counts its ports and GPU memory as taken
-        sup.claim()
-    except RunDirBusy as exc:
-        raise CliError(exc, ExitCode.CONFIG) from None
-    except OSError:
-        pass  # the run directory cannot be made: preflight says why (sup.run() claims again, or fails the same way)
-    # owned now: what the directory holds cannot change under the decision. A finished run is not run again unasked.
-    try:
-        # a --fresh killed part way is finished first: half its old outputs must not read as this run's
-        if sup.lock is not None:
-            _finish_interrupted_set_aside(sup.run_dir, console, EventLog(sup.run_dir.events_path, sup.redactor))
-        rerun = plan_rerun(cfg, fresh=fresh, resume=resume)
-    except CliError:
-        _release(sup)
-        raise
-    except RerunRefused as exc:
-        _release(sup)
-        raise CliError(exc, ExitCode.CONFIG) from None
-    if rerun.message:
-        console.print(output.literal(rerun.message), highlight=False, soft_wrap=True)
-    if not rerun.launch:
-        _release(sup)
-        if as_json:
-            output.print_json({"ok": True, "launched": False, "run_dir": str(cfg.run_dir), "message": rerun.message})
-        return ExitCode.OK
-    started = time.time()
-    if not skip_preflight:
-        code = preflight_command(cfg, as_json=False, quiet_pass=True, stderr=as_json)
-        if code != ExitCode.OK:
-            output.labelled("preflight failed", "fix the above, or pass --skip-preflight", style="red", stderr=as_json)
-            output.failure_json("preflight failed: fix what it says, or pass --skip-preflight", code)
-            _release(sup)
-            return code
-    try:  # after preflight: a refused run moves nothing
-        events = EventLog(sup.run_dir.events_path, sup.redactor) if fresh else None
-        moved = _set_old_run_aside(sup.run_dir, console, events) if fresh else None
-    except (CliError, OSError):
-        _release(sup)
-        raise
-    if moved is not None:
-        sup.run_dir.create()
-        assert events is not None
-        events.emit(Event.RUN_SET_ASIDE, moved_to=str(moved[0]), moved=moved[1])
-    console.print(output.literal("prime-train", "bold cyan") + output.literal(f": run directory {cfg.run_dir}"))
-    with observer:
-        interrupts = 0
-
-        def on_signal(signum, frame):
-            # the first SIGINT/SIGTERM asks for a checkpoint and a clean stop; a second Ctrl-C stops waiting for it:
-            # the job is killed now and the run still ends as stopped (75), with supervisor.json saying so. Never an
-            # exception here: one raised at an arbitrary point of the supervisor would leave its record "running".
-            nonlocal interrupts
-            interrupts += 1
-            if interrupts > 1 and signum == signal.SIGINT:
-                sup.request_stop("a second Ctrl-C", now=True)
-                return
-            sup.request_stop("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-        code = sup.run()
-    console.print(summary_table(sup))
-    results = final_results(sup.run_dir, written_since=started if sup.state == SupervisorState.DONE else None)
-    for line in results:
-        console.print(output.literal(line), highlight=False)
+        console.print(summary_table(outcome.supervisor))
+        for line in outcome.results:
+            console.print(output.literal(line), highlight=False)
     if as_json:
-        output.print_json(_outcome(sup, code, results))
-    return code
-
-
-def _outcome(sup, code: int, results: list[str]) -> dict:
-    """`run --json`'s document: how the run ended, each attempt, and the final figures."""
-    attempts = [
-        {
-            "attempt": a.number,
-            "exit_code": a.exit_code,
-            "first_step": a.resumed_from if a.resumed_from is not None else a.first_step,
-            "last_step": a.last_step,
-            "failure": sup.redactor.value(a.failure.to_dict()) if a.failure else None,  # log lines may hold secrets
-        }
-        for a in sup.attempts
-    ]
-    return {
-        "ok": code == ExitCode.OK, "exit_code": int(code), "state": sup.state, "run_dir": str(sup.run_dir.root),
-        "attempts": attempts, "results": results,
-    }  # fmt: skip
-
-
-def _release(sup) -> None:
-    """Give the run directory back when `run` ends before the supervisor runs (it releases it itself after)."""
-    if sup.lock is not None:
-        sup.lock.release()
+        output.print_json(outcome.to_dict())
 
 
 def preflight(ctx: typer.Context, files: RunConfigFiles = None, as_json: JsonFlag = False) -> None:
