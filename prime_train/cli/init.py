@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional, TypeVar
+from typing import TYPE_CHECKING, Annotated, Optional, TypeVar
 
 import typer
 
@@ -16,6 +16,10 @@ from prime_train.cli import output
 from prime_train.cli.common import JsonFlag
 from prime_train.cli.errors import BAD_INPUT, CliError
 from prime_train.contract import ExitCode
+
+if TYPE_CHECKING:
+    from prime_train.config.loader import Problem
+    from prime_train.validator.wizard import Answers
 
 T = TypeVar("T")
 
@@ -49,45 +53,17 @@ def init(
 
       prime-train init --job rl --model Qwen/Qwen2.5-1.5B-Instruct --hardware H100:8 -o rl.toml --yes
     """
-    import tempfile
-
-    from prime_train.validator.wizard import Answers, build_config, check_text
+    from prime_train.validator.wizard import build_config
 
     interactive = sys.stdin.isatty() and not yes and not as_json  # a script reading JSON answers nothing
     _check_writable(output_path)  # before any question: an answer given for a file that cannot be saved is wasted
-    a = Answers()
-
-    def ask(value: T | None, prompt: str, default: T) -> T:
-        if value is not None:
-            return value
-        if not interactive:
-            return default
-        return typer.prompt(prompt, default=default, type=type(default))
-
-    a.job = ask(job, "Job (sft, pretrain, rl)", a.job)
-    a.model = ask(model, "Model ('tiny', an HF id or a local path)", a.model)
-    a.hardware = ask(hardware, "Hardware ('cpu' or GPU:count, e.g. H100:8)", a.hardware)
-    a.nodes = ask(nodes, "Nodes", a.nodes)
-    if a.job == "rl":
-        a.environment = ask(environment, "RL environment", a.environment)
+    a = _answers(interactive, job, model, hardware, nodes, environment)
     a.name, a.seq_len, a.max_steps, a.dataset = name, seq_len, max_steps, dataset
     try:
         text = build_config(a)
     except ValueError as exc:  # an answer that names nothing usable: the message says which and why
         raise CliError(exc, BAD_INPUT) from None
-    with tempfile.TemporaryDirectory() as tmp:
-        problems = check_text(text, Path(tmp) / output_path.name)
-    for p in problems:
-        p.file = str(output_path)
-    # lint also checks this machine: a run.output_dir (or ckpt.dir) it cannot write from here is about where
-    # `prime-train run` is started, not a mistake in the generated config. Said as a warning; the config is saved.
-    for p in problems:
-        if p.severity == "error" and p.key in _MACHINE_KEYS and "cannot be written" in p.message:
-            p.severity = "warning"
-            p.message = (
-                f"{p.message.removesuffix('; choose another')} from this directory: start `prime-train run` where it "
-                "can be written, or choose another"
-            )
+    problems = _lint_generated(text, output_path)
 
     if not as_json:  # with --json the config is in the document
         _show(text)
@@ -109,6 +85,58 @@ def init(
         as_json, {"saved": str(output_path), "config": text, "notes": list(a.notes)},
         f"{output_path}; next: prime-train preflight {output_path}", label="saved",
     )  # fmt: skip
+
+
+def _answers(
+    interactive: bool,
+    job: str | None,
+    model: str | None,
+    hardware: str | None,
+    nodes: int | None,
+    environment: str | None,
+) -> Answers:
+    """The wizard's answers: each flag as given, else the user's answer on a terminal, else the default."""
+    from prime_train.validator.wizard import Answers
+
+    a = Answers()
+
+    def ask(value: T | None, prompt: str, default: T) -> T:
+        if value is not None:
+            return value
+        if not interactive:
+            return default
+        return typer.prompt(prompt, default=default, type=type(default))
+
+    a.job = ask(job, "Job (sft, pretrain, rl)", a.job)
+    a.model = ask(model, "Model ('tiny', an HF id or a local path)", a.model)
+    a.hardware = ask(hardware, "Hardware ('cpu' or GPU:count, e.g. H100:8)", a.hardware)
+    a.nodes = ask(nodes, "Nodes", a.nodes)
+    if a.job == "rl":
+        a.environment = ask(environment, "RL environment", a.environment)
+    return a
+
+
+def _lint_generated(text: str, output_path: Path) -> list[Problem]:
+    """Lint's problems of the generated config, said of `output_path`; one about a directory this machine cannot
+    write is a warning."""
+    import tempfile
+
+    from prime_train.validator.wizard import check_text
+
+    with tempfile.TemporaryDirectory() as tmp:
+        problems = check_text(text, Path(tmp) / output_path.name)
+    for p in problems:
+        p.file = str(output_path)
+    # lint also checks this machine: a run.output_dir (or ckpt.dir) it cannot write from here is about where
+    # `prime-train run` is started, not a mistake in the generated config. Said as a warning; the config is saved.
+    for p in problems:
+        if p.severity == "error" and p.key in _MACHINE_KEYS and "cannot be written" in p.message:
+            p.severity = "warning"
+            p.message = (
+                f"{p.message.removesuffix('; choose another')} from this directory: start `prime-train run` where it "
+                "can be written, or choose another"
+            )
+    return problems
 
 
 # lint's problems about this machine rather than the config (a directory it cannot write from here)

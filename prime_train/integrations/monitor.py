@@ -95,6 +95,20 @@ def normalize_heartbeat(heartbeat: Any) -> dict[str, Any] | None:
     return {**heartbeat, "phase": phase.value} if phase is not None else heartbeat
 
 
+@dataclass(frozen=True)
+class _Readings:
+    """One set of readings made ready to judge: the status, the heartbeat (None when it is no evidence), its age."""
+
+    status: str | None
+    hb: dict[str, Any] | None
+    hb_time: float | None
+    age: float | None
+    phase: Any
+    step: Any
+    at_step: str  # " (last step N)", or ""
+    ev: dict[str, Any]  # the evidence the Decision carries
+
+
 def decide(
     heartbeat: dict[str, Any] | None,
     job_status: str | None,
@@ -115,6 +129,28 @@ def decide(
     written before it belongs to an earlier job and is no evidence about this one.
     """
     startup_grace_s = stall_after_s if startup_grace_s is None else startup_grace_s
+    r = _readings(heartbeat, job_status, wandb_state, now, job_started_at, job_status_error)
+    settled = _settled(r)
+    if settled is not None:
+        return settled
+    # RUNNING, an unrecognised status, no job at all, or a status we could not read
+    if r.status is not None and r.status not in RUNNING_STATUSES:
+        r.ev["unrecognised_status"] = True
+    if r.hb is None or r.hb_time is None:
+        return _without_heartbeat(r, now, startup_grace_s, job_started_at, job_status_error)
+    return _by_heartbeat_age(r, wandb_state, stall_after_s, save_grace_s, startup_grace_s, job_status_error)
+
+
+def _readings(
+    heartbeat: dict[str, Any] | None,
+    job_status: str | None,
+    wandb_state: str | None,
+    now: float,
+    job_started_at: float | None,
+    job_status_error: str | None,
+) -> _Readings:
+    """The readings, normalised: a heartbeat from before the job started is set aside, a clock ahead of ours is
+    counted as no age, and what was seen goes into the evidence."""
     status = job_status.strip().upper() if isinstance(job_status, str) and job_status.strip() else None
     hb = normalize_heartbeat(heartbeat)
     ev: dict[str, Any] = {"job_status": status, "wandb_state": wandb_state}
@@ -131,9 +167,7 @@ def decide(
         # an earlier job's last words (SkyPilot restarted or a relaunch happened since)
         ev["heartbeat_predates_job"] = True
         hb, hb_time = None, None
-    phase = hb.get("phase") if hb else None
     step = hb.get("step") if hb else None
-    at_step = f" (last step {step})" if step is not None else ""
     age: float | None = None
     if hb_time is not None:
         age = now - hb_time
@@ -141,13 +175,28 @@ def decide(
             ev["clock_skew_s"] = round(-age, 1)
             age = 0.0
         ev["heartbeat_age_s"] = round(age, 1)
+    return _Readings(
+        status=status,
+        hb=hb,
+        hb_time=hb_time,
+        age=age,
+        phase=hb.get("phase") if hb else None,
+        step=step,
+        at_step=f" (last step {step})" if step is not None else "",
+        ev=ev,
+    )
 
+
+def _settled(r: _Readings) -> Decision | None:
+    """The verdict when the status or the heartbeat's phase settles it (done, cancelled, failed, recovering,
+    starting), whatever the heartbeat's age; None when its age must decide."""
+    status, at_step, ev = r.status, r.at_step, r.ev
     if status in SUCCEEDED_STATUSES:
         return Decision("finished", f"SkyPilot reports the job {status}{at_step}", ev)
     if status in CANCELLED_STATUSES:
         return Decision("finished", f"the job was cancelled ({status}); a cancelled job is not relaunched", ev)
     if status in FAILURE_STATUSES:
-        config_error = hb is not None and hb.get("exit_code") == ExitCode.CONFIG
+        config_error = r.hb is not None and r.hb.get("exit_code") == ExitCode.CONFIG
         relaunchable = status not in NOT_RELAUNCHABLE and not config_error
         why = ""
         if config_error:
@@ -155,7 +204,7 @@ def decide(
         elif status in NOT_RELAUNCHABLE:
             why = "; SkyPilot's prechecks failed (resources, credentials): a relaunch would fail again"
         return Decision("dead", f"SkyPilot reports the job {status}{at_step}{why}", ev, relaunchable)
-    if phase == Phase.DONE:
+    if r.phase == Phase.DONE:
         return Decision("finished", f"the heartbeat says training is done{at_step}", ev)
     if status in RECOVERING_STATUSES:
         return Decision(
@@ -165,37 +214,52 @@ def decide(
         )
     if status in STARTING_STATUSES:
         return Decision("healthy", f"the job is {status} (waiting for the controller or a node)", ev)
+    return None
 
-    # RUNNING, an unrecognised status, no job at all, or a status we could not read
-    if status is not None and status not in RUNNING_STATUSES:
-        ev["unrecognised_status"] = True
+
+def _without_heartbeat(
+    r: _Readings, now: float, startup_grace_s: float, job_started_at: float | None, job_status_error: str | None
+) -> Decision:
+    """The verdict with no heartbeat to go by: unknown, still starting up, or stalled since the job started."""
+    status, ev = r.status, r.ev
     unreadable = job_status_error is not None
-    if hb is None or hb_time is None:
-        if unreadable:
-            return Decision("unknown", f"no heartbeat, and SkyPilot could not be asked: {job_status_error}", ev)
-        if status is None:
-            return Decision("unknown", "no heartbeat, and SkyPilot has no job by this name: nothing launched yet?", ev)
-        if job_started_at is None:
-            return Decision("healthy", f"the job is {status}; no heartbeat yet", ev)
-        since = max(0.0, now - job_started_at)
-        ev["since_start_s"] = round(since, 1)
-        if since <= startup_grace_s:
-            return Decision(
-                "healthy",
-                f"the job is {status}; no heartbeat yet {since:.0f}s after it started "
-                f"(start-up allowance {startup_grace_s:.0f}s)",
-                ev,
-            )
-        ev["stalled_for_s"] = round(since - startup_grace_s, 1)
+    if unreadable:
+        return Decision("unknown", f"no heartbeat, and SkyPilot could not be asked: {job_status_error}", ev)
+    if status is None:
+        return Decision("unknown", "no heartbeat, and SkyPilot has no job by this name: nothing launched yet?", ev)
+    if job_started_at is None:
+        return Decision("healthy", f"the job is {status}; no heartbeat yet", ev)
+    since = max(0.0, now - job_started_at)
+    ev["since_start_s"] = round(since, 1)
+    if since <= startup_grace_s:
         return Decision(
-            "stalled",
-            f"SkyPilot says {status} but no heartbeat arrived in the {since:.0f}s since the job started "
+            "healthy",
+            f"the job is {status}; no heartbeat yet {since:.0f}s after it started "
             f"(start-up allowance {startup_grace_s:.0f}s)",
             ev,
-            relaunchable=not unreadable,
         )
+    ev["stalled_for_s"] = round(since - startup_grace_s, 1)
+    return Decision(
+        "stalled",
+        f"SkyPilot says {status} but no heartbeat arrived in the {since:.0f}s since the job started "
+        f"(start-up allowance {startup_grace_s:.0f}s)",
+        ev,
+        relaunchable=not unreadable,
+    )
 
-    assert age is not None
+
+def _by_heartbeat_age(
+    r: _Readings,
+    wandb_state: str | None,
+    stall_after_s: float,
+    save_grace_s: float,
+    startup_grace_s: float,
+    job_status_error: str | None,
+) -> Decision:
+    """The verdict from the heartbeat's age against what its phase is allowed: healthy, stalled, or dead when
+    SkyPilot has no job."""
+    status, hb, age, phase, ev = r.status, r.hb, r.age, r.phase, r.ev
+    assert hb is not None and age is not None
     if phase in SLOW_PHASES:
         allowance, what = stall_after_s + save_grace_s, f"phase '{phase}'"
     elif phase in STARTUP_PHASES:
@@ -205,10 +269,10 @@ def decide(
     ev["allowance_s"] = round(allowance, 1)
     of = f"/{hb.get('max_steps')}" if hb.get("max_steps") is not None else ""
     if age <= allowance:
-        return Decision("healthy", f"step {step}{of}, heartbeat {age:.0f}s old (allowance {allowance:.0f}s)", ev)
+        return Decision("healthy", f"step {r.step}{of}, heartbeat {age:.0f}s old (allowance {allowance:.0f}s)", ev)
     ev["stalled_for_s"] = round(age - allowance, 1)
-    stale = f"the heartbeat is {age:.0f}s old, over the {allowance:.0f}s allowed for {what}{at_step}"
-    if unreadable:
+    stale = f"the heartbeat is {age:.0f}s old, over the {allowance:.0f}s allowed for {what}{r.at_step}"
+    if job_status_error is not None:
         return Decision("stalled", f"{stale}; SkyPilot could not be asked: {job_status_error}", ev)
     if status is None:
         return Decision(

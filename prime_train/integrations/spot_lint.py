@@ -63,12 +63,20 @@ def lint_spot(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
     Meant for configs that use spot (a [spot] table, or `run --spot`): the defaults alone would
     otherwise warn on every config.
     """
-    spot = cfg.spot
-    problems: list[tuple[tuple[str, ...], str, str]] = []
-    clouds = _candidate_clouds(cfg)
-    key_clouds = ("spot", "infra") if spot.infra else ("spot", "clouds")
+    return [
+        *_accelerator_problems(cfg),
+        *_cloud_problems(cfg),
+        *_node_count_problems(cfg),
+        *_checkpoint_problems(cfg),
+        *_recovery_problems(cfg),
+        *_secret_problems(cfg),
+    ]
 
-    gpus, problem = _gpus_per_node(spot.accelerators)
+
+def _accelerator_problems(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
+    """spot.accelerators names whole GPUs, and distributed.nproc_per_node starts one process on each."""
+    problems: list[tuple[tuple[str, ...], str, str]] = []
+    gpus, problem = _gpus_per_node(cfg.spot.accelerators)
     if problem:
         problems.append((("spot", "accelerators"), "error", problem))
     nproc = cfg.distributed.nproc_per_node
@@ -81,7 +89,15 @@ def lint_spot(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
                 "unset it to use one process per GPU",
             )
         )
+    return problems
 
+
+def _cloud_problems(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
+    """The clouds the job may land on offer spot instances and multi-node clusters when the config asks for them."""
+    spot = cfg.spot
+    problems: list[tuple[tuple[str, ...], str, str]] = []
+    clouds = _candidate_clouds(cfg)
+    key_clouds = ("spot", "infra") if spot.infra else ("spot", "clouds")
     if clouds is not None:
         if spot.use_spot:
             bad = [c for c in clouds if c == "lambda"]
@@ -100,9 +116,14 @@ def lint_spot(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
             )
     if spot.infra and spot.clouds:
         problems.append((("spot", "clouds"), "warning", "spot.clouds is ignored because spot.infra is set"))
+    return problems
 
+
+def _node_count_problems(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
+    """spot.num_nodes and distributed.nnodes agree, so lint checks the batch arithmetic at the size the job runs."""
+    spot = cfg.spot
     if spot.num_nodes != cfg.distributed.nnodes:
-        problems.append(
+        return [
             (
                 ("spot", "num_nodes"),
                 "warning",
@@ -110,8 +131,14 @@ def lint_spot(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
                 f"the job runs on {spot.num_nodes} node(s): set distributed.nnodes = {spot.num_nodes} so lint "
                 "checks the batch arithmetic at that size",
             )
-        )
-    problems += _checkpoint_problems(cfg)
+        ]
+    return []
+
+
+def _recovery_problems(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
+    """spot.recover_on_exit_codes recovers a preempted job, never a failed one, and within spot.max_recoveries."""
+    spot = cfg.spot
+    problems: list[tuple[tuple[str, ...], str, str]] = []
     if ExitCode.PREEMPTED not in spot.recover_on_exit_codes:
         preempted = int(ExitCode.PREEMPTED)
         problems.append(
@@ -142,6 +169,13 @@ def lint_spot(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
                 f"SkyPilot recovers exit codes {recovered} without limit",
             )
         )
+    return problems
+
+
+def _secret_problems(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
+    """spot.secrets are environment variable names kept out of spot.env, and spot.env holds no credential."""
+    spot = cfg.spot
+    problems: list[tuple[tuple[str, ...], str, str]] = []
     for name in spot.secrets:
         if not _ENV_NAME.match(name):
             problems.append(

@@ -232,61 +232,79 @@ def check_gotchas(
     if cfg.run.job != "rl" or cfg.job.command:
         return []
     findings: list[Finding] = []
-    rl, inf = cfg.rl, cfg.inference
-
-    if rl.tool_executor == "remote":
-        if uses_tools is None:
-            from prime_train.environments import EnvironmentLoadError, load_environment
-
-            try:
-                uses_tools = bool(load_environment(rl.environment, rl.env_args).uses_tools)
-            except EnvironmentLoadError:
-                uses_tools = False  # the budget check reports the load error itself
-        if uses_tools:
-            rollouts = rl.prompts_per_step * rl.group_size
-            added = rollouts * REMOTE_TOOL_ROUND_TRIP_S
-            findings.append(
-                (
-                    "warning",
-                    f"rl.tool_executor = 'remote' with the tool-calling environment {rl.environment!r}: latency-bound, "
-                    f"about {added:.0f} s added per step ({rl.prompts_per_step} prompts × {rl.group_size} completions "
-                    f"× {REMOTE_TOOL_ROUND_TRIP_S} s assumed round trip per tool call, one call each, as the worst "
-                    "case when calls are not overlapped); set rl.tool_executor = 'local'",
-                    "rl.tool_executor",
-                )
-            )
-
-    if inf.colocate if colocated is None else colocated:
-        measured = gpu_memory_bytes
-        gpu_mem = measured or ASSUMED_GPU_MEMORY_BYTES
-        if num_params is not None:
-            need = num_params * TRAINER_BYTES_PER_PARAM + TRAINER_OVERHEAD_BYTES
-            room = (1.0 - inf.gpu_memory_utilization) * gpu_mem
-            if need > room:
-                where = f"{gpu_mem / 1e9:.0f} GB GPU" + ("" if measured else " (assumed: NVML unavailable)")
-                # round down to 0.05 so the suggestion leaves at least the estimate free
-                suggested = math.floor((1.0 - need / gpu_mem) * 20) / 20
-                advice = (
-                    f"set inference.gpu_memory_utilization = {suggested:.2f}"
-                    if suggested >= 0.1
-                    else "the trainer alone needs most of the GPU: set inference.colocate = false"
-                )
-                findings.append(
-                    (
-                        "warning",
-                        f"inference shares the trainer's GPU with inference.gpu_memory_utilization = "
-                        f"{inf.gpu_memory_utilization} "
-                        f"leaves {room / 1e9:.1f} GB of a {where} to the trainer, which needs about "
-                        f"{need / 1e9:.1f} GB ({num_params / 1e6:,.1f}M params × {TRAINER_BYTES_PER_PARAM} bytes for "
-                        f"fp32 weights, gradients and Adam, + {TRAINER_OVERHEAD_BYTES / 2**30:.0f} GiB runtime); "
-                        f"{advice}",
-                        "inference.gpu_memory_utilization",
-                    )
-                )
-
+    if cfg.rl.tool_executor == "remote":
+        findings += _remote_tool_findings(cfg, uses_tools)
+    if cfg.inference.colocate if colocated is None else colocated:
+        findings += _colocation_findings(cfg, gpu_memory_bytes, num_params)
     findings += check_vllm_args(cfg)
+    findings += _dead_variable_findings(environ, vllm_version)
+    return findings
+
+
+def _remote_tool_findings(cfg: Config, uses_tools: bool | None) -> list[Finding]:
+    """A remote tool executor with a tool-calling environment: each tool call waits on a round trip."""
+    rl = cfg.rl
+    if uses_tools is None:
+        from prime_train.environments import EnvironmentLoadError, load_environment
+
+        try:
+            uses_tools = bool(load_environment(rl.environment, rl.env_args).uses_tools)
+        except EnvironmentLoadError:
+            uses_tools = False  # the budget check reports the load error itself
+    if not uses_tools:
+        return []
+    rollouts = rl.prompts_per_step * rl.group_size
+    added = rollouts * REMOTE_TOOL_ROUND_TRIP_S
+    return [
+        (
+            "warning",
+            f"rl.tool_executor = 'remote' with the tool-calling environment {rl.environment!r}: latency-bound, "
+            f"about {added:.0f} s added per step ({rl.prompts_per_step} prompts × {rl.group_size} completions "
+            f"× {REMOTE_TOOL_ROUND_TRIP_S} s assumed round trip per tool call, one call each, as the worst "
+            "case when calls are not overlapped); set rl.tool_executor = 'local'",
+            "rl.tool_executor",
+        )
+    ]
+
+
+def _colocation_findings(cfg: Config, gpu_memory_bytes: float | None, num_params: int | None) -> list[Finding]:
+    """Inference sharing the trainer's GPU leaves the trainer too little of it (skipped without a parameter count)."""
+    if num_params is None:
+        return []
+    inf = cfg.inference
+    measured = gpu_memory_bytes
+    gpu_mem = measured or ASSUMED_GPU_MEMORY_BYTES
+    need = num_params * TRAINER_BYTES_PER_PARAM + TRAINER_OVERHEAD_BYTES
+    room = (1.0 - inf.gpu_memory_utilization) * gpu_mem
+    if need <= room:
+        return []
+    where = f"{gpu_mem / 1e9:.0f} GB GPU" + ("" if measured else " (assumed: NVML unavailable)")
+    # round down to 0.05 so the suggestion leaves at least the estimate free
+    suggested = math.floor((1.0 - need / gpu_mem) * 20) / 20
+    advice = (
+        f"set inference.gpu_memory_utilization = {suggested:.2f}"
+        if suggested >= 0.1
+        else "the trainer alone needs most of the GPU: set inference.colocate = false"
+    )
+    return [
+        (
+            "warning",
+            f"inference shares the trainer's GPU with inference.gpu_memory_utilization = "
+            f"{inf.gpu_memory_utilization} "
+            f"leaves {room / 1e9:.1f} GB of a {where} to the trainer, which needs about "
+            f"{need / 1e9:.1f} GB ({num_params / 1e6:,.1f}M params × {TRAINER_BYTES_PER_PARAM} bytes for "
+            f"fp32 weights, gradients and Adam, + {TRAINER_OVERHEAD_BYTES / 2**30:.0f} GiB runtime); "
+            f"{advice}",
+            "inference.gpu_memory_utilization",
+        )
+    ]
+
+
+def _dead_variable_findings(environ: dict[str, str] | None, vllm_version: tuple[int, ...] | None) -> list[Finding]:
+    """vLLM environment variables set here that the installed vLLM (or none) no longer reads."""
     env = os.environ if environ is None else environ
     installed = vllm_version if vllm_version is not None else _vllm_version()
+    findings: list[Finding] = []
     for name, since, why in DEAD_VLLM_VARIABLES:
         # Only the name is ever printed: a value in the environment may be anything, even a secret.
         if name in env and (installed is None or installed >= since):

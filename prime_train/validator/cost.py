@@ -341,66 +341,124 @@ def estimate_cost(
     GPUs (`local_gpu_names`), only words a note: a config that names no GPU runs on this machine's CPU when it has
     none.
     """
+    _check_arguments(mfu, step_time_s, num_gpus)
+    gpus = load_gpus()
+    prices = load_prices(prices_file, gpus=gpus)
+    notes: list[str] = []
+
+    if gpu is not None and ":" in gpu:
+        gpu, num_gpus = _split_accelerators(gpu, num_gpus)
+    requested = _gpu_request(cfg)
+    requested_gpu = requested.name if requested else None
+    if num_gpus is None:
+        num_gpus = _default_num_gpus(cfg, requested, notes)
+    if gpu is None and requested_gpu is None:
+        _note_no_gpu_type(cfg, num_gpus, here_gpus, notes)
+    if step_time_s is not None and gpu is None:
+        gpu = _measured_gpu(requested_gpu, notes)
+    selected = _named_gpu(gpu, gpus, prices, notes)
+    _require_measured_step(cfg, step_time_s)
+
+    run = _run_size(cfg, model, steps, num_gpus)
+    if cfg.train.precision == "fp32" and step_time_s is None:
+        notes.append("train.precision = 'fp32': the estimate uses bf16 peaks; fp32 (TF32) runs are slower")
+    if not selected:
+        selected = _priced_gpus(gpus, prices, step_time_s, notes)
+    # an external command's model is not [model]'s: its memory is not ours to judge
+    need = None if cfg.job.command else _memory_need(cfg, run.hf, num_gpus, notes)
+    rows = [_gpu_cost(spec, num_gpus, run, step_time_s, mfu, prices, need) for spec in selected]
+    return CostReport(
+        model_source=run.source,
+        num_params=count_parameters(run.hf),
+        flops_per_token=run.flops_per_token,
+        steps=run.steps,
+        seq_len=run.seq_len,
+        total_tokens=run.total_tokens,
+        tokens_per_full_step=run.full_step_tokens,
+        num_gpus=num_gpus,
+        rows=rows,
+        prices_as_of=prices.as_of,
+        prices_note=prices.note,
+        price_files=list(prices.files),
+        notes=notes,
+    )
+
+
+def _check_arguments(mfu: float, step_time_s: float | None, num_gpus: int | None) -> None:
+    """CostInputError for an MFU, step time or GPU count that no run can have."""
     if not 0 < mfu <= 1:
         raise CostInputError(f"mfu = {mfu!r}: must be a fraction in (0, 1], e.g. 0.4")
     if step_time_s is not None and not step_time_s > 0:
         raise CostInputError(f"step time = {step_time_s!r} s: must be > 0")
     if num_gpus is not None and num_gpus < 1:
         raise CostInputError(f"num_gpus = {num_gpus!r}: must be ≥ 1")
-    gpus = load_gpus()
-    prices = load_prices(prices_file, gpus=gpus)
-    notes: list[str] = []
 
-    if gpu is not None and ":" in gpu:  # 'H100:8': the type and, unless given, the count
-        try:
-            asked = parse_accelerators(gpu, what="--gpu")
-            count = asked.whole_count("cost counts whole GPUs", what="--gpu")
+
+def _split_accelerators(gpu: str, num_gpus: int | None) -> tuple[str, int]:
+    """--gpu 'H100:8': the GPU type and, unless `num_gpus` is given, the count."""
+    try:
+        asked = parse_accelerators(gpu, what="--gpu")
+        count = asked.whole_count("cost counts whole GPUs", what="--gpu")
+    except ValueError as exc:
+        raise CostInputError(str(exc)) from None
+    return asked.name, num_gpus if num_gpus is not None else count
+
+
+def _default_num_gpus(cfg: Config, requested: Accelerators | None, notes: list[str]) -> int:
+    """The GPUs the run uses when none were given: distributed.nproc_per_node × nnodes, else spot.accelerators ×
+    spot.num_nodes, else 1."""
+    if cfg.distributed.nproc_per_node:
+        return cfg.distributed.nproc_per_node * cfg.distributed.nnodes
+    if requested is not None and not requested.is_cpu:
+        try:  # GPUs are priced and sharded whole, though SkyPilot may share one
+            per_node = requested.whole_count("cost counts whole GPUs (or pass num_gpus)", what="spot.accelerators")
         except ValueError as exc:
             raise CostInputError(str(exc)) from None
-        gpu = asked.name
-        num_gpus = num_gpus if num_gpus is not None else count
-    requested = _gpu_request(cfg)
-    requested_gpu = requested.name if requested else None
-    if num_gpus is None:
-        if cfg.distributed.nproc_per_node:
-            num_gpus = cfg.distributed.nproc_per_node * cfg.distributed.nnodes
-        elif requested is not None and not requested.is_cpu:
-            try:  # GPUs are priced and sharded whole, though SkyPilot may share one
-                per_node = requested.whole_count("cost counts whole GPUs (or pass num_gpus)", what="spot.accelerators")
-            except ValueError as exc:
-                raise CostInputError(str(exc)) from None
-            num_gpus = per_node * cfg.spot.num_nodes
-            notes.append(f"{num_gpus} GPU(s) from spot.accelerators = {cfg.spot.accelerators!r} × spot.num_nodes")
-        else:
-            num_gpus = 1
-    if gpu is None and requested_gpu is None:
-        how_many = (
-            f"{num_gpus} GPU(s) (distributed.nproc_per_node × nnodes)" if cfg.distributed.nproc_per_node else "1 GPU"
-        )
+        num_gpus = per_node * cfg.spot.num_nodes
+        notes.append(f"{num_gpus} GPU(s) from spot.accelerators = {cfg.spot.accelerators!r} × spot.num_nodes")
+        return num_gpus
+    return 1
+
+
+def _note_no_gpu_type(cfg: Config, num_gpus: int, here_gpus: list[str] | None, notes: list[str]) -> None:
+    """The notes for a config and a question that name no GPU type: every priced one is listed."""
+    how_many = f"{num_gpus} GPU(s) (distributed.nproc_per_node × nnodes)" if cfg.distributed.nproc_per_node else "1 GPU"
+    notes.append(
+        f"the config names no GPU type (no [spot] table with accelerators) and --gpu was not given: every priced "
+        f"GPU type is listed, at {how_many}"
+    )
+    if here_gpus == [] and not cfg.distributed.nproc_per_node:
         notes.append(
-            f"the config names no GPU type (no [spot] table with accelerators) and --gpu was not given: every priced "
-            f"GPU type is listed, at {how_many}"
+            "as written, this config runs on this machine's CPU (it has no GPU), which costs nothing listed here; "
+            "these are the GPUs you could rent for it"
         )
-        if here_gpus == [] and not cfg.distributed.nproc_per_node:
-            notes.append(
-                "as written, this config runs on this machine's CPU (it has no GPU), which costs nothing listed here; "
-                "these are the GPUs you could rent for it"
-            )
 
-    if step_time_s is not None and gpu is None:
-        if requested_gpu is None:
-            raise CostInputError("a measured step time belongs to one GPU type: name it (--gpu NAME, e.g. --gpu H100)")
-        gpu = requested_gpu
-        notes.append(f"the step time is taken as measured on {gpu} (from spot.accelerators); name the GPU to change it")
-    selected: list[GpuSpec] = []
-    if gpu:
-        try:
-            selected = [gpus.find(gpu)]
-        except MemoryInputError as exc:
-            raise CostInputError(str(exc)) from None
-    if gpu and not prices.for_gpu(selected[0].name):
+
+def _measured_gpu(requested_gpu: str | None, notes: list[str]) -> str:
+    """The GPU type a measured step time belongs to when --gpu is not given: the one of spot.accelerators."""
+    if requested_gpu is None:
+        raise CostInputError("a measured step time belongs to one GPU type: name it (--gpu NAME, e.g. --gpu H100)")
+    notes.append(
+        f"the step time is taken as measured on {requested_gpu} (from spot.accelerators); name the GPU to change it"
+    )
+    return requested_gpu
+
+
+def _named_gpu(gpu: str | None, gpus: GpuTable, prices: PriceTable, notes: list[str]) -> list[GpuSpec]:
+    """The one GPU type asked for, from the GPU table; [] when none is named."""
+    if not gpu:
+        return []
+    try:
+        selected = [gpus.find(gpu)]
+    except MemoryInputError as exc:
+        raise CostInputError(str(exc)) from None
+    if not prices.for_gpu(selected[0].name):
         notes.append(f"no price listed for {selected[0].name}: add one with a prices file")
+    return selected
 
+
+def _require_measured_step(cfg: Config, step_time_s: float | None) -> None:
+    """CostInputError for a run whose step time FLOPs cannot predict (RL, an external job) without a measured one."""
     if cfg.run.job == "rl" and step_time_s is None:
         raise CostInputError(
             "an RL step's time is mostly rollout generation, which FLOPs per token do not predict: pass a measured "
@@ -411,6 +469,22 @@ def estimate_cost(
             "the cost of an external [job].command needs its measured step time (and steps, if not train.max_steps)"
         )
 
+
+@dataclass(frozen=True)
+class _RunSize:
+    """What the run computes, whatever it runs on: the model, its steps and tokens, and FLOPs per token."""
+
+    hf: dict[str, Any]
+    source: str
+    steps: int
+    seq_len: int
+    total_tokens: int
+    full_step_tokens: int
+    flops_per_token: float
+
+
+def _run_size(cfg: Config, model: dict[str, Any] | str | None, steps: int | None, num_gpus: int) -> _RunSize:
+    """The model's shape (`model`, else the config's) and the tokens of the run's steps on `num_gpus` GPUs."""
     if model is not None:
         hf, source = resolve_model(model)
     else:
@@ -422,79 +496,81 @@ def estimate_cost(
     if run_steps < 1:
         raise CostInputError(f"steps = {run_steps!r}: must be ≥ 1")
     sequences = total_sequences(cfg.train, seq_len, num_gpus, run_steps)
-    total_tokens = sequences * seq_len
-    full_step_tokens = cfg.train.global_batch_size * seq_len
-    fpt = flops_per_token(hf, seq_len)
-    if cfg.train.precision == "fp32" and step_time_s is None:
-        notes.append("train.precision = 'fp32': the estimate uses bf16 peaks; fp32 (TF32) runs are slower")
-
-    if not selected:
-        selected = [g for g in gpus.gpus if prices.for_gpu(g.name) and (g.bf16_tflops or step_time_s)]
-        skipped = [g.name for g in gpus.gpus if prices.for_gpu(g.name) and not g.bf16_tflops]
-        if skipped:
-            notes.append(f"left out (no published bf16 peak; measure a step time): {', '.join(skipped)}")
-
-    # an external command's model is not [model]'s: its memory is not ours to judge
-    need = None if cfg.job.command else _memory_need(cfg, hf, num_gpus, notes)
-    rows = []
-    for spec in selected:
-        if step_time_s is not None:
-            mid = step_time_s
-            fast, slow = mid * (1 - MEASURED_SPREAD), mid * (1 + MEASURED_SPREAD)
-            basis = f"measured {duration(mid)}/step ± {MEASURED_SPREAD:.0%}"
-        else:
-            if not spec.bf16_tflops:
-                raise CostInputError(
-                    f"{spec.name} has no published bf16 peak to estimate from: pass a measured step time"
-                )
-            lo, hi = max(0.05, mfu - MFU_SPREAD), min(1.0, mfu + MFU_SPREAD)
-            flops_per_s = num_gpus * spec.bf16_tflops * 1e12
-            mid = full_step_tokens * fpt / (flops_per_s * mfu)
-            fast, slow = full_step_tokens * fpt / (flops_per_s * hi), full_step_tokens * fpt / (flops_per_s * lo)
-            basis = f"estimated at MFU {lo:.2f}–{hi:.2f} of {spec.bf16_tflops:g} TFLOP/s bf16"
-        full_steps = total_tokens / full_step_tokens  # a ramped batch makes early steps shorter
-        wall = tuple(t * full_steps / 3600 for t in (fast, mid, slow))
-        gpu_hours = tuple(w * num_gpus for w in wall)
-        providers = []
-        for price in sorted(prices.for_gpu(spec.name), key=lambda p: p.provider):
-            providers.append(
-                ProviderCost(
-                    provider=price.provider,
-                    on_demand_rate=price.on_demand,
-                    spot_rate=price.spot,
-                    on_demand_usd=None if price.on_demand is None else tuple(h * price.on_demand for h in gpu_hours),
-                    spot_usd=None if price.spot is None else tuple(h * price.spot for h in gpu_hours),
-                    as_of=price.as_of,
-                    source=price.source,
-                )  # type: ignore[arg-type]
-            )
-        rows.append(
-            GpuCost(
-                gpu=spec.name,
-                num_gpus=num_gpus,
-                step_time_s=(fast, mid, slow),
-                wall_hours=wall,  # type: ignore[arg-type]
-                gpu_hours=gpu_hours,  # type: ignore[arg-type]
-                basis=basis,
-                providers=providers,
-                memory_need_bytes=need,
-                memory_bytes=spec.memory_bytes,
-            )
-        )
-    return CostReport(
-        model_source=source,
-        num_params=count_parameters(hf),
-        flops_per_token=fpt,
+    return _RunSize(
+        hf=hf,
+        source=source,
         steps=run_steps,
         seq_len=seq_len,
-        total_tokens=total_tokens,
-        tokens_per_full_step=full_step_tokens,
+        total_tokens=sequences * seq_len,
+        full_step_tokens=cfg.train.global_batch_size * seq_len,
+        flops_per_token=flops_per_token(hf, seq_len),
+    )
+
+
+def _priced_gpus(gpus: GpuTable, prices: PriceTable, step_time_s: float | None, notes: list[str]) -> list[GpuSpec]:
+    """Every GPU type with a price and a way to its step time (a bf16 peak, or the measured step time)."""
+    selected = [g for g in gpus.gpus if prices.for_gpu(g.name) and (g.bf16_tflops or step_time_s)]
+    skipped = [g.name for g in gpus.gpus if prices.for_gpu(g.name) and not g.bf16_tflops]
+    if skipped:
+        notes.append(f"left out (no published bf16 peak; measure a step time): {', '.join(skipped)}")
+    return selected
+
+
+def _step_times(
+    spec: GpuSpec, num_gpus: int, run: _RunSize, step_time_s: float | None, mfu: float
+) -> tuple[tuple[float, float, float], str]:
+    """Seconds per full-batch step on `num_gpus` of `spec` (fast, mid, slow), and how they were found."""
+    if step_time_s is not None:
+        mid = step_time_s
+        fast, slow = mid * (1 - MEASURED_SPREAD), mid * (1 + MEASURED_SPREAD)
+        return (fast, mid, slow), f"measured {duration(mid)}/step ± {MEASURED_SPREAD:.0%}"
+    if not spec.bf16_tflops:
+        raise CostInputError(f"{spec.name} has no published bf16 peak to estimate from: pass a measured step time")
+    lo, hi = max(0.05, mfu - MFU_SPREAD), min(1.0, mfu + MFU_SPREAD)
+    flops_per_s = num_gpus * spec.bf16_tflops * 1e12
+    step_flops = run.full_step_tokens * run.flops_per_token
+    mid = step_flops / (flops_per_s * mfu)
+    fast, slow = step_flops / (flops_per_s * hi), step_flops / (flops_per_s * lo)
+    return (fast, mid, slow), f"estimated at MFU {lo:.2f}–{hi:.2f} of {spec.bf16_tflops:g} TFLOP/s bf16"
+
+
+def _gpu_cost(
+    spec: GpuSpec,
+    num_gpus: int,
+    run: _RunSize,
+    step_time_s: float | None,
+    mfu: float,
+    prices: PriceTable,
+    need: int | None,
+) -> GpuCost:
+    """The run on `num_gpus` of `spec`: its step time, hours and cost at each provider that prices `spec`."""
+    step_time, basis = _step_times(spec, num_gpus, run, step_time_s, mfu)
+    full_steps = run.total_tokens / run.full_step_tokens  # a ramped batch makes early steps shorter
+    wall = tuple(t * full_steps / 3600 for t in step_time)
+    gpu_hours = tuple(w * num_gpus for w in wall)
+    providers = []
+    for price in sorted(prices.for_gpu(spec.name), key=lambda p: p.provider):
+        providers.append(
+            ProviderCost(
+                provider=price.provider,
+                on_demand_rate=price.on_demand,
+                spot_rate=price.spot,
+                on_demand_usd=None if price.on_demand is None else tuple(h * price.on_demand for h in gpu_hours),
+                spot_usd=None if price.spot is None else tuple(h * price.spot for h in gpu_hours),
+                as_of=price.as_of,
+                source=price.source,
+            )  # type: ignore[arg-type]
+        )
+    return GpuCost(
+        gpu=spec.name,
         num_gpus=num_gpus,
-        rows=rows,
-        prices_as_of=prices.as_of,
-        prices_note=prices.note,
-        price_files=list(prices.files),
-        notes=notes,
+        step_time_s=step_time,
+        wall_hours=wall,  # type: ignore[arg-type]
+        gpu_hours=gpu_hours,  # type: ignore[arg-type]
+        basis=basis,
+        providers=providers,
+        memory_need_bytes=need,
+        memory_bytes=spec.memory_bytes,
     )
 
 

@@ -119,9 +119,33 @@ def _resume_problem(resume: str) -> str | None:
 
 def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[Problem]:
     """Cross-field checks on a valid config; SkyPilot's limits too when it has a [spot] table or `spot` is set."""
-    problems: list[Problem] = []
-    t, d, ck = cfg.train, cfg.data, cfg.ckpt
+    rules = (
+        _batch_problems,
+        _schedule_problems,
+        _keep_and_resume_problems,
+        _data_problems,
+        _context_problems,
+        _output_dir_problems,
+        _distributed_problems,
+        _checkpoint_dir_problems,
+        _supervisor_problems,
+        _job_command_problems,
+        _eval_environment_problems,
+        _inference_port_problems,
+        _job_progress_problems,
+        _vllm_model_problems,
+        token_budget_problems,
+    )
+    problems = [problem for rule in rules for problem in rule(cfg, sources)]
+    if spot or "spot" in cfg.model_fields_set:  # a [spot] table: this config is meant for `run --spot`
+        problems.extend(spot_problems(cfg, sources))
+    return problems
 
+
+def _batch_problems(cfg: Config, sources: Sources) -> list[Problem]:
+    """The global batch splits into whole micro-batches on every rank, and a batch-size ramp is whole and grows."""
+    problems = []
+    t = cfg.train
     dp = data_parallel_size(cfg)
     per_step = t.micro_batch_size * dp
     if t.global_batch_size % per_step:
@@ -153,6 +177,13 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
                 f"a batch-size ramp needs both train.batch_ramp_start and train.batch_ramp_tokens; set train.{missing}",
             )
         )
+    return problems
+
+
+def _schedule_problems(cfg: Config, sources: Sources) -> list[Problem]:
+    """Warmup, evaluation and checkpoints each happen within train.max_steps."""
+    problems = []
+    t, ck = cfg.train, cfg.ckpt
     if t.warmup_steps >= t.max_steps and t.scheduler != "constant":
         problems.append(
             sources.problem(
@@ -180,6 +211,13 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
                 "before the end, so a crash loses the whole run; lower it",
             )
         )
+    return problems
+
+
+def _keep_and_resume_problems(cfg: Config, sources: Sources) -> list[Problem]:
+    """Async saves keep a whole checkpoint while the next is written, and ckpt.resume names a whole one."""
+    problems = []
+    ck = cfg.ckpt
     if ck.async_save and ck.keep_last == 1:
         problems.append(
             sources.problem(
@@ -193,7 +231,13 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
         why = _resume_problem(ck.resume)
         if why:
             problems.append(sources.problem(("ckpt", "resume"), "error", f"ckpt.resume {ck.resume!r} {why}"))
+    return problems
 
+
+def _data_problems(cfg: Config, sources: Sources) -> list[Problem]:
+    """data.sampling_probs fit the datasets; each dataset and train.mc_eval_path hold what the engine will read."""
+    problems = []
+    d = cfg.data
     if d.sampling_probs is not None:
         if len(d.sampling_probs) != len(d.datasets):
             problems.append(
@@ -231,25 +275,38 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
     if cfg.train.mc_eval_path is not None and not os.path.isfile(_resolve(cfg.train.mc_eval_path)):
         message = shown(f"train.mc_eval_path {cfg.train.mc_eval_path!r} is not a file")
         problems.append(sources.problem(("train", "mc_eval_path"), "error", message))
+    return problems
 
-    m = cfg.model
+
+def _context_problems(cfg: Config, sources: Sources) -> list[Problem]:
+    """A random-initialised model's context holds data.seq_len."""
+    d, m = cfg.data, cfg.model
     if m.path is None and d.seq_len > m.max_position_embeddings:
-        problems.append(
+        return [
             sources.problem(
                 ("data", "seq_len"),
                 "error",
                 f"data.seq_len ({d.seq_len}) exceeds model.max_position_embeddings ({m.max_position_embeddings}); "
                 "shorten the sequences or enlarge the model's context",
             )
-        )
+        ]
+    return []
 
+
+def _output_dir_problems(cfg: Config, sources: Sources) -> list[Problem]:
+    """run.output_dir can hold the run directory."""
     why = _writable_dir(Path(os.path.expanduser(cfg.run.output_dir)))
     if why:
-        problems.append(
+        return [
             sources.problem(("run", "output_dir"), "error", f"run.output_dir cannot be written: {why}; choose another")
-        )
+        ]
+    return []
 
-    dist = cfg.distributed
+
+def _distributed_problems(cfg: Config, sources: Sources) -> list[Problem]:
+    """The strategy suits the number of processes, and HSDP's shard size divides it."""
+    problems = []
+    dist, dp = cfg.distributed, data_parallel_size(cfg)
     if dist.strategy == "none" and dp > 1:
         problems.append(
             sources.problem(
@@ -266,32 +323,42 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
                 f"distributed.hsdp_shard_size ({dist.hsdp_shard_size}) must divide the world size ({dp})",
             )
         )
+    return problems
 
-    problems.extend(_checkpoint_dir_problems(cfg, sources))
 
+def _supervisor_problems(cfg: Config, sources: Sources) -> list[Problem]:
+    """The restart backoff grows, never shrinks."""
     sup = cfg.supervisor
     if sup.backoff_max_s < sup.backoff_initial_s:
-        problems.append(
+        return [
             sources.problem(
                 ("supervisor", "backoff_max_s"),
                 "warning",
                 f"supervisor.backoff_max_s ({sup.backoff_max_s}) is below backoff_initial_s ({sup.backoff_initial_s})",
             )
-        )
-    problems.extend(_job_command_problems(cfg, sources))
-    if cfg.train.eval_environment and not cfg.job.command:
-        from prime_train.environments import load_environment
+        ]
+    return []
 
-        try:  # as the SFT job loads it (engine/train.py), which otherwise refuses it only after start-up
-            load_environment(cfg.train.eval_environment, {})
-        except (ValueError, ImportError) as exc:
-            message = str(exc).replace("rl.environment = ", "", 1)
-            problems.append(
-                sources.problem(("train", "eval_environment"), "error", f"train.eval_environment: {message}")
-            )
+
+def _eval_environment_problems(cfg: Config, sources: Sources) -> list[Problem]:
+    """train.eval_environment loads, as the SFT job will load it."""
+    if not cfg.train.eval_environment or cfg.job.command:
+        return []
+    from prime_train.environments import load_environment
+
+    try:  # as the SFT job loads it (engine/train.py), which otherwise refuses it only after start-up
+        load_environment(cfg.train.eval_environment, {})
+    except (ValueError, ImportError) as exc:
+        message = str(exc).replace("rl.environment = ", "", 1)
+        return [sources.problem(("train", "eval_environment"), "error", f"train.eval_environment: {message}")]
+    return []
+
+
+def _inference_port_problems(cfg: Config, sources: Sources) -> list[Problem]:
+    """Every inference worker's port is a port."""
     inf = cfg.inference
     if inf.base_port + inf.num_workers - 1 > 65535:
-        problems.append(
+        return [
             sources.problem(
                 ("inference", "base_port"),
                 "error",
@@ -299,28 +366,35 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
                 f"{inf.base_port + inf.num_workers - 1}, past 65535 (worker i listens on base_port + i); "
                 f"use a base_port of at most {65536 - inf.num_workers}",
             )
-        )
+        ]
+    return []
+
+
+def _job_progress_problems(cfg: Config, sources: Sources) -> list[Problem]:
+    """An external job.command says how it reports progress, so hangs can be detected."""
     if cfg.job.command is not None and cfg.job.progress_file is None and cfg.job.progress_regex is None:
-        problems.append(
+        return [
             sources.problem(
                 ("job", "command"),
                 "warning",
                 "job.command has neither job.progress_file nor job.progress_regex: hangs cannot be detected; set one",
             )
-        )
+        ]
+    return []
+
+
+def _vllm_model_problems(cfg: Config, sources: Sources) -> list[Problem]:
+    """RL on vLLM has a model vLLM can load (model.path), not a random-initialised one."""
     if cfg.run.job == "rl" and cfg.inference.backend == "vllm" and cfg.model.path is None and not cfg.job.command:
-        problems.append(
+        return [
             sources.problem(
                 ("inference", "backend"),
                 "error",
                 "inference.backend = 'vllm' serves a model directory or hub id, but model.path is unset (a "
                 "random-initialised model exists only inside the trainer): set model.path, or use 'embedded'",
             )
-        )
-    problems.extend(token_budget_problems(cfg, sources))
-    if spot or "spot" in cfg.model_fields_set:  # a [spot] table: this config is meant for `run --spot`
-        problems.extend(spot_problems(cfg, sources))
-    return problems
+        ]
+    return []
 
 
 def _checkpoint_dir_problems(cfg: Config, sources: Sources) -> list[Problem]:

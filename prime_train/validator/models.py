@@ -18,10 +18,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 # ModelConfigNotFound is verify_model's error (raised by find_model_files): its callers import it from here
-from prime_train.validator.model_files import ModelConfigNotFound, find_model_files  # noqa: F401
+from prime_train.validator.model_files import ModelConfigNotFound, ModelFiles, find_model_files  # noqa: F401
 from prime_train.validator.param_count import ParameterCount, count_model_parameters, text_config
 from prime_train.validator.registry import lookup
 from prime_train.validator.vllm_compat import (
+    VllmSupport,
     installed_vllm_archs,
     is_multimodal,
     suggest_tool_parser,
@@ -141,6 +142,15 @@ def serve_memory(count: ParameterCount, hf: dict[str, Any], dtype: str | None) -
     return int(linear * bits / 8 + (count.total - linear) * base), f"{method} + {serve_dtype}", notes
 
 
+@dataclass
+class _Findings:
+    """What the checks found, each list in the order they found it."""
+
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
 def verify_model(name_or_path: str, *, job: str = "rl", offline: bool | None = None) -> ModelReport:
     """Read a model's config and answer: can this job use it, and what will it cost in memory?
 
@@ -156,90 +166,22 @@ def verify_model(name_or_path: str, *, job: str = "rl", offline: bool | None = N
     architectures = hf.get("architectures") or []
     architecture = str(architectures[0]) if architectures else None
     model_type = hf.get("model_type")
-    problems: list[str] = []
-    warnings: list[str] = []
-    notes: list[str] = []
+    found = _Findings()
 
-    count: ParameterCount | None
-    try:
-        count = count_model_parameters(hf)
-    except (KeyError, TypeError, ValueError) as exc:
-        count = None
-        missing = f"it lacks {exc}" if isinstance(exc, KeyError) else str(exc)
-        warnings.append(
-            f"parameter count unknown: config.json of {files.model_id} does not give what a count needs ({missing}; "
-            "is it a transformers decoder?), so the size and memory figures are left out"
-        )
-    if count is not None:
-        notes.extend(count.notes)
-        if not count.exact:
-            warnings.append("parameter count is an estimate: " + "; ".join(count.notes or ["family not mirrored"]))
-
+    count = _parameter_count(hf, files.model_id, found)
     text = _text_fields(hf)
     dtype = _dtype_of(hf, text)
     serve_bytes: int | None = None
     serve_dtype = dtype or "bfloat16"
     if count is not None:
         serve_bytes, serve_dtype, serve_notes = serve_memory(count, hf, dtype)
-        notes.extend(serve_notes)
-
-    support = vllm_support(architecture, installed=installed_vllm_archs())
-    if support.detail and support.supported is not False:
-        notes.append(f"vLLM: {support.detail}")
-    if job == "rl":
-        if support.supported is False:
-            problems.append(
-                f"vLLM does not serve {architecture} ({support.source}): {support.detail}; RL rollouts need a model "
-                "vLLM can serve"
-            )
-        elif support.supported is None:
-            warnings.append(f"vLLM support unknown: {support.detail}")
-    elif support.supported is False:
-        notes.append(f"vLLM does not serve {architecture}: fine for {job}, but it cannot be an RL policy")
-
-    multimodal = is_multimodal(hf, architecture)
-    sibling = text_only_sibling(files.model_id) if multimodal else None
-    if multimodal:
-        problems.append(
-            f"{architecture} is a vision-language model, the wrong class for a text {job} job: "
-            f"{text_only_advice(sibling, model_type)}; the vision tower costs memory and the training engine loads "
-            "causal LMs"
-        )
-
-    template_tools = template_mentions_tools(files.chat_template)
-    parser, parser_note = suggest_tool_parser(hf, files.model_id)
-    if parser_note:
-        notes.append(f"tool calling: {parser_note}")
-    if files.tokenizer_config is None:
-        warnings.append("no tokenizer_config.json found: the chat template could not be checked")
-    elif job == "rl":
-        if files.chat_template is None:
-            warnings.append("the tokenizer has no chat template: chat environments cannot format prompts")
-        elif not template_tools:
-            warnings.append(
-                "the chat template does not render `tools`: tool-calling environments will not work without a "
-                "custom template"
-            )
-        elif parser is None:
-            warnings.append("the template renders tools but no vLLM --tool-call-parser is known for this family")
-
-    rope = text.get("rope_scaling") or text.get("rope_parameters")
-    rope = rope if isinstance(rope, dict) and rope else None
-    max_len = text.get("max_position_embeddings")
-    max_len = int(max_len) if isinstance(max_len, int | float) and not isinstance(max_len, bool) else None
-    if rope and str(rope.get("rope_type") or rope.get("type")) == "yarn" and rope.get("factor"):
-        base = rope.get("original_max_position_embeddings") or max_len
-        if base:
-            notes.append(f"YaRN rope scaling: {int(base)} × {rope['factor']} = {int(base * rope['factor'])} positions")
-
+        found.notes.extend(serve_notes)
+    support = _vllm_serving(architecture, job, found)
+    multimodal, sibling = _vision_language(hf, architecture, model_type, files.model_id, job, found)
+    template_tools, parser = _tool_calling(files, job, found)
+    max_len, rope = _context(text, found)
     tested = lookup(files.model_id)
-    known = list((tested or {}).get("known_issues") or [])
-    if tested and tested.get("vllm_version"):
-        notes.append(
-            f"registry: needs vLLM {tested['vllm_version']}, transformers {tested.get('transformers_version')}"
-        )
-    if support.installed_version and support.min_version and _older(support.installed_version, support.min_version):
-        warnings.append(f"installed vllm {support.installed_version} is older than {support.min_version}")
+    _versions(tested, support, found)
 
     return ModelReport(
         name=name_or_path,
@@ -265,12 +207,109 @@ def verify_model(name_or_path: str, *, job: str = "rl", offline: bool | None = N
         serve_dtype=serve_dtype,
         serve_memory_bytes=serve_bytes,
         train_memory_bytes=count.total * TRAIN_BYTES_PER_PARAM if count else None,
-        known_issues=known,
+        known_issues=list((tested or {}).get("known_issues") or []),
         tested=tested,
-        problems=problems,
-        warnings=warnings,
-        notes=notes,
+        problems=found.problems,
+        warnings=found.warnings,
+        notes=found.notes,
     )
+
+
+def _parameter_count(hf: dict[str, Any], model_id: str, found: _Findings) -> ParameterCount | None:
+    """The model's parameter count, or None (with a warning) when config.json lacks what a count needs."""
+    try:
+        count = count_model_parameters(hf)
+    except (KeyError, TypeError, ValueError) as exc:
+        missing = f"it lacks {exc}" if isinstance(exc, KeyError) else str(exc)
+        found.warnings.append(
+            f"parameter count unknown: config.json of {model_id} does not give what a count needs ({missing}; "
+            "is it a transformers decoder?), so the size and memory figures are left out"
+        )
+        return None
+    found.notes.extend(count.notes)
+    if not count.exact:
+        found.warnings.append("parameter count is an estimate: " + "; ".join(count.notes or ["family not mirrored"]))
+    return count
+
+
+def _vllm_serving(architecture: str | None, job: str, found: _Findings) -> VllmSupport:
+    """Whether vLLM serves the architecture: a problem for RL, which needs it for rollouts; a note for the others."""
+    support = vllm_support(architecture, installed=installed_vllm_archs())
+    if support.detail and support.supported is not False:
+        found.notes.append(f"vLLM: {support.detail}")
+    if job == "rl":
+        if support.supported is False:
+            found.problems.append(
+                f"vLLM does not serve {architecture} ({support.source}): {support.detail}; RL rollouts need a model "
+                "vLLM can serve"
+            )
+        elif support.supported is None:
+            found.warnings.append(f"vLLM support unknown: {support.detail}")
+    elif support.supported is False:
+        found.notes.append(f"vLLM does not serve {architecture}: fine for {job}, but it cannot be an RL policy")
+    return support
+
+
+def _vision_language(
+    hf: dict[str, Any], architecture: str | None, model_type: Any, model_id: str, job: str, found: _Findings
+) -> tuple[bool, str | None]:
+    """Whether the model is vision-language (a problem for a text job), and its text-only sibling when one is known."""
+    multimodal = is_multimodal(hf, architecture)
+    sibling = text_only_sibling(model_id) if multimodal else None
+    if multimodal:
+        found.problems.append(
+            f"{architecture} is a vision-language model, the wrong class for a text {job} job: "
+            f"{text_only_advice(sibling, model_type)}; the vision tower costs memory and the training engine loads "
+            "causal LMs"
+        )
+    return multimodal, sibling
+
+
+def _tool_calling(files: ModelFiles, job: str, found: _Findings) -> tuple[bool, str | None]:
+    """Whether the chat template renders tools and which vLLM tool-call parser fits; RL is warned of what is missing."""
+    template_tools = template_mentions_tools(files.chat_template)
+    parser, parser_note = suggest_tool_parser(files.config, files.model_id)
+    if parser_note:
+        found.notes.append(f"tool calling: {parser_note}")
+    if files.tokenizer_config is None:
+        found.warnings.append("no tokenizer_config.json found: the chat template could not be checked")
+    elif job == "rl":
+        if files.chat_template is None:
+            found.warnings.append("the tokenizer has no chat template: chat environments cannot format prompts")
+        elif not template_tools:
+            found.warnings.append(
+                "the chat template does not render `tools`: tool-calling environments will not work without a "
+                "custom template"
+            )
+        elif parser is None:
+            found.warnings.append("the template renders tools but no vLLM --tool-call-parser is known for this family")
+    return template_tools, parser
+
+
+def _context(text: dict[str, Any], found: _Findings) -> tuple[int | None, dict[str, Any] | None]:
+    """The model's context length and rope scaling; a note on the positions YaRN stretches it to."""
+    rope = text.get("rope_scaling") or text.get("rope_parameters")
+    rope = rope if isinstance(rope, dict) and rope else None
+    max_len = text.get("max_position_embeddings")
+    max_len = int(max_len) if isinstance(max_len, int | float) and not isinstance(max_len, bool) else None
+    if rope and str(rope.get("rope_type") or rope.get("type")) == "yarn" and rope.get("factor"):
+        base = rope.get("original_max_position_embeddings") or max_len
+        if base:
+            found.notes.append(
+                f"YaRN rope scaling: {int(base)} × {rope['factor']} = {int(base * rope['factor'])} positions"
+            )
+    return max_len, rope
+
+
+def _versions(tested: dict[str, Any] | None, support: VllmSupport, found: _Findings) -> None:
+    """The vLLM and transformers versions the registry names, and a warning when the installed vLLM is older than
+    the architecture needs."""
+    if tested and tested.get("vllm_version"):
+        found.notes.append(
+            f"registry: needs vLLM {tested['vllm_version']}, transformers {tested.get('transformers_version')}"
+        )
+    if support.installed_version and support.min_version and _older(support.installed_version, support.min_version):
+        found.warnings.append(f"installed vllm {support.installed_version} is older than {support.min_version}")
 
 
 def _text_fields(hf: dict[str, Any]) -> dict[str, Any]:

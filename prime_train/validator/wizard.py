@@ -87,8 +87,46 @@ def _model_shape(model: str) -> tuple[dict[str, Any] | None, int | None]:
         return hf, None
 
 
+# completions per RL prompt: a step trains on rl.prompts_per_step × this many
+_GROUP_SIZE = 8
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The answers and what follows from them, for the config's sections to write down."""
+
+    a: Answers
+    hw: Hardware
+    name: str
+    params: int | None  # None: unknown here
+    big: bool  # 1B parameters or more
+    max_len: int  # the model's context
+    seq_len: int
+    inference_gpus: int  # a node's GPUs that serve RL rollouts
+    trainer_gpus: int  # a node's GPUs that train
+    world: int  # training processes over all nodes
+    micro: int
+    global_batch: int
+
+
 def build_config(a: Answers) -> str:
     """The TOML text of the run, with a comment on each choice."""
+    plan = _plan(a)
+    sections = (
+        _run_lines,
+        _model_lines,
+        _data_lines,
+        _train_lines,
+        _distributed_lines,
+        _ckpt_lines,
+        _rl_lines,
+        _supervisor_lines,
+    )
+    return "\n".join(line for section in sections for line in section(plan)) + "\n"
+
+
+def _plan(a: Answers) -> _Plan:
+    """The choices the answers decide (ValueError for an answer that names nothing usable); notes go to `a`."""
     if a.job not in JOBS:
         raise ValueError(f"job {a.job!r}: choose one of {', '.join(JOBS)}")
     if a.nodes < 1:
@@ -105,44 +143,85 @@ def build_config(a: Answers) -> str:
     world = trainer_gpus * a.nodes
     name = a.name or (f"tiny-{a.job}" if a.model == TINY else f"{a.model.rstrip('/').split('/')[-1].lower()}-{a.job}")
     name = name.replace("/", "-")
-    lines: list[str] = [
+    if a.model == TINY:
+        max_len = 512
+    else:
+        max_len = int(hf.get("max_position_embeddings", 4096)) if hf else 4096
+    big = params is not None and params >= 1e9
+    seq_len = a.seq_len or (128 if a.model == TINY else min(4096, max_len))
+    if seq_len > max_len:
+        raise ValueError(f"seq_len {seq_len} is longer than the model's context ({max_len})")
+    micro, global_batch = _batch_sizes(a.job, hw, big, world)
+    return _Plan(
+        a=a,
+        hw=hw,
+        name=name,
+        params=params,
+        big=big,
+        max_len=max_len,
+        seq_len=seq_len,
+        inference_gpus=inference_gpus,
+        trainer_gpus=trainer_gpus,
+        world=world,
+        micro=micro,
+        global_batch=global_batch,
+    )
+
+
+def _batch_sizes(job: str, hw: Hardware, big: bool, world: int) -> tuple[int, int]:
+    """The micro-batch of one process and the global batch: about 64 sequences, whole micro-batches on every
+    process, and for RL whole groups of completions."""
+    micro = 16 if not hw.is_gpu else (4 if big else 8)
+    per_step = micro * world
+    global_batch = per_step * max(1, math.ceil(64 / per_step))
+    if job == "rl":  # one step trains on prompts_per_step × group_size completions
+        while global_batch % _GROUP_SIZE:
+            global_batch += per_step
+    return micro, global_batch
+
+
+def _run_lines(p: _Plan) -> list[str]:
+    """The header saying what to do with the file, and [run]."""
+    return [
         "# Written by `prime-train init`. Check it with `prime-train lint` and `prime-train preflight`,",
         "# estimate memory with `prime-train memory` and cost with `prime-train cost`, then `prime-train run`.",
         "",
         "[run]",
-        f'name = "{name}"',
+        f'name = "{p.name}"',
         'output_dir = "runs"',
         "seed = 1234",
-        f'job = "{a.job}"',
+        f'job = "{p.a.job}"',
         "",
-        "[model]",
     ]
+
+
+def _model_lines(p: _Plan) -> list[str]:
+    """[model]: the tiny model (for RL, the tiny SFT run's), or the named one with its size."""
+    a = p.a
+    lines = ["[model]"]
     if a.model == TINY and a.job == "rl":
         lines += [
             'path = "runs/tiny-sft/final"   # the tiny SFT run\'s model: RL from a random model has no reward to learn',
         ]
-        max_len = 512
     elif a.model == TINY:
         lines += ["# a random-initialised Llama-shaped model with the built-in byte tokenizer: no download"]
-        max_len = 512
     else:
         lines += [f'path = "{a.model}"']
-        max_len = int(hf.get("max_position_embeddings", 4096)) if hf else 4096
-        if params is not None:
-            lines.append(f"# {params / 1e9:.2f}B parameters (from its config.json)")
+        if p.params is not None:
+            lines.append(f"# {p.params / 1e9:.2f}B parameters (from its config.json)")
         else:
             lines.append("# size unknown here (no local config.json): memory advice below is generic")
-    big = params is not None and params >= 1e9
-    if big:
+    if p.big:
         lines += [
             "activation_checkpointing = true   # recompute layer activations: models of 1B+ rarely fit without it"
         ]
+    return lines
 
-    # ---- data
-    seq_len = a.seq_len or (128 if a.model == TINY else min(4096, max_len))
-    if seq_len > max_len:
-        raise ValueError(f"seq_len {seq_len} is longer than the model's context ({max_len})")
-    lines += ["", "[data]", f"seq_len = {seq_len}"]
+
+def _data_lines(p: _Plan) -> list[str]:
+    """[data]: the sequence length, and for SFT and pretraining the dataset (a built-in task when none is given)."""
+    a = p.a
+    lines = ["", "[data]", f"seq_len = {p.seq_len}"]
     if a.job != "rl":
         if a.dataset:
             lines += ["[[data.datasets]]", f'path = "{a.dataset}"']
@@ -153,36 +232,37 @@ def build_config(a: Answers) -> str:
                 "[[data.datasets]]",
                 'task = "reverse-text"',
             ]
+    return lines
 
-    # ---- the loop
-    micro = 16 if not hw.is_gpu else (4 if big else 8)
-    per_step = micro * world
-    global_batch = per_step * max(1, math.ceil(64 / per_step))
-    group_size = 8
-    if a.job == "rl":  # one step trains on prompts_per_step × group_size completions
-        while global_batch % group_size:
-            global_batch += per_step
+
+def _train_lines(p: _Plan) -> list[str]:
+    """[train]: steps, batch sizes, learning rate and precision."""
+    a = p.a
     max_steps = a.max_steps or (300 if a.model == TINY else 1000)
-    precision = "bf16" if hw.bf16 else "fp32"
+    precision = "bf16" if p.hw.bf16 else "fp32"
     lr = 3e-3 if a.model == TINY else (1e-6 if a.job == "rl" else 1e-5)
-    lines += [
+    lines = [
         "",
         "[train]",
         f"max_steps = {max_steps}",
-        f"global_batch_size = {global_batch}   # sequences per optimizer step, over all {world} process(es)",
-        f"micro_batch_size = {micro}   # per forward/backward; lower it first if memory runs out",
+        f"global_batch_size = {p.global_batch}   # sequences per optimizer step, over all {p.world} process(es)",
+        f"micro_batch_size = {p.micro}   # per forward/backward; lower it first if memory runs out",
         f"lr = {lr:g}   # {'tiny models learn fast' if a.model == TINY else 'fine-tuning a pretrained model'}",
-        f'precision = "{precision}"   # {_precision_why(hw)}',
+        f'precision = "{precision}"   # {_precision_why(p.hw)}',
     ]
     if a.job == "rl":
         lines += ['scheduler = "constant"', "warmup_steps = 0"]
     lines += ["eval_interval = 100" if a.model != TINY else "eval_interval = 50"]
+    return lines
 
-    # ---- distributed
-    lines += ["", "[distributed]"]
-    if world == 1:
+
+def _distributed_lines(p: _Plan) -> list[str]:
+    """[distributed]: the strategy the model's size and the GPUs' memory call for, and the processes."""
+    a, hw, params = p.a, p.hw, p.params
+    lines = ["", "[distributed]"]
+    if p.world == 1:
         strategy, why = "none", "one process"
-    elif big or (hw.memory_gib is not None and params is not None and params * 16 / 2**30 > 0.5 * hw.memory_gib):
+    elif p.big or (hw.memory_gib is not None and params is not None and params * 16 / 2**30 > 0.5 * hw.memory_gib):
         strategy, why = "fsdp", "shards weights, gradients and optimizer states: the full states do not fit one GPU"
         if a.nodes > 1:
             strategy, why = "hsdp", "FSDP inside each node, replicas across nodes: less cross-node traffic"
@@ -190,70 +270,81 @@ def build_config(a: Answers) -> str:
         strategy, why = "ddp", "the model fits one GPU: replicate it and all-reduce gradients"
     lines.append(f'strategy = "{strategy}"   # {why}')
     if hw.is_gpu:
-        lines.append(f"nproc_per_node = {trainer_gpus}")
+        lines.append(f"nproc_per_node = {p.trainer_gpus}")
     if a.nodes > 1:
         lines.append(f"nnodes = {a.nodes}   # rendezvous from SKYPILOT_NODE_IPS / SKYPILOT_NODE_RANK on SkyPilot")
+    return lines
 
-    # ---- checkpoints
-    interval = 50 if a.model == TINY else 200
-    lines += [
+
+def _ckpt_lines(p: _Plan) -> list[str]:
+    """[ckpt]: how often, how many kept, and with several nodes a directory they all mount."""
+    interval = 50 if p.a.model == TINY else 200
+    lines = [
         "",
         "[ckpt]",
         f"interval = {interval}",
         "keep_last = 3   # the newest whole checkpoint is never deleted",
     ]
-    if a.nodes > 1:
+    if p.a.nodes > 1:
         # DCP writes each rank's shards where it runs: with node-local disks no node would hold a whole checkpoint
         lines.append(
-            f'dir = "~/prime-train-checkpoints/{name}"   # several nodes: a directory EVERY node mounts (NFS home, '
+            f'dir = "~/prime-train-checkpoints/{p.name}"   # several nodes: a directory EVERY node mounts (NFS home, '
             "a shared volume or a bucket mount); change it to yours"
         )
+    return lines
 
-    # ---- RL
-    if a.job == "rl":
-        if a.environment not in ENVIRONMENTS and ":" not in a.environment:
-            raise ValueError(
-                f"environment {a.environment!r}: a built-in ({', '.join(ENVIRONMENTS)}), 'pkg.module:load_environment' "
-                "or 'verifiers:<id>'"
-            )
-        model_len = min(max_len, 512 if a.model == TINY else 4096)
+
+def _rl_lines(p: _Plan) -> list[str]:
+    """[rl] and [inference] for an RL job (none for the others): the environment, the groups, the rollout workers."""
+    a, hw = p.a, p.hw
+    if a.job != "rl":
+        return []
+    if a.environment not in ENVIRONMENTS and ":" not in a.environment:
+        raise ValueError(
+            f"environment {a.environment!r}: a built-in ({', '.join(ENVIRONMENTS)}), 'pkg.module:load_environment' "
+            "or 'verifiers:<id>'"
+        )
+    model_len = min(p.max_len, 512 if a.model == TINY else 4096)
+    lines = [
+        "",
+        "[rl]",
+        f'environment = "{a.environment}"',
+        f"prompts_per_step = {p.global_batch // _GROUP_SIZE}   # × group_size = train.global_batch_size",
+        f"group_size = {_GROUP_SIZE}   # completions per prompt; advantages are normalised within each group",
+        f"max_tokens = {16 if a.model == TINY else 1024}",
+        "max_async_level = 1   # rollouts at most one step off-policy",
+        "",
+        "[inference]",
+    ]
+    if not hw.is_gpu:
+        lines += ['backend = "embedded"   # the CPU worker: same OpenAI-compatible HTTP as vLLM']
+    elif p.world == 1:
         lines += [
-            "",
-            "[rl]",
-            f'environment = "{a.environment}"',
-            f"prompts_per_step = {global_batch // group_size}   # × group_size = train.global_batch_size",
-            f"group_size = {group_size}   # completions per prompt; advantages are normalised within each group",
-            f"max_tokens = {16 if a.model == TINY else 1024}",
-            "max_async_level = 1   # rollouts at most one step off-policy",
-            "",
-            "[inference]",
+            'backend = "vllm"',
+            "colocate = true   # one GPU: vLLM and the trainer share it",
+            "gpu_memory_utilization = 0.4   # leave the trainer the rest; `prime-train memory` refines the split",
         ]
-        if not hw.is_gpu:
-            lines += ['backend = "embedded"   # the CPU worker: same OpenAI-compatible HTTP as vLLM']
-        elif world == 1:
-            lines += [
-                'backend = "vllm"',
-                "colocate = true   # one GPU: vLLM and the trainer share it",
-                "gpu_memory_utilization = 0.4   # leave the trainer the rest; `prime-train memory` refines the split",
-            ]
-        else:
-            lines += [
-                'backend = "vllm"',
-                f"num_workers = {inference_gpus}   # {inference_gpus} of the {hw.count} GPUs a node has serve "
-                f"rollouts, {trainer_gpus} train",
-                "gpus_per_worker = 1",
-            ]
-        lines += [f"max_model_len = {model_len}   # prompt + max_tokens must fit: lint checks the token budget"]
+    else:
+        lines += [
+            'backend = "vllm"',
+            f"num_workers = {p.inference_gpus}   # {p.inference_gpus} of the {hw.count} GPUs a node has serve "
+            f"rollouts, {p.trainer_gpus} train",
+            "gpus_per_worker = 1",
+        ]
+    lines += [f"max_model_len = {model_len}   # prompt + max_tokens must fit: lint checks the token budget"]
+    return lines
 
-    lines += [
+
+def _supervisor_lines(p: _Plan) -> list[str]:
+    """[supervisor] and [logging]."""
+    return [
         "",
         "[supervisor]",
         "max_restarts = 3",
         "",
         "[logging]",
-        f"log_interval = {10 if a.model == TINY else 20}",
+        f"log_interval = {10 if p.a.model == TINY else 20}",
     ]
-    return "\n".join(lines) + "\n"
 
 
 def _precision_why(hw: Hardware) -> str:
