@@ -18,10 +18,11 @@ for v in "${versions[@]}"; do
   # what changes between torch versions: DCP and async saves, the native model and its compile, DDP/FSDP2,
   # resume (FSDP2's sharded one; a kill during a save), SIGTERM's save, the classes a DCP .metadata pickles (the
   # restricted unpickler's allow-list, tests/test_checkpoint_hostile.py), the FSDP2 export (the one-process HF
-  # export tests are version-blind). The one-process kill-and-resume equality test (53 s) runs in the main suite
+  # export tests are version-blind), LoRA's frozen base under FSDP2 and its adapter-only checkpoints (test_lora.py).
+  # The one-process kill-and-resume equality test (53 s) runs in the main suite
   "$venv/bin/python" -m pytest -q -m "not slow" -p no:cacheprovider \
     tests/test_checkpoint.py tests/test_checkpoint_hostile.py tests/test_native_model.py \
-    tests/test_engine.py tests/test_native_engine.py tests/test_export.py \
+    tests/test_engine.py tests/test_native_engine.py tests/test_export.py tests/test_lora.py \
     -k "not test_engine.py or ddp or fsdp or resume or sigterm" \
     --deselect tests/test_export.py::test_exported_model_names_the_tokenizers_end_token_and_generate_stops_there \
     --deselect tests/test_engine.py::test_resume_after_kill_matches_uninterrupted_run

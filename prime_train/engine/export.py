@@ -15,6 +15,9 @@ final/  (HF format, by export_hf at the end of training, or dcp_to_hf from a ste
   config.json
   generation_config.json        when the model has one
   tokenizer.json, tokenizer_config.json, …   the tokenizer files
+  adapter/                      a LoRA run's adapter in PEFT's format (engine/lora.py): adapter_config.json and
+                                adapter_model.safetensors; the weights above are then the merged model's
+                                (W + alpha/r · B @ A), or absent with lora.merge_on_export = false
 
 Both are written as <dir>.tmp and renamed when whole: a reader never sees half an export.
 
@@ -46,6 +49,15 @@ from prime_train.engine.checkpoint import (
     is_whole_checkpoint,
 )
 from prime_train.engine.llama import to_hf
+from prime_train.engine.lora import (
+    adapter_identity,
+    dense_state_dict,
+    has_lora,
+    has_quantized_base,
+    is_adapter_key,
+    merged_state_dict,
+    save_peft_adapter,
+)
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.model import is_native
 
@@ -53,6 +65,8 @@ logger = logging.getLogger("prime_train.engine.export")
 
 # names the model writes itself; everything else in a checkpoint's hf/ belongs to the tokenizer
 _MODEL_FILES = frozenset({"config.json", "generation_config.json"})
+# where a LoRA run's export puts its adapter, in PEFT's format, inside the export directory
+ADAPTER_DIR = "adapter"
 # wrappers whose submodule name appears in parameter names but not in the state dict
 _WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
@@ -242,8 +256,13 @@ def _write_hf_dir(
     overwrite: bool = False,
     own_run: bool = False,
     source: str = "",
+    write_model: bool = True,
+    extra=None,
 ) -> Path:
-    """Write an HF model directory as out_dir.tmp, then swap it in for out_dir (see check_export_target)."""
+    """Write an HF model directory as out_dir.tmp, then swap it in for out_dir (see check_export_target).
+
+    write_model=False leaves the model's own files out (a LoRA export of its adapter alone); `extra(tmp)` writes more
+    into the directory before it is swapped in (the adapter)."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     old = out_dir.with_name(out_dir.name + ".old")
@@ -262,9 +281,12 @@ def _write_hf_dir(
     # first: a crash from here on leaves a .tmp the next export knows as its own
     write_json_atomic(tmp / EXPORT_MARKER, {"made_by": "prime-train", "kind": "hf-export", "source": source})
 
-    if tokenizer is not None:
+    if tokenizer is not None and write_model:
         align_special_tokens(model, tokenizer)
-    model.save_pretrained(tmp, state_dict=state_dict, max_shard_size=max_shard_size)
+    if write_model:
+        model.save_pretrained(tmp, state_dict=state_dict, max_shard_size=max_shard_size)
+    if extra is not None:
+        extra(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if tokenizer_files_from is not None:
@@ -290,19 +312,48 @@ def export_hf(
     *,
     rank: int,
     max_shard_size: int | str = "2GB",
+    merge: bool = True,
+    adapter: bool = False,
+    base_model: str | None = None,
 ) -> Path | None:
     """Write `model` (plain, DDP or FSDP2) and `tokenizer` to out_dir in HF format; every rank calls it.
 
     out_dir is the run's own final/ or weights/step-N: an earlier export there is replaced, anything else
     there is refused (ExportRefused). Returns out_dir on rank 0 and None elsewhere.
+
+    A model with LoRA adapters (engine/lora.py): `merge` writes the merged model (each adapted weight W + alpha/r ·
+    B @ A under its plain HF name) as out_dir's weights; `adapter` writes out_dir/adapter/ in PEFT's format, recorded
+    against `base_model` (unset: the model config's name_or_path, i.e. model.path). The final export passes
+    adapter=True, merge=lora.merge_on_export; RL's weights/step-N the defaults (merged only). Both are ignored for a
+    model without adapters.
     """
-    # a collective: each rank contributes its shards, rank 0 receives the full tensors on CPU
-    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    lora = has_lora(model)
+    if lora and not (merge or adapter):
+        raise ValueError("a LoRA export writes the merged model, the adapter, or both: merge and adapter are off")
+    if lora and has_quantized_base(model):
+        # QLoRA: one process or DDP (lora.quantize refuses FSDP), so rank 0 holds every weight; the 4-bit ones are
+        # dequantized for the merge
+        state_dict = dense_state_dict(model) if rank == 0 else {}
+    else:
+        # a collective: each rank contributes its shards, rank 0 receives the full tensors on CPU
+        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return None
     hf_model = unwrap_model(model)
     _restore_tied_aliases(hf_model, state_dict)
-    if is_native(hf_model):
+    write_adapter = None
+    if lora:
+        identity = adapter_identity(hf_model)
+        if adapter:
+            weights = {name: t for name, t in state_dict.items() if is_adapter_key(name)}
+            lora_model = hf_model
+
+            def write_adapter(tmp: Path) -> None:
+                save_peft_adapter(lora_model, tmp / ADAPTER_DIR, base_model, state_dict=weights)
+
+        state_dict = merged_state_dict(state_dict, identity) if merge else {}
+    write_model = merge or not lora
+    if is_native(hf_model) and write_model:
         # the native decoder has HF's parameter names: a transformers model holding the gathered tensors writes
         # them with HF's own save_pretrained (config, generation config, sharding, tied weights written once)
         hf_model = to_hf(hf_model, state_dict)
@@ -311,15 +362,18 @@ def export_hf(
     num_tensors = len(state_dict)  # save_pretrained empties the dict as it writes
     out = _write_hf_dir(
         hf_model,
-        state_dict,
+        state_dict if write_model else None,
         Path(out_dir),
         max_shard_size=max_shard_size,
         tokenizer=tokenizer,
         overwrite=True,
         own_run=True,
         source="training",
+        write_model=write_model,
+        extra=write_adapter,
     )
-    logger.info("exported HF model (%d tensors) to %s", num_tensors, out)
+    if write_model:
+        logger.info("exported HF model (%d tensors%s) to %s", num_tensors, ", LoRA merged" * lora, out)
     return out
 
 
@@ -367,6 +421,12 @@ def dcp_to_hf(
         raise ValueError(
             f"cannot convert {step_dir} to HF format: its {DCP_METADATA_FILE} does not load ({type(e).__name__}: {e})"
         ) from None
+    if any(is_adapter_key(key) for key in metadata.state_dict_metadata):
+        raise ValueError(
+            f"cannot convert {step_dir} to HF format: it is a LoRA run's checkpoint, which holds the adapter (and its "
+            "optimizer state) but not the frozen base weights. Use the run's final/ (merged) or final/adapter/ "
+            "(PEFT's format, on the base model), or resume the run and let it export."
+        )
     config = AutoConfig.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_config(config, dtype=_checkpoint_dtype(metadata))
     model.eval()
