@@ -7,6 +7,8 @@ names keep checkpoints and exports interchangeable.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -172,10 +174,10 @@ def test_steps_between_logging_steps_keep_loss_on_the_device_and_metrics_buffere
         assert isinstance(m["loss"], torch.Tensor) and isinstance(m["grad_norm"], torch.Tensor)
         job.state.step = 0
         for _ in range(3):
-            assert job.run_step(0, 0.0) is None
+            assert job.run_step() is None
         # step 1 (the first of an attempt) is logged at once; 2 and 3 wait in the buffer for step 4
         assert [r["step"] for r in read_metrics(job.run_dir)] == [1]
-        assert job.run_step(0, 0.0) is None
+        assert job.run_step() is None
         rows = read_metrics(job.run_dir)
         assert [r["step"] for r in rows] == [1, 2, 3, 4]
         assert all(isinstance(r["loss"], float) and isinstance(r["grad_norm"], float) for r in rows)
@@ -190,14 +192,32 @@ def test_a_non_finite_loss_stops_the_run_at_the_next_logging_step_naming_the_ste
 
     job = _loop_job(tmp_path)
     try:
-        assert job.run_step(0, 0.0) is None  # step 1, logged
+        assert job.run_step() is None  # step 1, logged
         with torch.no_grad():
             job.model.model.norm.weight.fill_(float("nan"))
-        assert job.run_step(0, 0.0) is None  # step 2 diverged, not read yet
-        assert job.run_step(0, 0.0) is None
-        assert job.run_step(0, 0.0) == ExitCode.FAILED  # step 4: the logging step reads 2, 3 and 4
+        assert job.run_step() is None  # step 2 diverged, not read yet
+        assert job.run_step() is None
+        assert job.run_step() == ExitCode.FAILED  # step 4: the logging step reads 2, 3 and 4
         beat = read_heartbeat(job.run_dir.progress_path)
         assert beat.failure == "loss_not_finite"
         assert "not finite at step 2" in beat.reason
     finally:
         job.close()
+
+
+def test_an_sft_run_with_an_environment_eval_shows_the_environments_eval_keys_on_its_console_line(tmp_path):
+    # each job declares the eval metrics of its console line: SFT's include train.eval_environment's reward and pass
+    # rate (the loop once listed RL's eval keys and never SFT's environment ones)
+    job = _loop_job(tmp_path, max_steps=1, eval_environment="reverse-text")
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("prime_train.engine").addHandler(handler)
+    try:
+        assert job.fit() == 0
+    finally:
+        logging.getLogger("prime_train.engine").removeHandler(handler)
+        job.close()
+    [line] = [line for line in lines if line.startswith("step 1/1 ")]
+    for key in ("eval_loss", "eval_exact_match", "eval_env_reward", "eval_env_pass_rate"):
+        assert f"| {key} " in line, line

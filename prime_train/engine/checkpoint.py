@@ -29,7 +29,7 @@ file it points into is there and long enough, every file matches the manifest); 
 verifies but does not load (safe_dcp: nothing in a checkpoint is unpickled but plain data), is renamed
 step-N.corrupt with quarantine.json saying why (never deleted; the supervisor reports it), and the next is tried.
 
-Every method here except `saving`, `latest_step` and `set_hf_assets` is a collective when
+Every method here except `saving`, `latest_step`, `due`, `holds` and `set_hf_assets` is a collective when
 torch.distributed is initialized: every rank calls it at the same point of the program, as the
 trainer does. A checkpoint directory must be on a filesystem every rank sees (DCP's contract).
 """
@@ -363,6 +363,15 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         """Step of the newest whole checkpoint this run knows of (found at start or written since)."""
         return self._latest_step
+
+    def due(self, step: int, *, last: bool) -> bool:
+        """Whether the loop saves after `step`: every ckpt.interval steps, but not at the last (the run's end saves)."""
+        return step % self.cfg.interval == 0 and not last
+
+    def holds(self, step: int) -> bool:
+        """Whether the newest whole checkpoint on disk is step-`step` (the end of a run or a stop need not save)."""
+        newest = newest_checkpoint(self.ckpt_dir)
+        return newest is not None and newest.step == step
 
     def set_hf_assets(self, model_config, tokenizer) -> None:
         """Config and tokenizer saved into each checkpoint's hf/ so `dcp_to_hf` can rebuild the model offline."""

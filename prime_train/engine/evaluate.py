@@ -169,3 +169,25 @@ def multiple_choice(model, tokenizer, path: str | Path, dist: DistInfo, autocast
     model.train(was_training)
     total = all_reduce_sum(total, dist)
     return float(total[0] / total[1]) if total[1] else float("nan")
+
+
+class Evaluator:
+    """When a job evaluates, and the job's evaluation (`run`: its `eval_*` metrics; every rank calls it).
+
+    A baseline before the first step of a run (step 0), every train.eval_interval steps and at the last step; never
+    in a profile (`enabled` False), which times training steps alone.
+    """
+
+    def __init__(self, run: Callable[[], dict[str, float]], interval: int, max_steps: int, *, enabled: bool = True):
+        self.run = run
+        self.interval = interval
+        self.max_steps = max_steps
+        self.enabled = enabled
+
+    def baseline_due(self, step: int) -> bool:
+        """Whether a run starting at `step` first evaluates the model it starts from (a fresh run: step 0)."""
+        return self.enabled and step == 0
+
+    def due(self, step: int) -> bool:
+        """Whether the step just trained, `step`, is evaluated."""
+        return self.enabled and (step % self.interval == 0 or step == self.max_steps)

@@ -1,12 +1,18 @@
 """One training loop for every embedded job: SFT, pretraining and GRPO.
 
 A job is a `TrainingJob` subclass that supplies its batch source (`build_batch_source`), one
-optimizer step (`train_step`) and its evaluation (`evaluate`). Everything around them is shared
-and lives here: joining the process group, loading the model and tokenizer, building the
-optimizer, schedule, checkpointer and metrics, resuming, the heartbeat in every phase (the job
-contract, prime_train/contract.py), cross-rank agreement on stopping, periodic and resumable final
-saves, the final export, the profiled variant and the exit code. `main(JobClass)` is the process
-entry point each job module calls (`python -m prime_train.engine.train`, `python -m prime_train.rl.train`).
+optimizer step (`train_step`) and its evaluation (`evaluate`), and declares its console and heartbeat fields.
+Everything around them is shared and lives here: joining the process group, loading the model and
+tokenizer, building the optimizer, schedule, checkpointer and metrics, resuming, the heartbeat in every
+phase (the job contract, prime_train/contract.py), cross-rank agreement on stopping, periodic and
+resumable final saves, the final export, the profile mode and the exit code. `main(JobClass)` is the
+process entry point each job module calls (`python -m prime_train.engine.train`, `python -m prime_train.rl.train`).
+
+The loop's parts own their cadence: the metrics buffer says when a step is read and logged and checks it for
+divergence (engine/metrics.py), the evaluator when it evaluates (engine/evaluate.py), the checkpointer when it saves
+(engine/checkpoint.py), the stop agreement when the ranks agree on stopping (engine/stopping.py), and in a profile
+(`prime-train profile`, PRIME_TRAIN_PROFILE) the profiler hooks time each step (engine/profiling.py). `run_step`
+is one turn: the stop agreement, the step, and whatever is due after it.
 
 SIGTERM/SIGINT only set a flag; the step in progress finishes, every rank agrees to stop at the
 same step, a checkpoint is saved synchronously and the process exits 75 (engine/checkpoint.py has
@@ -35,7 +41,6 @@ import gc
 import logging
 import math
 import os
-import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -45,71 +50,23 @@ import torch
 
 from prime_train.config.loader import ConfigError, load_config
 from prime_train.config.schema import Config
-from prime_train.contract import ExitCode, Heartbeat, JobFailure, Phase, newest_checkpoint, write_heartbeat
+from prime_train.contract import ExitCode, Heartbeat, JobFailure, Phase, write_heartbeat
 from prime_train.engine import parallel
 from prime_train.engine.checkpoint import Checkpointer, StartOver, TrainState
+from prime_train.engine.evaluate import Evaluator
 from prime_train.engine.lifeline import PeerWatch, watch_peers, watch_supervisor
-from prime_train.engine.metrics import EngineConfigError, MetricsLogger
+from prime_train.engine.metrics import Divergence, EngineConfigError, HeartbeatWriter, MetricsBuffer, MetricsLogger
 from prime_train.engine.model import num_parameters
 from prime_train.engine.optim import build_optimizer
-from prime_train.engine.profiling import NullTimer, ProfileSession, profile_request
+from prime_train.engine.profiling import NullProfile, ProfileSession, profile_request
 from prime_train.engine.records import shown_path
 from prime_train.engine.schedule import build_scheduler
+from prime_train.engine.stopping import StopAgreement, StopFlag, StopRequested
 
 logger = logging.getLogger("prime_train.engine")
 
-# Heartbeat fields a step's metrics may carry; the loop copies whichever a job's step returns.
-_HEARTBEAT_METRICS = ("loss", "tokens_per_s", "step_time_s", "reward")
-# The steps' heartbeat: progress.json at most this often (a phase change is written at once).
-HEARTBEAT_INTERVAL_S = 1.0
-# Ranks agree on stopping (an all-reduce) every STOP_CHECK_S seconds of steps, at most every this many steps:
-# a SIGTERM is then acted on within about 2 s plus a step, far inside supervisor.term_grace_s (60 s by default)
-# with the save it triggers.
-STOP_CHECK_S = 2.0
-STOP_CHECK_MAX_STEPS = 50
 # gc.collect(1) every this many steps while automatic collection is off (torchtitan's default gc_freq).
 GC_INTERVAL_STEPS = 50
-
-
-class StopRequested(BaseException):
-    """A stop asked for during start-up, before the first step: there is nothing to save, so start-up ends.
-
-    A BaseException, like KeyboardInterrupt: library code that catches Exception must not swallow it."""
-
-
-class StopFlag:
-    """Set by SIGTERM/SIGINT: finish the step, save, exit 75. During start-up it raises StopRequested instead."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.signal_name = ""
-        self.reason = ""  # why, when it was not a signal from outside (the supervisor is gone)
-        self.startup = True  # until the training loop starts: a stop ends start-up at once
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.requested = True
-        self.signal_name = signal.Signals(signum).name
-        if self.startup:
-            self.startup = False  # a second signal while start-up unwinds only sets the flag
-            raise StopRequested(self.describe() + " during start-up, before the first step: nothing to save")
-
-    def describe(self) -> str:
-        """Why the job stops, in words."""
-        if self.reason:
-            return self.reason
-        if self.signal_name:
-            return f"{self.signal_name} received"
-        # the agreement on stopping carries no reason: the rank that asked may be on another node
-        return "another rank asked to stop (a signal there, or its supervisor is gone)"
-
-    def supervisor_gone(self, reason: str) -> None:
-        """Called from the lifeline's thread: stop as on SIGTERM, handled on the main thread like one."""
-        self.reason = reason
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def setup_logging(cfg: Config, rank: int) -> None:
@@ -148,10 +105,17 @@ class TrainingJob:
 
     A subclass implements `build_batch_source` (its data: a loader, a rollout source; checkpointed
     through `state_dict`/`load_state_dict`), `train_step` (one optimizer step, returning its metrics;
-    it increments `self.state.step`), `evaluate`, and may override the hooks below.
+    it increments `self.state.step`), `evaluate`, declares `heartbeat_keys` and `eval_keys`, and may
+    override the hooks below. Construction calls them in this order: `configure` (before the process
+    group and the model), `prepare_model`, `build_batch_source`; a subclass's own `__init__` runs after
+    all of it, with the model on its device.
     """
 
     job_name = "sft"
+    # the step metrics progress.json carries (contract.Heartbeat's fields), as the job's step returns them
+    heartbeat_keys: tuple[str, ...] = ("loss", "tokens_per_s", "step_time_s")
+    # the evaluation's metrics the console line shows, when the evaluation returned them
+    eval_keys: tuple[str, ...] = ("eval_loss",)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -161,15 +125,16 @@ class TrainingJob:
         self.stop.install()
         watch_supervisor(self.stop.supervisor_gone)
         self.resumed_from = 0
+        self.configure()
         self.dist = parallel.init_distributed(cfg.distributed)
         setup_logging(cfg, self.dist.rank)
         # every node's supervisor reads its own run directory: local rank 0 of each node keeps the heartbeat there
         # (global rank 0's, on node 0, also writes the metrics and the export)
-        self._node_beat = self.dist.local_rank == 0
-        if self._node_beat:
+        self.beats = HeartbeatWriter(self.run_dir, cfg.train.max_steps, enabled=self.dist.local_rank == 0)
+        if self.beats.enabled:
             self.run_dir.create()
         self.peers: PeerWatch | None = None
-        if cfg.distributed.nnodes > 1 and self._node_beat:
+        if cfg.distributed.nnodes > 1 and self.beats.enabled:
             self.peers = self._watch_peers()
         parallel.set_seed(cfg.run.seed, self.dist.rank)
         self.strategy = parallel.resolve_strategy(cfg.distributed, self.dist.world_size)
@@ -192,21 +157,7 @@ class TrainingJob:
         self.checkpointer = Checkpointer(self.run_dir, cfg.ckpt, rank=self.dist.rank, world_size=self.dist.world_size)
         self.checkpointer.set_hf_assets(self.hf_config, self.tokenizer)
         self.metrics = MetricsLogger(self.run_dir, cfg, enabled=self.dist.is_rank0)
-        request = profile_request()
-        self.profile = (
-            ProfileSession(self.run_dir, *request, device=self.dist.device, rank=self.dist.rank, job=self.job_name)
-            if request
-            else None
-        )
-        self.timer = self.profile.timer if self.profile else NullTimer()
-        self._last_loss: float | None = None
-        self.phase = Phase.STARTUP
-        self._pending: list[tuple[int, dict[str, Any]]] = []  # steps trained, not yet read from the device
-        self._last_beat = 0.0
-        self._last_metrics: dict[str, Any] = {}
-        self._window = (time.perf_counter(), 0)  # wall clock and tokens_seen where tokens/s is measured from
-        self._stop_every = 1  # steps between agreements on stopping (1 until a step time is known)
-        self._since_stop_check = 0
+        self._build_loop_parts()
         self.device_name = torch.cuda.get_device_name(self.dist.device) if self.dist.device.type == "cuda" else "cpu"
         logger.info(
             "%s job, model %s: %.2fM parameters, strategy %s over %d process(es) on %s",
@@ -216,6 +167,29 @@ class TrainingJob:
             self.strategy,
             self.dist.world_size,
             self.device_name,
+        )
+
+    def _build_loop_parts(self) -> None:
+        """The parts that own the loop's cadence; a profile (PRIME_TRAIN_PROFILE) reads every step, evaluates none."""
+        cfg = self.cfg
+        request = profile_request()
+        self.profile: ProfileSession | NullProfile = (
+            ProfileSession(self.run_dir, *request, device=self.dist.device, rank=self.dist.rank, job=self.job_name)
+            if request
+            else NullProfile()
+        )
+        self.timer = self.profile.timer
+        self.stopping = StopAgreement(self.stop, self.dist)
+        self.buffer = MetricsBuffer(
+            self.metrics,
+            interval=1 if self.profile.active else cfg.logging.log_interval,
+            heartbeat_keys=self.heartbeat_keys,
+            throughput=self.throughput,
+            on_read=self.stopping.adapt,
+            param_norms=not self.profile.active,
+        )
+        self.evaluator = Evaluator(
+            self.evaluate, cfg.train.eval_interval, cfg.train.max_steps, enabled=not self.profile.active
         )
 
     def _watch_peers(self) -> PeerWatch:
@@ -259,18 +233,11 @@ class TrainingJob:
             sys.stderr.flush()
             os._exit(ExitCode.NODE_LOST)
 
-    def _beat(self, step: int | None, phase: Phase, **fields: Any) -> None:
-        """progress.json in this node's run directory: global rank 0 through the metrics logger, local rank 0 of
-        every other node directly (the same heartbeat: its step, phase and the all-reduced loss)."""
+    def _beat(self, step: int | None, phase: Phase, *, force: bool = True, **fields: Any) -> None:
+        """progress.json in this node's run directory (local rank 0 of each node writes it)."""
         if isinstance(fields.get("reason"), str):  # a message can quote a dataset path, an URL, an env value
             fields["reason"] = shown_path(fields["reason"])
-        metrics = getattr(self, "metrics", None)  # a node can be lost before the logger exists
-        if metrics is not None and metrics.enabled:
-            metrics.heartbeat(step, phase=phase, **fields)
-        elif self._node_beat:
-            hb = Heartbeat.now(step, Phase(phase), max_steps=self.cfg.train.max_steps, **fields)
-            durable = Phase(phase) in (Phase.DONE, Phase.STOPPED, Phase.FAILED)
-            write_heartbeat(self.run_dir.progress_path, hb, durable=durable)
+        self.beats.beat(step, phase, force=force, **fields)
 
     def finish_peers(self) -> None:
         """This node's ranks have ended the run together: its silence from now on is not a lost node."""
@@ -280,6 +247,10 @@ class TrainingJob:
 
     # ------------------------------------------------------------------ what a job supplies
 
+    def configure(self) -> None:
+        """Called first, before the process group and the model: the job's own parts that need neither (RL: the
+        environment and the workers' pool), so that a bad setting is a configuration error before any model loads."""
+
     def prepare_model(self, model) -> None:
         """Called with the loaded model before it moves to the device and is wrapped (RL copies its reference)."""
 
@@ -287,8 +258,9 @@ class TrainingJob:
         """The job's data: an iterator of batches or a rollout source, with state_dict/load_state_dict."""
         raise NotImplementedError
 
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step; increments self.state.step and returns the step's metrics."""
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step; increments self.state.step and returns the step's metrics (floats, or 0-dim device
+        tensors the loop reads on logging steps: no host sync in the step)."""
         raise NotImplementedError
 
     def evaluate(self) -> dict[str, float]:
@@ -327,18 +299,18 @@ class TrainingJob:
 
     # ------------------------------------------------------------------ the loop
 
-    def heartbeat(self, phase: Phase, *, force: bool = True, **fields: Any) -> None:
-        """Tell the supervisor what the job is doing now (rank 0 writes progress.json).
+    @property
+    def phase(self) -> Phase:
+        """What the job is doing now, as the heartbeat last said."""
+        return self.beats.phase
 
-        force=False (the steps' own heartbeat) writes only when the phase changes or HEARTBEAT_INTERVAL_S has
-        passed: about once a second, whatever the step time.
+    def heartbeat(self, phase: Phase, *, force: bool = True, **fields: Any) -> None:
+        """Tell the supervisor what the job is doing now (local rank 0 writes progress.json).
+
+        force=False (the steps' own heartbeat) writes only when the phase changes or about once a second.
         """
-        now = time.monotonic()
-        if not force and phase == self.phase and now - self._last_beat < HEARTBEAT_INTERVAL_S:
-            return
-        self.phase = phase
-        self._last_beat = now
-        self._beat(self.state.step, phase, tokens=self.state.tokens_seen, resumed_from=self.resumed_from, **fields)
+        tokens, resumed = self.state.tokens_seen, self.resumed_from
+        self._beat(self.state.step, phase, force=force, tokens=tokens, resumed_from=resumed, **fields)
 
     def fit(self) -> int:
         """Resume, train to train.max_steps, save and export; returns the exit code."""
@@ -347,150 +319,87 @@ class TrainingJob:
         gc.disable()
         gc.collect(1)
         try:
-            return self._fit()
+            self._start()
+            while self.state.step < self.cfg.train.max_steps:
+                if (code := self.run_step()) is not None:
+                    return code
+            return self._finish()
         finally:
             gc.enable()
 
-    def _fit(self) -> int:
-        cfg = self.cfg
+    def _start(self) -> None:
+        """Resume, get the job ready (RL: its workers), evaluate where a fresh run starts from, start the clock."""
         # no step yet: the one a resume starts from is known only once the checkpoint is loaded
         self._beat(None, Phase.STARTUP)
         self.resume()
         self.before_training()
-        if self.profile is not None:
-            self.stop.startup = False
-            return self._profile_fit()
         if self.dist.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.dist.device)
-        if self.state.step == 0:
+        if self.evaluator.baseline_due(self.state.step):
             # a baseline at step 0 so curves and "did it learn" have a starting point
             self.heartbeat(Phase.EVAL)
-            self.metrics.log(0, self.evaluate())
+            self.metrics.log(0, self.evaluator.run())
         self.stop.startup = False  # from here a stop finishes the step and saves
-        start_step, t_start = self.state.step, time.time()
         # the first step of an attempt is part of start-up: CUDA and allocator warm-up, torch.compile
-        self.heartbeat(Phase.COMPILE if cfg.train.compile else Phase.STARTUP)
-        self._restart_window()
-        while self.state.step < cfg.train.max_steps:
-            if (code := self.run_step(start_step, t_start)) is not None:
-                return code
+        self.heartbeat(Phase.COMPILE if self.cfg.train.compile else Phase.STARTUP)
+        self.buffer.start(self.state.step, self.state.tokens_seen)
+        self.profile.start()
+
+    def run_step(self) -> int | None:
+        """One turn of the training loop: the stop agreement, the step, and what is due after it.
+
+        Returns an exit code when the run must end here (stopped, diverged), else None. Between logging steps it
+        only buffers the step's metrics and writes the heartbeat when a second has passed: no host sync.
+        """
+        if self.stopping.agreed():
+            return self._stop()
+        m = self.train_step()
+        step = self.state.step
+        last = step == self.cfg.train.max_steps
+        self.buffer.record(step, m, tokens=self.state.tokens_seen)
+        if step % GC_INTERVAL_STEPS == 0:
+            gc.collect(1)
+        self.checkpointer.poll()
+        logging_step = self.buffer.due(step, last=last)
+        evaluating = self.evaluator.due(step)
+        saving = self.checkpointer.due(step, last=last)
+        if reading := logging_step or evaluating or saving:
+            # every step since the last read, in one sync, checked before an eval or a save can use the weights
+            if (diverged := self.buffer.flush(write=False)) is not None:
+                return self._diverged(diverged)
+            if self.buffer.param_norm_due(step, last=last):
+                m["param_norm"] = self.param_norm()
+            if evaluating:
+                self.heartbeat(Phase.EVAL, loss=m.get("loss"))
+                m.update(self.evaluator.run())
+            self.buffer.write()
+        self.heartbeat(Phase.STEP, force=reading, **self.buffer.heartbeat(m))
+        if logging_step:
+            self._log_line(step, m)
+        if saving:
+            self.save()
+        if evaluating or saving:
+            self.buffer.restart_window()  # tokens/s counts training time only
+        self.profile.after_step(m)
+        return None
+
+    def _finish(self) -> int:
+        """The run's end: the last save (a profile's timed one and its summary), the export; exit 0."""
+        cfg = self.cfg
         self.checkpointer.wait()
-        if cfg.ckpt.resumable_final_save and self._newest_saved_step() != self.state.step:
+        if self.profile.active:
+            self._profile_summary()
+        elif cfg.ckpt.resumable_final_save and not self.checkpointer.holds(self.state.step):
             self.save(final=True)
         if cfg.ckpt.export_final:
             self.heartbeat(Phase.EXPORT)
             from prime_train.engine.export import export_hf
 
             export_hf(self.model, self.tokenizer, self.run_dir.final_dir, rank=self.dist.rank)
-        self.heartbeat(Phase.DONE, loss=self._last_loss)
+        self.heartbeat(Phase.DONE, loss=self.buffer.last_loss)
         return ExitCode.OK
 
-    def run_step(self, start_step: int, t_start: float) -> int | None:
-        """One turn of the training loop: stop agreement, the step, and on their steps logging, eval and save.
-
-        Returns an exit code when the run must end here (stopped, diverged), else None. Between logging steps it
-        only buffers the step's metrics and writes the heartbeat when a second has passed: no host sync.
-        """
-        cfg = self.cfg
-        if self._stop_due() and self._stop_agreed():
-            return self._flush() or self._stop_and_save()
-        m = self.train_step()
-        step = self.state.step
-        self._pending.append((step, m))
-        if step % GC_INTERVAL_STEPS == 0:
-            gc.collect(1)
-        self.checkpointer.poll()
-        last = step == cfg.train.max_steps
-        logging_step = step % cfg.logging.log_interval == 0 or last or step == start_step + 1
-        evaluating = step % cfg.train.eval_interval == 0 or last
-        saving = step % cfg.ckpt.interval == 0 and not last
-        # a job whose step returns host floats (RL) is checked at every step, as before; device values are
-        # read, and checked, on logging, eval and save steps only (a divergence is seen there, up to
-        # logging.log_interval steps late, and always before a save could keep the diverged weights)
-        host_not_finite = any(_not_finite(m.get(k)) for k in ("loss", "grad_norm"))
-        if not (logging_step or evaluating or saving or host_not_finite):
-            # what the step already holds on the host (RL's reward) is fresh; device values wait for the flush
-            host = {k: m[k] for k in _HEARTBEAT_METRICS if isinstance(m.get(k), float)}
-            self.heartbeat(Phase.STEP, force=False, **{**self._last_metrics, **host})
-            return None
-        if (code := self._flush(write=False)) is not None:
-            return code
-        if step % cfg.logging.log_interval == 0 or last:
-            m["param_norm"] = self.param_norm()
-        if evaluating:
-            self.heartbeat(Phase.EVAL, loss=m.get("loss"))
-            m.update(self.evaluate())
-        self._write_pending()
-        self.heartbeat(Phase.STEP, **self._last_metrics)
-        if logging_step:
-            self._log_line(step, m, t_start, start_step)
-        if saving:
-            self.save()
-        if evaluating or saving:
-            self._restart_window()  # tokens/s counts training time only
-        return None
-
-    # ------------------------------------------------------------------ steps read from the device
-
-    def _restart_window(self) -> None:
-        self._window = (time.perf_counter(), self.state.tokens_seen)
-
-    def _flush(self, *, write: bool = True) -> int | None:
-        """Read the buffered steps' device values (one sync), stop at the first non-finite one, log the rest.
-
-        Returns the exit code when the run diverged, else None. The newest step gets the throughput of the
-        window since the last flush (wall clock: the device has finished every step by the time it is read).
-        write=False leaves the rows buffered for the caller to add to (param_norm, eval) and write.
-        """
-        if not self._pending:
-            return None
-        tensors = [v for _, m in self._pending for v in m.values() if isinstance(v, torch.Tensor)]
-        if tensors:
-            values = iter(torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist())
-            for _, m in self._pending:
-                for k, v in m.items():
-                    if isinstance(v, torch.Tensor):
-                        m[k] = next(values)
-        t0, tokens0 = self._window
-        seconds = time.perf_counter() - t0
-        step, newest = self._pending[-1]
-        steps_in_window = len(self._pending)
-        for key, value in self.throughput(self.state.tokens_seen - tokens0, seconds).items():
-            newest.setdefault(key, value)
-        newest.setdefault("step_time_s", seconds / steps_in_window)
-        self._restart_window()
-        self._adapt_stop_interval(newest["step_time_s"])
-        for i, (step, m) in enumerate(self._pending):
-            if not_finite := [k for k in ("loss", "grad_norm") if _not_finite(m.get(k))]:
-                self.metrics.log_many(self._pending[:i])
-                self._pending = []
-                return self._diverged(step, m, not_finite)
-        self._last_loss = newest.get("loss")
-        self._last_metrics = {k: newest[k] for k in _HEARTBEAT_METRICS if k in newest}
-        if write:
-            self._write_pending()
-        return None
-
-    def _write_pending(self) -> None:
-        self.metrics.log_many(self._pending)
-        self._pending = []
-
-    def _adapt_stop_interval(self, step_time_s: float) -> None:
-        """Agree on stopping every STOP_CHECK_S seconds of steps: the same N on every rank (the slowest's)."""
-        if self.dist.world_size == 1:
-            return  # one process: the flag is read every step, without a collective
-        slowest = parallel.all_reduce_max(step_time_s, self.dist)
-        self._stop_every = max(1, min(STOP_CHECK_MAX_STEPS, int(STOP_CHECK_S / max(slowest, 1e-6))))
-
-    def _stop_due(self) -> bool:
-        """Whether this step agrees on stopping: every step alone, every `_stop_every` steps with other ranks."""
-        if self.dist.world_size == 1:
-            return True
-        self._since_stop_check += 1
-        if self._since_stop_check < self._stop_every:
-            return False
-        self._since_stop_check = 0
-        return True
+    # ------------------------------------------------------------------ the loop's ends and parts
 
     def resume(self) -> None:
         # resolves, verifies and loads; one that verifies but does not load is set aside and the one before it used
@@ -503,7 +412,7 @@ class TrainingJob:
 
     def save(self, *, final: bool = False) -> None:
         """Save a checkpoint of the current step (every buffered step is in metrics.jsonl first)."""
-        self._flush()  # metrics.jsonl holds every step up to the checkpoint's (the fit loop has flushed already)
+        self.buffer.flush()  # metrics.jsonl holds every step up to the checkpoint's (the loop has read them already)
         self.heartbeat(Phase.SAVE)
         self.checkpointer.save(self.state, self.state.step, final=final)
 
@@ -519,12 +428,9 @@ class TrainingJob:
             )
         return float(local.sqrt())
 
-    def clip_gradients(self) -> float:
-        """Clip to train.grad_clip (no clipping when unset) and return the total gradient norm before clipping."""
-        return float(self.clip_grad_norm())
-
     def clip_grad_norm(self) -> torch.Tensor:
-        """clip_gradients without reading the norm: a 0-dim tensor on the device (no host sync)."""
+        """Clip to train.grad_clip (no clipping when unset) and return the total gradient norm before clipping: a
+        0-dim tensor on the device (no host sync)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         if not params:
             return torch.zeros((), device=self.dist.device)
@@ -534,97 +440,63 @@ class TrainingJob:
             norm = norm.full_tensor()
         return norm
 
-    def _newest_saved_step(self) -> int | None:
-        newest = newest_checkpoint(self.checkpointer.ckpt_dir)
-        return newest.step if newest else None
-
-    def _stop_agreed(self) -> bool:
-        """All ranks stop at the same step: a signal seen by any rank stops every rank."""
-        flag = torch.tensor([1.0 if self.stop.requested else 0.0])
-        return bool(parallel.all_reduce_sum(flag, self.dist)[0] > 0)
-
-    def _stop_and_save(self) -> int:
+    def _stop(self) -> int:
+        """Every rank stops at this step: the buffered steps are read first, then a checkpoint is saved; exit 75."""
+        if (diverged := self.buffer.flush()) is not None:
+            return self._diverged(diverged)
         logger.warning(
             "stop requested (%s): saving a checkpoint at step %d and exiting 75", self.stop.describe(), self.state.step
         )
         self.checkpointer.wait()
-        if self.state.step > 0 and self._newest_saved_step() != self.state.step:
+        if self.state.step > 0 and not self.checkpointer.holds(self.state.step):
             self.save(final=True)
         self.heartbeat(Phase.STOPPED, exit_code=ExitCode.PREEMPTED, reason=self.stop.describe())
         return ExitCode.PREEMPTED
 
-    def _diverged(self, step: int, m: dict[str, Any], names: list[str]) -> int:
+    def _diverged(self, diverged: Divergence) -> int:
         """End the run at a non-finite loss or gradient norm, saving nothing of the diverged weights.
 
         The values are reductions over every rank (train.py, rl/train.py), so every rank sees them and
         returns here at the same step without a collective of its own.
         """
-        self.metrics.log(step, m)  # the diverged step's record, its NaN as null
-        values = ", ".join(f"{k} {m[k]}" for k in ("loss", "grad_norm") if k in m)
         self.checkpointer.wait()  # a save in flight holds an earlier, finite state: let it finish
         newest = self.checkpointer.latest_step()
         where = f"the newest checkpoint, step-{newest}, is from before" if newest is not None else "no checkpoint"
         reason = (
-            f"{' and '.join(names)} not finite at step {step} ({values}): the run diverged; stopped without saving "
-            f"({where}). "
+            f"{diverged.describe()}: the run diverged; stopped without saving ({where}). "
             "Lower train.lr or lengthen the warmup, keep train.grad_clip set, prefer bf16 to fp16, check the data"
         )
         logger.error("%s", reason)
         self.heartbeat(Phase.FAILED, exit_code=ExitCode.FAILED, reason=reason, failure=JobFailure.LOSS_NOT_FINITE)
         return ExitCode.FAILED
 
-    def _log_line(self, step: int, m: dict, t_start: float, start_step: int) -> None:
-        elapsed = time.time() - t_start
-        eta = elapsed / max(1, step - start_step) * (self.cfg.train.max_steps - step)
-        parts = [f"step {step}/{self.cfg.train.max_steps}", *self.log_fields(m)]
-        for key in ("eval_loss", "eval_exact_match", "eval_mc_accuracy", "eval_reward", "eval_pass_rate"):
+    def _log_line(self, step: int, m: dict) -> None:
+        max_steps = self.cfg.train.max_steps
+        parts = [f"step {step}/{max_steps}", *self.log_fields(m)]
+        for key in self.eval_keys:
             if isinstance(m.get(key), float) and not math.isnan(m[key]):
                 parts.append(f"{key} {m[key]:.4f}")
-        parts.append(f"eta {eta:.0f}s")
+        parts.append(f"eta {self.buffer.eta_s(step, max_steps):.0f}s")
         logger.info(" | ".join(parts))
 
-    # ------------------------------------------------------------------ `prime-train profile`
-
-    def _profile_fit(self) -> int:
-        """Warmup steps, profiled steps, one timed checkpoint save; no eval, no export (profiling.py)."""
-        prof = self.profile
-        assert prof is not None
-        logger.info("profiling: %d warmup step(s), then %d step(s) under torch.profiler", prof.warmup, prof.steps)
-        self.heartbeat(Phase.STEP)
-        steps: list[dict] = []
-        prof.timer.reset()
-        self._restart_window()
-        for _ in range(prof.total_steps):
-            m = self.train_step()
-            # a profile times each step: read it at once (the sync a training run leaves to its logging steps)
-            self._pending.append((self.state.step, m))
-            if (code := self._flush()) is not None:
-                return code
-            prof.after_step()
-            steps.append(m)
-            self.heartbeat(Phase.STEP, **self._last_metrics)
+    def _profile_summary(self) -> None:
+        """A profile's end (`prime-train profile`): one timed checkpoint save, then profile/summary.json."""
         t0 = time.perf_counter()
         self.save()
         self.checkpointer.wait()
         checkpoint_s = time.perf_counter() - t0
-        profiled = steps[prof.warmup :] or steps
-        summary = prof.finish(
+        rows = self.profile.rows
+        summary = self.profile.finish(
             world_size=self.dist.world_size,
-            tokens_per_step=self.profile_tokens(steps[-1]),
+            tokens_per_step=self.profile_tokens(rows[-1]),
             checkpoint_s=checkpoint_s,
             extra={
                 "ckpt_interval": self.cfg.ckpt.interval,
                 "device": str(self.dist.device),
-                **self.profile_extra(profiled),
+                **self.profile_extra(self.profile.profiled_rows),
             },
         )
         logger.info("profile: %s", summary["bottleneck"]["kind"])
-        self.heartbeat(Phase.DONE)
-        return ExitCode.OK
-
-
-def _not_finite(value: Any) -> bool:
-    return isinstance(value, float) and not math.isfinite(value)
 
 
 def _record_exit(cfg: Config, code: int, reason: str, phase: Phase = Phase.FAILED) -> None:

@@ -1,4 +1,11 @@
-"""Per-step metrics: metrics.jsonl, the progress.json heartbeat, TensorBoard and W&B (rank 0 only)."""
+"""Per-step metrics: metrics.jsonl, the progress.json heartbeat, TensorBoard and W&B (rank 0 only).
+
+`MetricsLogger` writes what rank 0 measured. `MetricsBuffer` holds the steps' metrics between two reads of the device:
+a step's loss and gradient norm stay on the device, and the buffer reads every buffered step at once (one sync) on
+logging steps (`due`), at evaluations, saves and stops; it measures tokens/s over the wall clock between two reads
+and stops at the first non-finite loss or gradient norm (`Divergence`). `HeartbeatWriter` is progress.json, written
+at every phase change and, between them, about once a second.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,8 @@ import math
 import os
 import secrets
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from prime_train.config.schema import Config
@@ -28,6 +37,10 @@ logger = logging.getLogger("prime_train.engine")
 
 # the verdicts a job leaves when it ends: written durably, as nothing replaces them
 _FINAL_PHASES = frozenset({Phase.DONE, Phase.STOPPED, Phase.FAILED})
+# The steps' heartbeat: progress.json at most this often (a phase change is written at once).
+HEARTBEAT_INTERVAL_S = 1.0
+# the metrics whose non-finite value ends the run (the weights diverged)
+DIVERGENCE_KEYS = ("loss", "grad_norm")
 
 
 class EngineConfigError(ValueError):
@@ -164,6 +177,173 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+class HeartbeatWriter:
+    """progress.json in this node's run directory; `enabled` on local rank 0 of each node (every node's supervisor
+    reads its own run directory: node 0's holds global rank 0's).
+
+    `beat` is the steps' heartbeat: written at once on a phase change or when forced, else only once
+    HEARTBEAT_INTERVAL_S has passed, about once a second whatever the step time. `write` writes now.
+    """
+
+    def __init__(self, run_dir: RunDir, max_steps: int, *, enabled: bool):
+        self.run_dir = run_dir
+        self.max_steps = max_steps
+        self.enabled = enabled
+        self.phase = Phase.STARTUP
+        self._last = 0.0
+
+    def beat(self, step: int | None, phase: Phase, *, force: bool = True, **fields: Any) -> None:
+        now = time.monotonic()
+        if not force and phase == self.phase and now - self._last < HEARTBEAT_INTERVAL_S:
+            return
+        self.phase = phase
+        self._last = now
+        self.write(step, phase, **fields)
+
+    def write(self, step: int | None, phase: Phase, **fields: Any) -> None:
+        if not self.enabled:
+            return
+        hb = Heartbeat.now(step, Phase(phase), max_steps=self.max_steps, **fields)
+        # a running job's heartbeat is replaced within a second: rename keeps it whole, no fsync (contract.py)
+        write_heartbeat(self.run_dir.progress_path, hb, durable=Phase(phase) in _FINAL_PHASES)
+
+
+@dataclass
+class Divergence:
+    """A step whose loss or gradient norm is not finite: the run ends there (contract.JobFailure.LOSS_NOT_FINITE)."""
+
+    step: int
+    metrics: dict[str, Any]
+    names: list[str]
+
+    def describe(self) -> str:
+        values = ", ".join(f"{k} {self.metrics[k]}" for k in DIVERGENCE_KEYS if k in self.metrics)
+        return f"{' and '.join(self.names)} not finite at step {self.step} ({values})"
+
+
+class MetricsBuffer:
+    """The steps' metrics from their step to metrics.jsonl: buffered, read from the device at once, checked.
+
+    `record` keeps a step's metrics as the step returned them (0-dim device tensors and host values). `due` says
+    when a step is a logging step (every `interval` steps, the last, the first of an attempt); `flush` then reads
+    every buffered device value in one sync, gives the newest step the throughput of the wall clock since the last
+    read (`throughput(tokens, seconds)`, then `step_time_s`), calls `on_read(step_time_s)` (the stop agreement's
+    cadence), and stops at the first non-finite loss or gradient norm: the rows before it and its own are written
+    and the `Divergence` returned. So a divergence is seen up to `interval` steps after it happened, and always
+    before a save could keep the diverged weights (a save flushes first).
+
+    `heartbeat_keys` are the job's fields of progress.json; `heartbeat(m)` gives the newest read values of them,
+    with what the step `m` already holds on the host (fresh without a sync).
+    """
+
+    def __init__(
+        self,
+        sink: MetricsLogger,
+        *,
+        interval: int,
+        heartbeat_keys: tuple[str, ...],
+        throughput: Callable[[int, float], dict[str, float]],
+        on_read: Callable[[float], None] = lambda step_time_s: None,
+        param_norms: bool = True,
+    ):
+        self.sink = sink
+        self.interval = interval
+        self.heartbeat_keys = heartbeat_keys
+        self.param_norms = param_norms
+        self._throughput = throughput
+        self._on_read = on_read
+        self._pending: list[tuple[int, dict[str, Any]]] = []  # steps recorded, not yet read from the device
+        self.last: dict[str, Any] = {}  # the heartbeat fields of the newest step read
+        self.last_loss: float | None = None
+        self.start(0, 0)
+
+    def start(self, step: int, tokens: int) -> None:
+        """An attempt trains on from `step` (`tokens` seen): its first step is a logging step; the clock starts."""
+        self._start_step, self._t_start, self._tokens = step, time.time(), tokens
+        self.restart_window()
+
+    def restart_window(self) -> None:
+        """Tokens/s counts from now (an eval or a save is not training time)."""
+        self._window = (time.perf_counter(), self._tokens)
+
+    def record(self, step: int, metrics: dict[str, Any], *, tokens: int) -> None:
+        """A step trained; `tokens` is the run's count after it."""
+        self._pending.append((step, metrics))
+        self._tokens = tokens
+
+    def due(self, step: int, *, last: bool) -> bool:
+        """Whether `step` is read and logged now; also a step whose host values already say it diverged."""
+        return (
+            step % self.interval == 0
+            or last
+            or step == self._start_step + 1
+            or any(_not_finite(m.get(k)) for _, m in self._pending[-1:] for k in DIVERGENCE_KEYS)
+        )
+
+    def param_norm_due(self, step: int, *, last: bool) -> bool:
+        """Whether `step`'s row gets the parameter norm: every `interval` steps and the last."""
+        return self.param_norms and (step % self.interval == 0 or last)
+
+    def eta_s(self, step: int, max_steps: int) -> float:
+        elapsed = time.time() - self._t_start
+        return elapsed / max(1, step - self._start_step) * (max_steps - step)
+
+    def heartbeat(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        host = {k: metrics[k] for k in self.heartbeat_keys if isinstance(metrics.get(k), float)}
+        return {**self.last, **host}
+
+    def flush(self, *, write: bool = True) -> Divergence | None:
+        """Read the buffered steps (one sync) and write them; the Divergence when one of them diverged.
+
+        write=False leaves the rows buffered for the caller to add to (parameter norm, eval) and `write`.
+        """
+        if not self._pending:
+            return None
+        _read_device_values(self._pending)
+        t0, tokens0 = self._window
+        seconds = time.perf_counter() - t0
+        newest = self._pending[-1][1]
+        for key, value in self._throughput(self._tokens - tokens0, seconds).items():
+            newest.setdefault(key, value)
+        newest.setdefault("step_time_s", seconds / len(self._pending))
+        self.restart_window()
+        self._on_read(newest["step_time_s"])
+        for i, (step, m) in enumerate(self._pending):
+            if names := [k for k in DIVERGENCE_KEYS if _not_finite(m.get(k))]:
+                self.sink.log_many(self._pending[: i + 1])  # the diverged step's record too, its NaN as null
+                self._pending = []
+                return Divergence(step, m, names)
+        self.last_loss = newest.get("loss")
+        self.last = {k: newest[k] for k in self.heartbeat_keys if k in newest}
+        if write:
+            self.write()
+        return None
+
+    def write(self) -> None:
+        """Write the buffered (read) rows to metrics.jsonl."""
+        self.sink.log_many(self._pending)
+        self._pending = []
+
+
+def _read_device_values(rows: list[tuple[int, dict[str, Any]]]) -> None:
+    """Replace every tensor in `rows` by its value, read in one transfer (in float64: a job's float64 sums keep
+    every digit, and a float32 value reads as the same number)."""
+    import torch
+
+    tensors = [v for _, m in rows for v in m.values() if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return
+    values = iter(torch.stack([t.detach().double().reshape(()) for t in tensors]).tolist())
+    for _, m in rows:
+        for k, v in m.items():
+            if isinstance(v, torch.Tensor):
+                m[k] = next(values)
+
+
+def _not_finite(value: Any) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
 
 
 def _finite(record: dict[str, Any]) -> dict[str, Any]:

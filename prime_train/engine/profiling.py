@@ -102,8 +102,25 @@ class PhaseTimer:
         self._step_start = now
 
 
+class NullProfile:
+    """The profiler hooks of an unprofiled run: the training loop calls them, they do nothing."""
+
+    active = False
+    timer = NullTimer()
+
+    def start(self) -> None:
+        pass
+
+    def after_step(self, metrics: dict[str, Any]) -> None:
+        pass
+
+
 class ProfileSession:
-    """Drives a profiled run: warmup steps, then `steps` under torch.profiler, then a timed checkpoint save."""
+    """The profiler hooks of a profiled run, the training loop's profile mode: warmup steps, then `steps` under
+    torch.profiler (the loop trains warmup + steps, train.max_steps of the profile's config, reading every step's
+    metrics at once and evaluating nothing), then a timed checkpoint save and `finish`."""
+
+    active = True
 
     def __init__(self, run_dir: RunDir, warmup: int, steps: int, *, device, rank: int, job: str):
         self.run_dir = run_dir
@@ -111,17 +128,25 @@ class ProfileSession:
         self.warmup, self.steps = warmup, steps
         self.device, self.rank, self.job = device, rank, job
         self.timer = PhaseTimer(device=device)
+        self.rows: list[dict[str, Any]] = []  # every step's metrics, as the loop read them
         self._profiler = None
         self._done = 0
         self.dir.mkdir(parents=True, exist_ok=True)
 
     @property
-    def total_steps(self) -> int:
-        return self.warmup + self.steps
+    def profiled_rows(self) -> list[dict[str, Any]]:
+        """The metrics of the steps under the profiler (all of them when there were no more than the warmup)."""
+        return self.rows[self.warmup :] or self.rows
 
-    def after_step(self) -> None:
-        """Call after every optimizer step; opens the torch.profiler window once warmup is over."""
+    def start(self) -> None:
+        """Call just before the first step: the timer counts from here."""
+        logger.info("profiling: %d warmup step(s), then %d step(s) under torch.profiler", self.warmup, self.steps)
+        self.timer.reset()
+
+    def after_step(self, metrics: dict[str, Any]) -> None:
+        """Call after every optimizer step with its metrics; opens the torch.profiler window once warmup is over."""
         self.timer.end_step()
+        self.rows.append(metrics)
         self._done += 1
         if self._profiler is not None:
             self._profiler.step()

@@ -28,6 +28,7 @@ class SFTJob(TrainingJob):
     """Supervised fine-tuning (loss on completions) and pretraining (loss on every token) over packed batches."""
 
     job_name = "sft"
+    eval_keys = ("eval_loss", "eval_exact_match", "eval_mc_accuracy", "eval_env_reward", "eval_env_pass_rate")
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)
@@ -38,6 +39,10 @@ class SFTJob(TrainingJob):
         common = self._data_args()
         self.eval_batches = build_eval_batches(cfg.data, self.tokenizer, max_batches=cfg.train.eval_batches, **common)
         self.eval_examples = held_out_examples(cfg.data, cfg.run.seed, 64)
+
+    def configure(self) -> None:
+        """The environment train.eval_environment names, if any: greedy answers scored by its reward at each eval."""
+        cfg = self.cfg
         self._env = None
         self._env_prompts: list = []
         if cfg.train.eval_environment:
@@ -73,8 +78,8 @@ class SFTJob(TrainingJob):
         """One optimizer step over a global batch with gradient accumulation; returns its metrics.
 
         No host sync in it: token counts come from the host batches before they are copied, and the loss and
-        gradient norm stay on the device (0-dim tensors in the returned dict) until the loop reads them on a
-        logging step (engine/loop.py), together with every step buffered since.
+        gradient norm stay on the device (0-dim tensors in the returned dict) until the loop's metrics buffer reads
+        them on a logging step (engine/metrics.py), together with every step buffered since.
         """
         cfg, dist, timer = self.cfg, self.dist, self.timer
         accum = self._global_batch() // (cfg.train.micro_batch_size * dist.world_size)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from prime_train.config.schema import Config, RLConfig
+from prime_train.config.schema import RLConfig
 from prime_train.contract import Phase
 from prime_train.engine import parallel
 from prime_train.engine.loop import TrainingJob, main
@@ -49,13 +49,18 @@ class GRPOJob(TrainingJob):
     """GRPO over [inference] workers: the batch source is rollouts, the step is the clipped surrogate loss."""
 
     job_name = "rl"
+    heartbeat_keys = (*TrainingJob.heartbeat_keys, "reward")
+    eval_keys = ("eval_reward", "eval_pass_rate")
 
-    def __init__(self, cfg: Config):
-        # the environment first: a bad rl.environment is a configuration error before any model is loaded
+    def configure(self) -> None:
+        """The environment and the workers' pool, before the process group and the model: a bad rl.environment is a
+        configuration error before any model is loaded."""
+        cfg = self.cfg
         try:
             self.env = load_environment(cfg.rl.environment, dict(cfg.rl.env_args))
         except (ValueError, ImportError) as exc:
             raise EngineConfigError(f"rl.environment: {exc}") from None
+        self.eval_prompts = self.env.prompts("eval", cfg.rl.eval_prompts, cfg.run.seed) if cfg.rl.eval_prompts else []
         self.reference = None
         self.weights_step = 0
         self._last_load = WeightLoad()
@@ -66,8 +71,6 @@ class GRPOJob(TrainingJob):
         except ValueError as exc:
             raise EngineConfigError(str(exc)) from None
         self.pool = RolloutPool(urls, cfg.inference.request_timeout_s, backend)
-        super().__init__(cfg)
-        self.eval_prompts = self.env.prompts("eval", cfg.rl.eval_prompts, cfg.run.seed) if cfg.rl.eval_prompts else []
 
     def prepare_model(self, model) -> None:
         if self.cfg.rl.kl_coef > 0:
@@ -126,7 +129,13 @@ class GRPOJob(TrainingJob):
         self.heartbeat(phase)
         return batch, lag
 
-    def train_step(self) -> dict[str, float]:
+    def train_step(self) -> dict[str, Any]:
+        """One GRPO step on a batch of rollouts; returns its metrics.
+
+        No host sync per micro-batch: the loss, KL, clipped-token, entropy and mismatch sums and the gradient norm
+        stay on the device (float64 sums, 0-dim tensors in the returned dict) until the loop's metrics buffer reads
+        them on a logging step, as SFT's; token counts are the host's (the masks' ones are the completion tokens).
+        """
         cfg, dist, timer = self.cfg, self.dist, self.timer
         batch, lag = self._next_batch()
         samples = batch.samples
@@ -136,7 +145,7 @@ class GRPOJob(TrainingJob):
         # zero-weight backward, so that every rank reduces gradients the same number of times
         per = math.ceil(len(kept) / k) if kept else 0
         minibatches = [kept[i * per : (i + 1) * per] for i in range(k)]
-        sums = dict.fromkeys(("loss", "kl", "clipped", "entropy", "tokens", "mismatch", "mismatch_tokens"), 0.0)
+        sums = _StepSums(dist.device)
         grad_norms = []
         t0 = time.perf_counter()
         for index, minibatch in enumerate(minibatches):
@@ -151,7 +160,7 @@ class GRPOJob(TrainingJob):
             measure = lag == 0 and index == 0
             self._minibatch_backward(minibatch, weight, tokens, num_samples, measure, sums)
             with timer("optimizer"):
-                grad_norms.append(self.clip_gradients())
+                grad_norms.append(self.clip_grad_norm())
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
         if not grad_norms and lag == 0:
@@ -159,25 +168,24 @@ class GRPOJob(TrainingJob):
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         rewards = [s.reward for s in samples]
-        names = list(sums)
         with timer("communication"):
+            total = sums.all_reduced(dist)  # on the device: enqueued, not waited for
             reduced = parallel.all_reduce_sum(
                 torch.tensor(
-                    [*(sums[n] for n in names), sum(rewards), len(rewards), sum(r >= 1.0 for r in rewards),
+                    [sums.tokens, sums.mismatch_tokens, sum(rewards), len(rewards), sum(r >= 1.0 for r in rewards),
                      sum(len(s.completion_ids) for s in samples), len(kept), sum(s.truncated for s in samples)],
                     dtype=torch.float64,
                 ),
                 dist,
             )  # fmt: skip
-        total = dict(zip(names, (float(x) for x in reduced[: len(names)]), strict=True))
-        reward_sum, n, passed, batch_tokens, kept_n, truncated = (float(x) for x in reduced[len(names) :])
+        tokens, mismatch_tokens, reward_sum, n, passed, batch_tokens, kept_n, truncated = (float(x) for x in reduced)
         self.state.step += 1
         self.state.tokens_seen += int(batch_tokens)
         train_s = time.perf_counter() - t0
         with timer("weight_sync"):
             self.publish_weights()
         n = max(1.0, n)
-        trained = max(1.0, total["tokens"])
+        trained = max(1.0, tokens)
         m = {
             "loss": total["loss"] / k,
             "reward": reward_sum / n,
@@ -185,7 +193,8 @@ class GRPOJob(TrainingJob):
             "pass_rate": passed / n,
             "kl": total["kl"] / trained,
             "clip_fraction": total["clipped"] / trained,
-            "grad_norm": max(grad_norms, default=0.0),  # 0: every group scored alike, no step was taken
+            # 0: every group scored alike, no step was taken
+            "grad_norm": torch.stack(grad_norms).max() if grad_norms else 0.0,
             "optimizer_steps": len(grad_norms),
             "lr": lr,
             "completion_tokens": int(batch_tokens),
@@ -199,13 +208,13 @@ class GRPOJob(TrainingJob):
             "workers_reloaded": len(self._last_load.seconds),
             "clamped_completions": batch.clamped,
         }
-        if total["tokens"] > 0:  # the policy's entropy at the tokens it learnt from (none: every group scored alike)
-            m["entropy"] = total["entropy"] / total["tokens"]
-        if total["mismatch_tokens"] > 0:
-            m["logprob_mismatch"] = total["mismatch"] / total["mismatch_tokens"]
+        if tokens > 0:  # the policy's entropy at the tokens it learnt from (none: every group scored alike)
+            m["entropy"] = total["entropy"] / tokens
+        if mismatch_tokens > 0:
+            m["logprob_mismatch"] = total["mismatch"] / mismatch_tokens
         return m
 
-    def _measure_mismatch(self, samples: list[Sample], sums: dict) -> None:
+    def _measure_mismatch(self, samples: list[Sample], sums: _StepSums) -> None:
         """Add the worker/trainer logprob mismatch of `samples` to `sums` with a forward pass alone: for an
         on-policy step that trained on nothing (every group scored alike), so every such step still has the
         figure. Every rank runs it (the same number of forward passes; no collective inside)."""
@@ -217,11 +226,10 @@ class GRPOJob(TrainingJob):
                 new_logp, mask = completion_logprobs(
                     self.model, chunk, dist.device, cfg.rl.temperature, self.tokenizer.pad_token_id
                 )
-                sums["mismatch"] += float(((new_logp - _worker_logprobs(chunk, new_logp)).abs() * mask).sum())
-                sums["mismatch_tokens"] += float(mask.sum())
+                sums.add_mismatch(((new_logp - _worker_logprobs(chunk, new_logp)).abs() * mask).sum(), chunk)
 
     def _minibatch_backward(
-        self, minibatch: list[Sample], weight: float, tokens: float, num_samples: float, measure: bool, sums: dict
+        self, minibatch: list[Sample], weight: float, tokens: float, num_samples: float, measure: bool, sums: _StepSums
     ) -> None:
         """Accumulate one mini-batch's gradient, micro-batch by micro-batch, and add its figures to `sums`."""
         cfg, dist, timer, rl = self.cfg, self.dist, self.timer, self.cfg.rl
@@ -241,8 +249,7 @@ class GRPOJob(TrainingJob):
                             ref, _ = completion_logprobs(self.reference, chunk, dist.device, rl.temperature, pad_id)
                     if measure:  # the worker sampled with the weights the trainer holds: any difference is numerical
                         with torch.no_grad():
-                            sums["mismatch"] += float(((new_logp - old).abs() * mask).sum())
-                            sums["mismatch_tokens"] += float(mask.sum())
+                            sums.add_mismatch(((new_logp - old).abs() * mask).sum(), chunk)
                     adv = torch.tensor([s.advantage for s in chunk], device=dist.device)
                     weights = token_weights(
                         mask, rl.loss_norm, tokens=tokens, samples=num_samples, max_tokens=rl.max_tokens
@@ -254,12 +261,12 @@ class GRPOJob(TrainingJob):
                 with timer("backward"):
                     # DDP and FSDP average gradients over ranks; the weights already divide by the whole batch
                     (loss * dist.world_size).backward()
-            sums["loss"] += float(loss.detach())
+            sums.add("loss", loss)
             if weight:
-                sums["kl"] += float(kl)
-                sums["clipped"] += float(clipped)
-                sums["entropy"] += float((entropy * mask).sum())
-                sums["tokens"] += float(mask.sum())
+                sums.add("kl", kl)
+                sums.add("clipped", clipped)
+                sums.add("entropy", (entropy * mask).sum())
+                sums.tokens += _completion_tokens(chunk)
 
     def log_fields(self, m: dict) -> list[str]:
         fields = [
@@ -367,6 +374,36 @@ def _context_length_is_a_config_error():
             f"a rollout request does not fit inference.max_model_len: {exc} (raise inference.max_model_len, lower "
             "rl.max_tokens, or drop over-long prompts from the environment)"
         ) from None
+
+
+class _StepSums:
+    """A GRPO step's sums over its micro-batches: the figures on the device, in float64 (what adding the host floats
+    of each gave before, without a sync each time), the token counts on the host (a mask's ones are its samples'
+    completion tokens)."""
+
+    DEVICE = ("loss", "kl", "clipped", "entropy", "mismatch")
+
+    def __init__(self, device: torch.device):
+        self._sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in self.DEVICE}
+        self.tokens = 0.0  # completion tokens learnt from
+        self.mismatch_tokens = 0.0  # completion tokens the logprob mismatch was measured on
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        self._sums[name] += value.detach().double()
+
+    def add_mismatch(self, value: torch.Tensor, chunk: list[Sample]) -> None:
+        self.add("mismatch", value)
+        self.mismatch_tokens += _completion_tokens(chunk)
+
+    def all_reduced(self, dist: parallel.DistInfo) -> dict[str, torch.Tensor]:
+        """The device sums over every rank (enqueued on the device: the host does not wait)."""
+        stacked = parallel.all_reduce_(torch.stack([self._sums[name] for name in self.DEVICE]), dist)
+        return dict(zip(self.DEVICE, stacked, strict=True))
+
+
+def _completion_tokens(chunk: list[Sample]) -> float:
+    """The completion tokens of `chunk`: the ones of completion_logprobs' mask, counted on the host."""
+    return float(sum(len(s.completion_ids) for s in chunk))
 
 
 def _worker_logprobs(chunk: list[Sample], like: torch.Tensor) -> torch.Tensor:
