@@ -55,7 +55,7 @@ def watch(
     per_poll = []
     for t in polls:
         clock.now = source.started + t
-        per_poll.append(watcher.poll())
+        per_poll.append(watcher.poll().records())
     return watcher, per_poll
 
 
@@ -158,7 +158,7 @@ def test_xid_79_is_fatal_and_xid_13_is_only_a_warning():
     assert watcher.failure is not None and watcher.failure.kind == FailureKind.GPU_BROKEN
     assert "Xid 79" in watcher.failure.message
     # the lost GPU's unreadable fields (None) neither crash the watcher nor replace the first cause
-    assert watcher.poll() == []
+    assert watcher.poll().records() == []
     assert "Xid 79" in watcher.failure.message
 
 
@@ -254,8 +254,8 @@ def test_nvml_is_unavailable_here_and_the_watcher_degrades_cleanly():
     assert source.error is not None and "NVMLError" in source.error
     assert source.read() == []
     watcher = GpuHealthWatcher(source, roles=dict, may_judge=lambda r: True, current_step=lambda: 3)
-    assert watcher.take_baseline() == [{"event": "gpu_baseline", "memory_used_mib": {}}]
-    assert watcher.poll() == [] and watcher.failure is None and watcher.last_summary is None
+    assert watcher.begin().records() == [{"event": "gpu_baseline", "memory_used_mib": {}}]
+    assert watcher.poll().records() == [] and watcher.failure is None and watcher.last_summary is None
     source.close()
 
 
@@ -266,8 +266,8 @@ def test_a_source_that_raises_is_reported_once_and_not_fatal():
 
     watcher = GpuHealthWatcher(Broken(), roles=dict, may_judge=lambda r: True, current_step=lambda: 1)
     assert watcher.take_baseline() == []
-    assert watcher.poll() == [{"event": "gpu_unreadable", "error": "RuntimeError: NVML: GPU is lost"}]
-    assert watcher.poll() == [] and watcher.failure is None
+    assert watcher.poll().records() == [{"event": "gpu_unreadable", "error": "RuntimeError: NVML: GPU is lost"}]
+    assert watcher.poll().records() == [] and watcher.failure is None
 
 
 def test_without_a_baseline_nothing_is_called_empty():
@@ -340,7 +340,7 @@ def test_the_baseline_follows_the_gpu_down_when_another_jobs_memory_is_freed():
 def test_small_moves_below_the_baseline_lower_it_quietly():
     watcher, _ = watch(TENANT_LEFT, {"trainer": ["0"]}, may_judge=lambda r: False)
     watcher.source.read = lambda: [GpuReading(0, "GPU-x", "NVIDIA H200", 0.0, 1400.0, 143771.0)]
-    assert watcher.poll() == [] and watcher.baseline == {0: 1400.0}
+    assert watcher.poll().records() == [] and watcher.baseline == {0: 1400.0}
 
 
 def test_rl_on_one_h200_worker_and_trainer_sharing_gpu_0_is_healthy():

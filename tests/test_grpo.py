@@ -168,15 +168,15 @@ def test_a_worker_that_stops_answering_health_is_wedged_after_three_misses():
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         w = InferenceHealthWatcher({"inference-0": url}, timeout_s=0.3)
-        assert w.poll()[0]["event"] == "inference_healthy"
+        assert w.poll().records()[0]["event"] == "inference_healthy"
         handler.state["mode"] = "hang"
         for _ in range(2):
-            assert w.poll() == []
-        events = w.poll()
+            assert w.poll().records() == []
+        events = w.poll().records()
         assert events and events[0]["event"] == "inference_wedged" and "inference-0" in w.wedged
         w.forget("inference-0")
         handler.state["mode"] = "ok"
-        assert w.poll()[0]["event"] == "inference_healthy"
+        assert w.poll().records()[0]["event"] == "inference_healthy"
     finally:
         server.shutdown()
 
@@ -184,5 +184,5 @@ def test_a_worker_that_stops_answering_health_is_wedged_after_three_misses():
 def test_a_worker_still_starting_is_not_wedged():
     w = InferenceHealthWatcher({"inference-0": "http://127.0.0.1:9"}, timeout_s=0.2)
     for _ in range(5):
-        assert w.poll() == []
+        assert w.poll().records() == []
     assert not w.wedged

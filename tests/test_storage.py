@@ -146,7 +146,7 @@ def poll_until(watcher: BackupWatcher, name: str, timeout: float = 60) -> list[d
     seen: list[dict] = []
     deadline = time.time() + timeout
     while time.time() < deadline:
-        seen += watcher.poll()
+        seen += watcher.poll().records()
         if any(e["event"] == name for e in seen):
             return seen
         time.sleep(0.05)
@@ -449,12 +449,12 @@ def test_watcher_uploads_in_the_background_and_poll_does_not_wait(s3_endpoint, b
     watcher = BackupWatcher(
         ckpt, store, keep_last=1, keep_every=None, heartbeat_path=progress, heartbeat_interval_s=0.01
     )
-    first = watcher.poll()
+    first = watcher.poll().records()
     assert [e["event"] for e in first] == ["checkpoint_upload_started"] and first[0]["step"] == 10
     assert store.entered.wait(30)
     # the upload is stuck behind the gate, and poll still comes back, reporting nothing new
     for _ in range(3):
-        assert not [e for e in watcher.poll() if e["event"].startswith("checkpoint_upload")]
+        assert not [e for e in watcher.poll().records() if e["event"].startswith("checkpoint_upload")]
     assert watcher.uploading_step == 10 and store.list_remote() == []
     store.gate.set()
     events = poll_until(watcher, "checkpoint_uploaded")
@@ -474,7 +474,7 @@ def test_watcher_uploads_in_the_background_and_poll_does_not_wait(s3_endpoint, b
     assert deleted["steps"] == [10]
     assert [r.step for r in store.list_remote()] == [30]
     # nothing new locally: no further upload
-    assert not [e for e in watcher.poll() if e["event"] == "checkpoint_upload_started"]
+    assert not [e for e in watcher.poll().records() if e["event"] == "checkpoint_upload_started"]
 
 
 def test_checkpoint_deleted_locally_during_upload_is_skipped(s3_endpoint, bucket, tmp_path):
@@ -482,7 +482,7 @@ def test_checkpoint_deleted_locally_during_upload_is_skipped(s3_endpoint, bucket
     make_checkpoint(ckpt, 10)
     store = make_store(s3_endpoint, bucket, cls=GatedStore)
     watcher = BackupWatcher(ckpt, store, keep_last=2, keep_every=None, heartbeat_path=None, heartbeat_interval_s=60)
-    assert [e["event"] for e in watcher.poll()] == ["checkpoint_upload_started"]
+    assert [e["event"] for e in watcher.poll().records()] == ["checkpoint_upload_started"]
     assert store.entered.wait(30)
     safe_remove_checkpoint(ckpt / "step-10", ckpt)  # what disk retention does
     store.gate.set()
@@ -526,9 +526,9 @@ def test_upload_failure_is_an_event_without_credentials(s3_endpoint, tmp_path):
     assert SECRET not in text and ACCESS_KEY not in text
 
     # backoff: no retry before its time, a retry after it
-    assert not [e for e in watcher.poll() if e["event"] == "checkpoint_upload_started"]
+    assert not [e for e in watcher.poll().records() if e["event"] == "checkpoint_upload_started"]
     clock.now += 31
-    assert [e["event"] for e in watcher.poll()][-1] == "checkpoint_upload_started"
+    assert [e["event"] for e in watcher.poll().records()][-1] == "checkpoint_upload_started"
 
     # an error that quotes a credential is scrubbed before it is shown
     message = store.scrub(f"signature check failed for {ACCESS_KEY} with secret {SECRET}")
@@ -545,12 +545,12 @@ def test_flush_finishes_the_upload_in_flight_and_the_last_checkpoint(s3_endpoint
     watcher = BackupWatcher(ckpt, store, keep_last=3, keep_every=None, heartbeat_path=None, heartbeat_interval_s=60)
     watcher.poll()
     assert store.entered.wait(30)
-    unfinished = watcher.flush(0.2)  # the gate is shut: flush gives up after its bound, says so
+    unfinished = watcher.flush(0.2).records()  # the gate is shut: flush gives up after its bound, says so
     assert next(e for e in unfinished if e["event"] == "checkpoint_upload_unfinished")["step"] == 10
     # the trainer's SIGTERM save lands after the last poll; flush uploads it too
     make_checkpoint(ckpt, 15)
     store.gate.set()
-    events = watcher.flush(60)
+    events = watcher.flush(60).records()
     assert [e["step"] for e in events if e["event"] == "checkpoint_uploaded"] == [10, 15]
     assert [r.step for r in store.list_remote()] == [10, 15]
 

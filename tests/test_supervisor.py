@@ -370,4 +370,4 @@ def test_unfinished_saves_are_cleaned_up_in_ckpt_dir_after_an_engine_attempt(tmp
     assert [e["path"] for e in read_events(sup.run_dir.events_path) if e["event"] == "checkpoint_tmp_removed"] == [
         str(stale)
     ]
-    assert "step-5" in sup._disk_statement()
+    assert "step-5" in sup.plan.disk_statement()

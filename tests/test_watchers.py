@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 
 from prime_train.config.schema import Config
-from prime_train.contract import list_checkpoints
+from prime_train.contract import Event, list_checkpoints
 from prime_train.kit.events import read_events
 from prime_train.kit.failures import Failure, FailureKind
+from prime_train.kit.observe import ForwardStop, Note, Observation, RestartWorker, StatusKey, Watcher, note
+from prime_train.resilience.background import Watching
 from prime_train.resilience.policy import RestartPolicy
 from prime_train.resilience.supervisor import Observer, Supervisor, SupervisorOptions
 from prime_train.resilience.watchers import DiskWatcher, PreemptionWatcher, ProgressWatcher
@@ -45,14 +47,14 @@ def test_startup_gets_its_own_allowance_then_steps_must_advance():
     clock, hb = Clock(), {}
     w = watcher(hb, clock)
     clock.now += 50
-    assert w.poll() == [] and w.failure is None  # start-up: 60 s allowed
+    assert w.poll().records() == [] and w.failure is None  # start-up: 60 s allowed
     hb.update(step=1, phase="step", time=clock.now)
     w.poll()
     clock.now += 9
     w.poll()
     assert w.failure is None
     clock.now += 2  # 11 s without a new step
-    events = w.poll()
+    events = w.poll().records()
     assert w.failure is not None and w.failure.kind is FailureKind.HANG and w.failure.step == 1
     assert events[0]["event"] == "hang_detected"
 
@@ -81,7 +83,7 @@ def test_the_previous_attempts_last_heartbeat_does_not_end_the_next_start_up():
     stale = {"step": 15, "phase": "step", "time": clock.now - 30}
     w = watcher(stale, clock)
     clock.now += 50  # past the 10 s step allowance, within the 60 s start-up allowance
-    assert w.poll() == [] and w.failure is None and w.first_step is None
+    assert w.poll().records() == [] and w.failure is None and w.first_step is None
     stale.update(step=10, phase="startup", time=clock.now)  # the new trainer, resumed from step 10
     w.poll()
     assert w.first_step == 10 and w.failure is None
@@ -101,14 +103,14 @@ def test_each_policy_the_rl_workers_loaded_becomes_one_weights_loaded_event():
     # the GRPO job's step heartbeat names the policy its workers were told to load (rl/train.py)
     clock, hb = Clock(), {"step": 1, "phase": "step", "time": 1000.0}
     w = watcher(hb, clock)
-    assert w.poll() == []  # an SFT heartbeat: no weights
+    assert w.poll().records() == []  # an SFT heartbeat: no weights
     for step in (2, 3):
         clock.now += 1
         hb.update(step=step, time=clock.now, weights_step=step, workers_reloaded=2, weight_reload_s=0.1)
-        assert w.poll() == [{"event": "weights_loaded", "step": step, "workers": 2, "reload_s": 0.1}]
+        assert w.poll().records() == [{"event": "weights_loaded", "step": step, "workers": 2, "reload_s": 0.1}]
     clock.now += 1
     hb.update(phase="save", time=clock.now)  # the same policy, another heartbeat: no second event
-    assert w.poll() == []
+    assert w.poll().records() == []
 
 
 def test_startup_that_never_reaches_a_step_is_a_hang():
@@ -145,7 +147,7 @@ def test_watermark_removes_oldest_first_and_keeps_the_newest(tmp_path):
     ckpt = tmp_path / "checkpoints"
     make_checkpoints(ckpt, [10, 20, 30, 40, 50])
     w = DiskWatcher(ckpt, keep_last=None, keep_every=None, high_watermark=0.85, max_bytes=None, disk_usage=Usage(ckpt))
-    events = w.poll()
+    events = w.poll().records()
     assert [c.step for c in list_checkpoints(ckpt)] == [30, 40, 50]
     assert [e["step"] for e in events] == [10, 20]
     assert all(e["event"] == "checkpoint_deleted" and e["reason"] == "watermark" for e in events)
@@ -201,7 +203,7 @@ def test_byte_cap_deletes_real_bytes_until_under(tmp_path):
     ckpt = tmp_path / "checkpoints"
     make_checkpoints(ckpt, [1, 2, 3, 4], size=100_000)
     w = DiskWatcher(ckpt, keep_last=None, keep_every=None, high_watermark=1.0, max_bytes=250_000)
-    events = w.poll()
+    events = w.poll().records()
     assert [c.step for c in list_checkpoints(ckpt)] == [3, 4]
     assert sum(e["bytes"] for e in events) == 200_000
 
@@ -213,12 +215,12 @@ def test_a_watermark_breach_below_keep_last_says_so_and_keeps_one_whole_checkpoi
     corrupt.mkdir()
     (corrupt / "__0_0.distcp").write_bytes(b"\0" * 100_000)
     w = DiskWatcher(ckpt, keep_last=3, keep_every=None, high_watermark=1.0, max_bytes=50_000)
-    events = w.poll()
+    events = w.poll().records()
     assert [c.step for c in list_checkpoints(ckpt)] == [3], "the newest whole one stays, over the cap or not"
     assert corrupt.is_dir()
     [below] = [e for e in events if e["event"] == "retention_below_keep_last"]
     assert below["kept"] == [3] and below["keep_last"] == 3 and "max_disk_gb" in below["reason"]
-    assert w.poll() == [], "said once, when it happens"
+    assert w.poll().records() == [], "said once, when it happens"
 
 
 def test_a_full_disk_failure_says_which_checkpoint_is_left(tmp_path):
@@ -290,11 +292,11 @@ def metadata_server():
 def test_preemption_notice_is_seen_only_once_the_instance_is_marked(metadata_server, cloud):
     _, handler, url = metadata_server
     w = PreemptionWatcher(aws_endpoint=url if cloud == "aws" else None, gcp_endpoint=url if cloud == "gcp" else None)
-    assert w.poll() == [] and w.notice is None
+    assert w.poll().records() == [] and w.notice is None
     handler.marked = True
-    events = w.poll()
+    events = w.poll().records()
     assert events and events[0]["event"] == "preemption_notice" and events[0]["cloud"] == cloud
-    assert w.poll() == []  # reported once
+    assert w.poll().records() == []  # reported once
 
 
 def test_unreachable_metadata_endpoint_switches_the_watcher_off():
@@ -364,3 +366,63 @@ def test_backoff_doubles_to_its_cap_and_config_errors_never_retry():
     assert not policy.decide(crash, 5).restart
     assert not policy.decide(Failure(FailureKind.CONFIG_ERROR, "bad key"), 0).restart
     assert policy.decide(Failure(FailureKind.PREEMPTED, "notice"), 0).delay_s == 0
+
+
+# ---------------------------------------------------------------- one protocol: an attempt's watchers together
+
+
+class Scripted(Watcher):
+    """A watcher that answers each poll with the next observation it was given."""
+
+    def __init__(self, *seen: Observation, blocking: bool = False, judges_while_stopping: bool = True):
+        self.seen = list(seen)
+        self.blocking = blocking
+        self.judges_while_stopping = judges_while_stopping
+        self.forgotten: list[str] = []
+
+    def poll(self, now: float) -> Observation:
+        return self.seen.pop(0) if self.seen else Observation()
+
+    def restarted(self, process: str) -> None:
+        self.forgotten.append(process)
+
+
+def test_watching_records_events_keeps_verdicts_in_order_and_drops_a_stall_verdict_during_a_stop():
+    recorded: list[Note] = []
+    stall = Failure(FailureKind.HANG, "no progress")
+    broken = Failure(FailureKind.GPU_BROKEN, "Xid 79")
+    hang = Observation([note(Event.HANG_DETECTED, idle_s=1.0)], verdict=stall)
+    progress = Scripted(hang, judges_while_stopping=False)
+    gpu = Scripted(Observation(verdict=broken, status={StatusKey.GPU: {"num_gpus": 1}}), blocking=True)
+    watching = Watching([progress, gpu], interval=0.01, record=recorded.append)
+    watching.tick(0.0)  # only the quick one: the blocking one is the thread's
+    assert [n.event for n in recorded] == [Event.HANG_DETECTED] and watching.verdict(stopping=False) is stall
+    watching.start()
+    try:
+        deadline = time.time() + 10
+        while watching.verdict(stopping=True) is None and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        watching.stop()
+    assert watching.verdict(stopping=False) is stall, "the quick watchers' verdict first, as ever"
+    assert watching.verdict(stopping=True) is broken, "a stop's own deadline bounds a stopping job, not the stall"
+    assert watching.status() == {StatusKey.GPU: {"num_gpus": 1}}
+
+
+def test_a_restart_request_about_a_process_replaced_meanwhile_is_dropped():
+    worker = Scripted(Observation(requests=[RestartWorker("inference-0", "stopped answering /health")]), blocking=True)
+    watching = Watching([worker], interval=0.01, record=lambda n: None)
+    before = {"inference-0": 0}
+    seen = worker.poll(0.0)
+    watching.restarted("inference-0")  # the supervisor restarted it while that poll was under way
+    watching._take(worker, seen, before)
+    assert watching.requests() == [] and worker.forgotten == ["inference-0"]
+    watching._take(worker, Observation(requests=[ForwardStop("preemption notice from aws", {"cloud": "aws"})]), {})
+    assert watching.requests() == [ForwardStop("preemption notice from aws", {"cloud": "aws"})]
+    assert watching.requests() == [], "each request is handed over once"
+
+
+def test_a_note_is_named_from_the_catalogue():
+    assert note(Event.GPU_XID, gpu=0).to_dict() == {"event": "gpu_xid", "gpu": 0}
+    with pytest.raises(TypeError):
+        Note("gpu_xid", {})  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from prime_train.contract import open_nofollow
+from prime_train.kit.observe import Note
 from prime_train.kit.redact import Redactor
 
 # Bytes of events kept in memory at most while the disk refuses them (a full disk); the oldest go first.
@@ -47,6 +48,10 @@ class EventLog:
                     cut = self._unwritten.find(b"\n", len(self._unwritten) - UNWRITTEN_BYTES) + 1
                     self._unwritten = b"\n" + self._unwritten[cut:]  # the newline ends a line cut short on disk
         return record
+
+    def record(self, note: Note) -> dict[str, Any]:
+        """Write what a watcher saw (kit/observe.Note)."""
+        return self.emit(note.event, **note.fields)
 
 
 def read_events(path: str | Path) -> list[dict[str, Any]]:

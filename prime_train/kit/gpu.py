@@ -22,6 +22,8 @@ from typing import Any, Protocol
 
 from prime_train.contract import Event, append_jsonl
 from prime_train.kit.failures import Failure, FailureKind
+from prime_train.kit.observe import Note, Observation, RestartWorker, StatusKey, Watcher, note
+from prime_train.kit.process import Role
 
 logger = logging.getLogger("prime_train.gpu")
 
@@ -75,6 +77,8 @@ BASELINE_MARGIN_MIB = 256.0
 # at most this long between two lines of gpu.jsonl while nothing changes
 RECORD_INTERVAL_S = 60.0
 ENV_GPU_REPLAY = "PRIME_TRAIN_GPU_REPLAY"
+# why a rollout worker whose GPUs went empty is restarted, as the events and the console say it
+LEFT_ITS_GPU = "left its GPU (back at its memory from before the attempt, 0 %) while its process lives on"
 
 
 @dataclass
@@ -457,7 +461,7 @@ def summary(readings: list[GpuReading]) -> dict[str, Any]:
     }
 
 
-class GpuHealthWatcher:
+class GpuHealthWatcher(Watcher):
     """Turns GPU readings into events; a GPU_BROKEN failure for the trainer, an emptied GPU for a rollout worker.
 
     Fatal on any GPU: a fatal XID, a rising count of uncorrected ECC errors. "Alive but broken" is judged per
@@ -465,8 +469,8 @@ class GpuHealthWatcher:
     and back at the memory it held before the attempt started (`take_baseline`), for `broken_polls` polls in a
     row, while `may_judge(role)` says the role should be using it now (the supervisor: its process is alive,
     and for the trainer a step is overdue in the step phase past the attempt's first step; for a worker, it
-    answered /health before). The trainer's GPU going empty is the attempt's failure; a worker's is reported in
-    `emptied`, for the supervisor to restart that worker.
+    answered /health before). The trainer's GPU going empty is the attempt's failure (the observation's
+    verdict); a worker's is a RestartWorker request (and kept in `emptied` until the worker is `restarted`).
 
     NVML's process list is evidence one way only. A PID of the role's process tree (`role_pids`) listed on one
     of its GPUs means the role is there, whatever the memory says: on a VM or bare metal NVML lists the PIDs
@@ -506,9 +510,18 @@ class GpuHealthWatcher:
         self._ecc_seen: dict[int, int] = {}
         self._throttle_warned: dict[int, set[str]] = {}
         self._read_error_reported = False
-        self._unreadable: dict[str, Any] | None = None
+        self._unreadable: Note | None = None
 
-    def take_baseline(self) -> list[dict[str, Any]]:
+    blocking = True
+
+    def begin(self, now: float | None = None) -> Observation:
+        """The GPUs' memory before any process of the attempt runs: "empty" later means back at this."""
+        return Observation(self.take_baseline())
+
+    def restarted(self, process: str) -> None:
+        self.forget(process)
+
+    def take_baseline(self) -> list[Note]:
         """Read every GPU before the attempt's processes start: what each holds when the job holds nothing."""
         readings = self._read()
         if readings is None:
@@ -516,9 +529,7 @@ class GpuHealthWatcher:
         self.baseline = {r.index: r.memory_used_mib for r in readings if r.memory_used_mib is not None}
         self._reported_baseline = dict(self.baseline)
         self._record(readings, force=True)
-        return [
-            {"event": Event.GPU_BASELINE, "memory_used_mib": {str(i): round(m, 1) for i, m in self.baseline.items()}}
-        ]
+        return [note(Event.GPU_BASELINE, memory_used_mib={str(i): round(m, 1) for i, m in self.baseline.items()})]
 
     def forget(self, role: str) -> None:
         """The role's process was restarted: its GPUs get a fresh start-up."""
@@ -532,24 +543,26 @@ class GpuHealthWatcher:
         except Exception as exc:  # NVML can fail mid-run (a GPU lost); a watcher must not crash the supervisor
             if not self._read_error_reported:
                 self._read_error_reported = True
-                self._unreadable = {"event": Event.GPU_UNREADABLE, "error": f"{type(exc).__name__}: {exc}"}
+                self._unreadable = note(Event.GPU_UNREADABLE, error=f"{type(exc).__name__}: {exc}")
             return None
 
     def _record(self, readings: list[GpuReading], force: bool = False) -> None:
         if self.recorder is not None and readings:
             self.recorder.record(readings, force=force)
 
-    def poll(self) -> list[dict[str, Any]]:
-        """Read every GPU once; return the events seen, setting `failure` on a fatal condition."""
+    def poll(self, now: float | None = None) -> Observation:
+        """Read every GPU once: the events seen, the first fatal condition as the verdict (kept in `failure`), a
+        restart for each worker whose GPUs went empty."""
         readings = self._read()
         if readings is None:
             error, self._unreadable = self._unreadable, None
-            return [error] if error else []
+            return Observation([error] if error else [], verdict=self.failure)
         self.last_readings = readings
         self.last_summary = summary(readings) if readings else None
         if not readings:
-            return []
-        events: list[dict[str, Any]] = self._follow_baseline_down(readings)
+            return Observation(verdict=self.failure, status={StatusKey.GPU: None})
+        emptied = set(self.emptied)
+        events: list[Note] = self._follow_baseline_down(readings)
         for reading in readings:
             events += self._check_xids(reading)
             events += self._check_ecc(reading)
@@ -557,7 +570,8 @@ class GpuHealthWatcher:
         for role, devices in self.roles().items():
             events += self._check_empty(role, readings_of(readings, devices))
         self._record(readings, force=bool(events))
-        return events
+        restarts = [RestartWorker(role, LEFT_ITS_GPU) for role in sorted(self.emptied - emptied)]
+        return Observation(events, verdict=self.failure, requests=restarts, status={StatusKey.GPU: self.last_summary})
 
     def _fail(self, message: str, evidence: list[GpuReading]) -> None:
         if self.failure is None:  # the first fatal condition is the cause; later ones are its consequences
@@ -568,17 +582,17 @@ class GpuHealthWatcher:
                 step=self.current_step(),
             )
 
-    def _check_xids(self, r: GpuReading) -> list[dict[str, Any]]:
+    def _check_xids(self, r: GpuReading) -> list[Note]:
         events = []
         for xid in r.xid:
             fatal = xid in FATAL_XIDS
             meaning = FATAL_XIDS.get(xid) or WARNING_XIDS.get(xid) or "see NVIDIA's Xid catalogue"
-            events.append({"event": Event.GPU_XID, "gpu": r.index, "xid": xid, "meaning": meaning, "fatal": fatal})
+            events.append(note(Event.GPU_XID, gpu=r.index, xid=xid, meaning=meaning, fatal=fatal))
             if fatal:
                 self._fail(f"GPU {r.index} ({r.name or r.uuid}) reported Xid {xid}: {meaning}", [r])
         return events
 
-    def _check_ecc(self, r: GpuReading) -> list[dict[str, Any]]:
+    def _check_ecc(self, r: GpuReading) -> list[Note]:
         if r.ecc_uncorrected is None:
             return []
         before = self._ecc_seen.get(r.index)
@@ -591,11 +605,9 @@ class GpuHealthWatcher:
             f"error(s) ({before} -> {r.ecc_uncorrected}): its memory can no longer be trusted",
             [r],
         )
-        return [
-            {"event": Event.GPU_ECC, "gpu": r.index, "previous": before, "current": r.ecc_uncorrected, "fatal": True}
-        ]
+        return [note(Event.GPU_ECC, gpu=r.index, previous=before, current=r.ecc_uncorrected, fatal=True)]
 
-    def _check_throttle(self, r: GpuReading) -> list[dict[str, Any]]:
+    def _check_throttle(self, r: GpuReading) -> list[Note]:
         # warn once per GPU and reason: a power-capped GPU flips the bit every few seconds, and one line
         # in the events says all there is to say
         active = THROTTLE_WARNINGS.intersection(r.throttle_reasons)
@@ -605,17 +617,17 @@ class GpuHealthWatcher:
             return []
         warned |= new
         return [
-            {
-                "event": Event.GPU_THROTTLE,
-                "gpu": r.index,
-                "reasons": sorted(active),
-                "new_reasons": sorted(new),
-                "temperature_c": r.temperature_c,
-                "power_w": r.power_w,
-            }
+            note(
+                Event.GPU_THROTTLE,
+                gpu=r.index,
+                reasons=sorted(active),
+                new_reasons=sorted(new),
+                temperature_c=r.temperature_c,
+                power_w=r.power_w,
+            )
         ]
 
-    def _follow_baseline_down(self, readings: list[GpuReading]) -> list[dict[str, Any]]:
+    def _follow_baseline_down(self, readings: list[GpuReading]) -> list[Note]:
         """Lower a GPU's baseline to what it holds now when that is less: memory of another job that has ended.
 
         Only ever down, so the baseline never takes in memory the job added; reported once it fell by more than
@@ -633,8 +645,8 @@ class GpuHealthWatcher:
                 lowered[str(r.index)] = round(r.memory_used_mib, 1)
         if not lowered:
             return []
-        return [{"event": Event.GPU_BASELINE, "memory_used_mib": lowered, "reason": "lowered: memory of another "
-                 "process that was on the GPU before this attempt has been freed"}]  # fmt: skip
+        return [note(Event.GPU_BASELINE, memory_used_mib=lowered, reason="lowered: memory of another process that "
+                     "was on the GPU before this attempt has been freed")]  # fmt: skip
 
     def _role_listed(self, role: str, gpus: list[GpuReading]) -> bool:
         """Whether NVML lists a process of the role on one of its GPUs (never true in a container: host PIDs)."""
@@ -650,7 +662,7 @@ class GpuHealthWatcher:
         base = self.baseline.get(r.index)
         return base is not None and r.memory_used_mib <= base + BASELINE_MARGIN_MIB
 
-    def _check_empty(self, role: str, gpus: list[GpuReading]) -> list[dict[str, Any]]:
+    def _check_empty(self, role: str, gpus: list[GpuReading]) -> list[Note]:
         history = self._empty_polls.setdefault(role, deque(maxlen=self.broken_polls))
         if (
             not gpus
@@ -669,8 +681,8 @@ class GpuHealthWatcher:
         held = ", ".join(f"{r.memory_used_mib:.0f}" for r in gpus)
         base = ", ".join(f"{self.baseline[r.index]:.0f}" for r in gpus)
         evidence = [r for poll in history for r in poll]
-        event = {"event": Event.GPU_EMPTY, "role": role, "gpus": [r.index for r in gpus], "polls": len(history)}
-        if role == "trainer":
+        fields = {"role": role, "gpus": [r.index for r in gpus], "polls": len(history)}
+        if role == Role.TRAINER:  # the trainer's process is named by its role
             if self.failure is not None:
                 return []
             self._fail(
@@ -679,9 +691,9 @@ class GpuHealthWatcher:
                 f"attempt: nothing of the job is on it any more ({len(history)} polls)",
                 evidence,
             )
-            return [{**event, "step": step}]
+            return [note(Event.GPU_EMPTY, **fields, step=step)]
         self.emptied.add(role)
-        return [{**event, "detail": f"{where}: 0 % and {held} MiB (before the attempt: {base} MiB)"}]
+        return [note(Event.GPU_EMPTY, **fields, detail=f"{where}: 0 % and {held} MiB (before the attempt: {base} MiB)")]
 
 
 def replayed_probe(num_devices: int) -> dict[str, Any]:

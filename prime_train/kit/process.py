@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 import os
 import signal
 import subprocess
@@ -38,13 +39,24 @@ from prime_train.kit.bounded import size_text
 from prime_train.kit.redact import Redactor
 
 
+class Role(enum.StrEnum):
+    """What a process of a job is to its supervisor; the values are what logs and events have always said."""
+
+    TRAINER = "trainer"  # the embedded engine's trainer (torchrun's, under several processes)
+    INFERENCE = "inference"  # a rollout worker: restarted on its own while the trainer routes around it
+    JOB = "job"  # an external command ([job].command)
+
+
 @dataclass
 class ProcessSpec:
     name: str
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
-    role: str = "trainer"  # "trainer" | "inference" | "job"
+    role: Role = Role.TRAINER
+
+    def __post_init__(self) -> None:
+        self.role = Role(self.role)  # "inference" reads as Role.INFERENCE
 
 
 LineCallback = Callable[[str, str, int], None]  # (process name, line, line number)

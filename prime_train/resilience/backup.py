@@ -3,8 +3,8 @@
 `BackupWatcher` is one of the supervisor's slow watchers (polled on resilience/background.py's thread). Its
 `poll()` never waits on the network: an upload and a heartbeat copy each run in a thread of their
 own, at most one of each at a time, and what they did comes back as events on a later poll.
-Training never waits for a backup, and a backup that fails never stops training: the watcher has a
-`failure` attribute only to satisfy the watcher interface, and it stays None.
+Training never waits for a backup, and a backup that fails never stops training: its observations never
+carry a verdict.
 
 Only the newest whole checkpoint is uploaded: when several appear during one upload the older ones
 are skipped (the bucket wants the newest; disk retention may be deleting the older ones anyway).
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from prime_train.contract import Event, RunDir, newest_checkpoint
 from prime_train.integrations.storage import CheckpointStore, EventSink, StorageError, remove_stale_staging
+from prime_train.kit.observe import Note, Observation, Watcher, note
 
 if TYPE_CHECKING:
     from prime_train.config.schema import CkptConfig
@@ -35,8 +36,10 @@ logger = logging.getLogger("prime_train.backup")
 _UNKNOWN = object()  # the bucket's newest step before it has been listed
 
 
-class BackupWatcher:
+class BackupWatcher(Watcher):
     """Uploads each new whole step-N in the background, prunes the bucket, copies the heartbeat."""
+
+    blocking = True
 
     def __init__(
         self,
@@ -60,10 +63,9 @@ class BackupWatcher:
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
         self.clock = clock
-        self.failure = None  # a failed backup is reported, never a reason to stop training
 
         self._lock = threading.Lock()
-        self._pending: list[dict[str, Any]] = []  # events produced by the worker threads
+        self._pending: list[Note] = []  # events produced by the worker threads
         self._upload: threading.Thread | None = None
         self._uploading: int | None = None
         self._remote_newest: Any = _UNKNOWN
@@ -73,8 +75,8 @@ class BackupWatcher:
         self._heartbeat: threading.Thread | None = None
         self._next_heartbeat = clock()
         self._heartbeat_failing = False
-        for note in store.notes:
-            self._pending.append({"event": Event.CHECKPOINT_BACKUP_NOTE, "note": note})
+        for text in store.notes:
+            self._pending.append(note(Event.CHECKPOINT_BACKUP_NOTE, note=text))
         removed = remove_stale_staging(self.ckpt_dir)
         if removed:
             logger.info("removed temp archives of an interrupted upload: %s", ", ".join(p.name for p in removed))
@@ -95,18 +97,18 @@ class BackupWatcher:
 
     # ------------------------------------------------------------ the watcher interface
 
-    def poll(self) -> list[dict[str, Any]]:
+    def poll(self, now: float | None = None) -> Observation:
         """Start what is due (an upload, a heartbeat copy) and return what finished since the last poll."""
         events = self._maybe_start_upload(force=False)
         self._maybe_start_heartbeat(force=False)
-        return self._drain() + events
+        return Observation(self._drain() + events)
 
-    def flush(self, timeout_s: float) -> list[dict[str, Any]]:
+    def flush(self, timeout_s: float) -> Observation:
         """At shutdown: finish the upload in flight, upload a newer checkpoint if one appeared (the save
         a SIGTERM made), copy the heartbeat once more; never longer than timeout_s in all.
         """
         deadline = time.monotonic() + max(0.0, timeout_s)
-        events: list[dict[str, Any]] = []
+        events: list[Note] = []
         self._join(self._upload, deadline)
         if self._upload is None or not self._upload.is_alive():
             events += self._maybe_start_upload(force=True)
@@ -118,17 +120,17 @@ class BackupWatcher:
             still = self._uploading
         if still is not None:
             events.append(
-                {
-                    "event": Event.CHECKPOINT_UPLOAD_UNFINISHED,
-                    "step": still,
-                    "reason": f"still uploading after {timeout_s:.0f}s at shutdown; the bucket keeps the previous one",
-                }
+                note(
+                    Event.CHECKPOINT_UPLOAD_UNFINISHED,
+                    step=still,
+                    reason=f"still uploading after {timeout_s:.0f}s at shutdown; the bucket keeps the previous one",
+                )
             )
-        return events
+        return Observation(events)
 
     # ------------------------------------------------------------ uploads
 
-    def _maybe_start_upload(self, *, force: bool) -> list[dict[str, Any]]:
+    def _maybe_start_upload(self, *, force: bool) -> list[Note]:
         with self._lock:
             if self._upload is not None and self._upload.is_alive():
                 return []
@@ -146,12 +148,12 @@ class BackupWatcher:
             )
             self._upload = thread
         thread.start()
-        return [{"event": Event.CHECKPOINT_UPLOAD_STARTED, "step": newest.step, "path": str(newest.path)}]
+        return [note(Event.CHECKPOINT_UPLOAD_STARTED, step=newest.step, path=str(newest.path))]
 
     def _upload_one(self, step: int, path: Path) -> None:
         _lower_priority()
         started = time.monotonic()
-        events: list[dict[str, Any]] = []
+        events: list[Note] = []
         try:
             if self._remote_newest is _UNKNOWN:
                 remote = self.store.list_remote()
@@ -159,7 +161,7 @@ class BackupWatcher:
                     self._remote_newest = remote[-1].step if remote else None
             known = self._remote_newest
             if known is not None and step <= known:
-                events.append({"event": Event.CHECKPOINT_ALREADY_UPLOADED, "step": step, "remote_step": known})
+                events.append(note(Event.CHECKPOINT_ALREADY_UPLOADED, step=step, remote_step=known))
                 self._succeeded()
                 return
             result = self.store.upload(path, step)
@@ -174,17 +176,17 @@ class BackupWatcher:
         with self._lock:
             self._remote_newest = step
         self._succeeded()
-        done: list[dict[str, Any]] = [
-            {
-                "event": Event.CHECKPOINT_UPLOADED,
-                "step": step,
-                "bytes": result["bytes"],
-                "raw_bytes": result["raw_bytes"],
-                "files": result["files"],
-                "seconds": round(time.monotonic() - started, 2),
-                "compression": result["compression"],
-                "key": result["archive_key"],
-            }
+        done: list[Note] = [
+            note(
+                Event.CHECKPOINT_UPLOADED,
+                step=step,
+                bytes=result["bytes"],
+                raw_bytes=result["raw_bytes"],
+                files=result["files"],
+                seconds=round(time.monotonic() - started, 2),
+                compression=result["compression"],
+                key=result["archive_key"],
+            )
         ]
         with self._lock:  # reported now; pruning the bucket may take a while longer
             self._pending.extend(done)
@@ -192,33 +194,28 @@ class BackupWatcher:
         try:
             deleted = self.store.apply_retention(self.keep_last, self.keep_every)
             if deleted:
-                done.append({"event": Event.REMOTE_CHECKPOINTS_DELETED, "steps": deleted, "reason": "retention"})
+                done.append(note(Event.REMOTE_CHECKPOINTS_DELETED, steps=deleted, reason="retention"))
         except Exception as exc:
-            done.append({"event": Event.REMOTE_RETENTION_FAILED, "reason": self._reason(exc)})
+            done.append(note(Event.REMOTE_RETENTION_FAILED, reason=self._reason(exc)))
         with self._lock:
             self._pending.extend(done)
 
-    def _failed_event(self, step: int, path: Path, exc: BaseException) -> dict[str, Any]:
+    def _failed_event(self, step: int, path: Path, exc: BaseException) -> Note:
         if not path.is_dir():
             # disk retention (or a person) removed it mid-upload: nothing to retry, a newer one exists
             with self._lock:
                 self._retry_step = None
-            return {
-                "event": Event.CHECKPOINT_UPLOAD_SKIPPED,
-                "step": step,
-                "reason": f"{path.name} was deleted locally while it was being uploaded",
-            }
+            return note(
+                Event.CHECKPOINT_UPLOAD_SKIPPED,
+                step=step,
+                reason=f"{path.name} was deleted locally while it was being uploaded",
+            )
         with self._lock:
             self._retry_step = step
             self._retry_at = self.clock() + self._retry_delay
             retry_in = self._retry_delay
             self._retry_delay = min(self._retry_delay * 2, self.retry_max_s)
-        return {
-            "event": Event.CHECKPOINT_UPLOAD_FAILED,
-            "step": step,
-            "reason": self._reason(exc),
-            "retry_in_s": round(retry_in, 1),
-        }
+        return note(Event.CHECKPOINT_UPLOAD_FAILED, step=step, reason=self._reason(exc), retry_in_s=round(retry_in, 1))
 
     def _succeeded(self) -> None:
         with self._lock:
@@ -254,16 +251,16 @@ class BackupWatcher:
                 first = not self._heartbeat_failing
                 self._heartbeat_failing = True
                 if first:  # once per outage, not every interval
-                    self._pending.append({"event": Event.HEARTBEAT_UPLOAD_FAILED, "reason": self._reason(exc)})
+                    self._pending.append(note(Event.HEARTBEAT_UPLOAD_FAILED, reason=self._reason(exc)))
             return
         with self._lock:
             if self._heartbeat_failing:
-                self._pending.append({"event": Event.HEARTBEAT_UPLOAD_RECOVERED})
+                self._pending.append(note(Event.HEARTBEAT_UPLOAD_RECOVERED))
             self._heartbeat_failing = False
 
     # ------------------------------------------------------------ helpers
 
-    def _drain(self) -> list[dict[str, Any]]:
+    def _drain(self) -> list[Note]:
         with self._lock:
             out, self._pending = self._pending, []
         return out

@@ -12,7 +12,7 @@ import signal
 
 from prime_train.contract import ExitCode, Heartbeat, Phase
 from prime_train.kit.failures import Failure, FailureKind
-from prime_train.kit.process import ProcessSpec
+from prime_train.kit.process import ProcessSpec, Role
 from prime_train.resilience.logscan import Finding, classify
 
 # How a process the supervisor sent SIGTERM (or a Ctrl-C reached) ends before it has a handler of its own:
@@ -51,7 +51,7 @@ def exit_verdict(
     """
     name = spec.name
     if code == 0:
-        if spec.role in ("trainer", "job"):
+        if spec.role in (Role.TRAINER, Role.JOB):
             return None
         return Failure(FailureKind.INFERENCE_DIED, f"{name} exited", tail, name, exit_code=code)
     if code == ExitCode.PREEMPTED:
@@ -68,7 +68,7 @@ def exit_verdict(
             name,
             exit_code=code,
         )
-    if stop_signal(returncode) is not None and (stop_requested or spec.role in ("trainer", "job")):
+    if stop_signal(returncode) is not None and (stop_requested or spec.role in (Role.TRAINER, Role.JOB)):
         # the SIGTERM we sent arrived before the job could handle it (in start-up), or someone else stopped the
         # job itself (kill, a Ctrl-C that reached its process group): a stop the supervisor honours, not a crash
         return None
@@ -76,11 +76,11 @@ def exit_verdict(
         return Failure(FailureKind.CONFIG_ERROR, last_message(findings, tail), tail, name, exit_code=code)
     fresh = heartbeat if heartbeat is not None and (heartbeat.time or 0) >= started_at else None
     diagnosed = fresh.failure if fresh is not None and fresh.phase is Phase.FAILED else None
-    if diagnosed in FailureKind.__members__.values() and spec.role != "inference":
+    if diagnosed in FailureKind.__members__.values() and spec.role is not Role.INFERENCE:
         # the job named its failure itself (a non-finite loss): its word over a reading of its log
         assert fresh is not None
         return Failure(FailureKind(diagnosed), fresh.reason or last_message(findings, tail), tail, name, exit_code=code)
-    if spec.role == "inference":
+    if spec.role is Role.INFERENCE:
         return Failure(FailureKind.INFERENCE_DIED, last_message(findings, tail), tail, name, exit_code=code)
     kind = classify(findings) or FailureKind.CRASH
     if kind is FailureKind.CRASH and returncode in (-signal.SIGKILL, 137) and not findings:

@@ -1,7 +1,9 @@
-"""Watchers: small classes the supervisor polls; each returns events and may set a `failure`.
+"""Watchers: small classes the supervisor polls, each through kit/observe.Watcher: `poll(now)` returns an
+Observation (events, a verdict, requests, status values).
 
-Progress (hangs), disk (retention and the watermark) and preemption notices live here; GPU
-health is in gpu.py, log surfacing in logscan.py.
+Progress (hangs) and where it is read from, torchrun's rank logs, disk (retention and the watermark) and
+preemption notices live here; GPU health is in kit/gpu.py, the rollout workers' health in rl/workers.py, log
+surfacing in logscan.py.
 """
 
 from __future__ import annotations
@@ -16,15 +18,17 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from prime_train.contract import SLOW_PHASES, STARTUP_PHASES, Event, Heartbeat, Phase, list_checkpoints
+from prime_train.contract import SLOW_PHASES, STARTUP_PHASES, Event, Heartbeat, Phase, list_checkpoints, read_json
 from prime_train.kit.failures import Failure, FailureKind
+from prime_train.kit.observe import ForwardStop, Note, Observation, StatusKey, Watcher, note
+from prime_train.kit.process import Role
 from prime_train.resilience.logscan import Finding, LogScanner
 from prime_train.retention import safe_remove_checkpoint, select_for_deletion
 
 
-class ProgressWatcher:
+class ProgressWatcher(Watcher):
     """A step that does not advance within stall_timeout_s of wall clock is a hang.
 
     Start-up (before the first step, and while compiling) gets startup_timeout_s; a heartbeat that
@@ -33,7 +37,12 @@ class ProgressWatcher:
     supervisor's own: when it saw the heartbeat change, not the `time` the job wrote in it. `read` returns the
     raw heartbeat object (progress.json, an external job's file, or LogProgress); it is read through
     the contract's Heartbeat, so an older prime-train's phase names still count.
+
+    Polled by the attempt loop at each tick (it only reads a file). Once the job was asked to stop, its stall
+    verdict no longer counts: the stop's deadline bounds the job then.
     """
+
+    judges_while_stopping = False
 
     def __init__(
         self,
@@ -70,10 +79,10 @@ class ProgressWatcher:
     def _key(hb: Heartbeat) -> tuple:
         return (hb.step, hb.phase, hb.time)
 
-    def poll(self) -> list[dict[str, Any]]:
-        now = self.clock()
+    def poll(self, now: float | None = None) -> Observation:
+        now = self.clock() if now is None else now
         hb = Heartbeat.from_dict(self.read())
-        events: list[dict[str, Any]] = []
+        events: list[Note] = []
         if hb is not None and (self.last_seen is None or self._key(hb) != self._key(self.last_seen)):
             # Judged on this process's clock, never the job's: a heartbeat that changes while this attempt is
             # watched was written by this attempt, whatever its `time` says (a job's clock may be hours off, a
@@ -89,10 +98,10 @@ class ProgressWatcher:
                 if hb.weights_step is not None and hb.weights_step != self.weights_step:
                     # RL: each policy the workers loaded is on record, with how many loaded it and how fast
                     self.weights_step = hb.weights_step
-                    events.append({
-                        "event": Event.WEIGHTS_LOADED, "step": hb.weights_step,
-                        "workers": hb.workers_reloaded, "reload_s": hb.weight_reload_s,
-                    })  # fmt: skip
+                    events.append(note(
+                        Event.WEIGHTS_LOADED, step=hb.weights_step, workers=hb.workers_reloaded,
+                        reload_s=hb.weight_reload_s,
+                    ))  # fmt: skip
                 if hb.step is not None:
                     if self.first_step is None:
                         self.first_step = hb.step
@@ -107,10 +116,8 @@ class ProgressWatcher:
                 evidence=[json.dumps(self.last_seen.to_dict())] if self.last_seen else [],
                 step=self.step,
             )
-            events.append(
-                {"event": Event.HANG_DETECTED, "idle_s": round(idle, 1), "step": self.step, "phase": self.phase}
-            )
-        return events
+            events.append(note(Event.HANG_DETECTED, idle_s=round(idle, 1), step=self.step, phase=self.phase))
+        return Observation(events, verdict=self.failure)
 
     def idle_s(self) -> float:
         """Seconds since the heartbeat last changed (or since the attempt started)."""
@@ -124,16 +131,42 @@ class ProgressWatcher:
         return self.stall_timeout_s, "step"
 
 
-class LogProgress:
-    """Progress of an external command read from its output with a regex (group 1 or `step`)."""
+class ProgressSource(Protocol):
+    """Where an attempt's progress is read: `read` gives the raw heartbeat object (or None), and `feed` sees
+    every line a process of the attempt writes."""
 
-    def __init__(self, pattern: str, max_steps: int | None = None):
+    def read(self) -> dict[str, Any] | None: ...
+
+    def feed(self, process: str, line: str) -> None: ...
+
+
+class HeartbeatFile:
+    """Progress from a heartbeat file: the engine's progress.json, or an external job's job.progress_file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def read(self) -> dict[str, Any] | None:
+        return read_json(self.path)
+
+    def feed(self, process: str, line: str) -> None:
+        return None
+
+
+class LogProgress:
+    """Progress of an external command read from its output with a regex (group 1 or `step`): only the lines of
+    `process` count."""
+
+    def __init__(self, pattern: str, max_steps: int | None = None, *, process: str = Role.JOB.value):
+        self.process = process
         self.regex = re.compile(pattern)
         self.step: int | None = None
         self.time: float | None = None
         self.max_steps = max_steps
 
-    def feed(self, line: str) -> None:
+    def feed(self, process: str, line: str) -> None:
+        if process != self.process:
+            return
         m = self.regex.search(line)
         if not m:
             return
@@ -149,14 +182,17 @@ class LogProgress:
         return Heartbeat(self.step, Phase.STEP, time=self.time, max_steps=self.max_steps).to_dict()
 
 
-class RankLogs:
+class RankLogs(Watcher):
     """The logs of the ranks whose output only torchrun's --log-dir holds, scanned as they grow.
 
     torchrun writes <log_dir>/<run id>/attempt_<k>/<local rank>/{stdout,stderr}.log; local rank 0's output
     also reaches the trainer's own log (--tee with --local-ranks-filter=0), so the others are read here:
     another rank's CUDA OOM or NCCL error is what killed the job, and rank 0 only shows the consequence.
-    `poll` runs on the watcher thread, `drain` on the main one before a verdict; a lock keeps them apart.
+    `poll` runs on the watcher thread, `settle` on the main one before the trainer's exit is judged; a lock keeps
+    them apart. What they find goes to `on_finding`, as the lines of the processes' own logs do.
     """
+
+    blocking = True
 
     def __init__(self, root: Path, on_finding: Callable[[Finding], None], *, max_bytes_per_poll: int = 1 << 20):
         self.root = root
@@ -165,9 +201,13 @@ class RankLogs:
         self._files: dict[Path, _TailedLog] = {}
         self._lock = threading.Lock()
 
-    def poll(self) -> list[dict[str, Any]]:
+    def poll(self, now: float | None = None) -> Observation:
         self.drain()
-        return []
+        return Observation()
+
+    def settle(self, now: float | None = None) -> Observation:
+        self.drain(final=True)  # the rank that failed first may have written its last words there
+        return Observation()
 
     def drain(self, *, final: bool = False) -> None:
         """Scan what the rank logs gained since the last call; `final`: the job exited, flush what is open."""
@@ -218,12 +258,14 @@ class _TailedLog:
         return found + self.scanner.finish()
 
 
-class DiskWatcher:
+class DiskWatcher(Watcher):
     """Applies keep_last/keep_every and the disk watermark to the run's whole checkpoints.
 
     Never deletes the newest whole checkpoint, one still being written (step-N.tmp is never a
     candidate), anything outside the checkpoint directory, or through a symlink.
     """
+
+    blocking = True
 
     def __init__(
         self,
@@ -247,10 +289,10 @@ class DiskWatcher:
         self.failure: Failure | None = None
         self.last_usage: float | None = None
 
-    def poll(self) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
+    def poll(self, now: float | None = None) -> Observation:
+        events: list[Note] = []
         if not self.ckpt_dir.is_dir():
-            return events
+            return Observation()
         checkpoints = list_checkpoints(self.ckpt_dir)
         steps = [c.step for c in checkpoints]
         by_step = {c.step: c.path for c in checkpoints}
@@ -272,8 +314,7 @@ class DiskWatcher:
         if breached and self.keep_last is not None and len(remaining) < self.keep_last:
             why = "the disk is over supervisor.disk_high_watermark (or supervisor.max_disk_gb): oldest went first"
             kept = [c.step for c in remaining]
-            event = {"event": Event.RETENTION_BELOW_KEEP_LAST, "kept": kept, "keep_last": self.keep_last, "reason": why}
-            events.append(event)
+            events.append(note(Event.RETENTION_BELOW_KEEP_LAST, kept=kept, keep_last=self.keep_last, reason=why))
         usage = self._usage_fraction()
         self.last_usage = usage
         if usage is not None and usage > 0.98 and len(remaining) <= 1:
@@ -283,7 +324,7 @@ class DiskWatcher:
                 f"disk {usage:.0%} full and retention cannot free more ({left} on it)",
                 evidence=[str(self.ckpt_dir)],
             )
-        return events
+        return Observation(events, verdict=self.failure, status={StatusKey.DISK: usage})
 
     def _usage_fraction(self) -> float | None:
         try:
@@ -300,13 +341,13 @@ class DiskWatcher:
             return sum(_tree_bytes(c.path) for c in remaining) > self.max_bytes
         return False
 
-    def _delete(self, path: Path, step: int, reason: str) -> dict[str, Any]:
+    def _delete(self, path: Path, step: int, reason: str) -> Note:
         size = _tree_bytes(path)
         try:
             safe_remove_checkpoint(path, self.ckpt_dir)
         except (ValueError, OSError) as exc:
-            return {"event": Event.CHECKPOINT_DELETE_REFUSED, "path": str(path), "step": step, "reason": str(exc)}
-        return {"event": Event.CHECKPOINT_DELETED, "path": str(path), "step": step, "reason": reason, "bytes": size}
+            return note(Event.CHECKPOINT_DELETE_REFUSED, path=str(path), step=step, reason=str(exc))
+        return note(Event.CHECKPOINT_DELETED, path=str(path), step=step, reason=reason, bytes=size)
 
 
 def _tree_bytes(path: Path) -> int:
@@ -323,14 +364,17 @@ def _tree_bytes(path: Path) -> int:
 # ---------------------------------------------------------------- preemption notices
 
 
-class PreemptionWatcher:
+class PreemptionWatcher(Watcher):
     """Polls the cloud's instance metadata for a spot interruption notice.
 
     AWS: IMDSv2 token (PUT /latest/api/token), then GET /latest/meta-data/spot/instance-action
     (404 until the instance is marked, about two minutes ahead). GCP: GET
     /computeMetadata/v1/instance/preempted with `Metadata-Flavor: Google` ("TRUE" about 30 s ahead).
-    Off a cloud both requests fail fast and the watcher switches itself off.
+    Off a cloud both requests fail fast and the watcher switches itself off. Once the notice came, every poll
+    asks the supervisor to forward the stop (a ForwardStop); the event is recorded once.
     """
+
+    blocking = True
 
     def __init__(
         self,
@@ -347,9 +391,9 @@ class PreemptionWatcher:
         self._errors = {"aws": 0, "gcp": 0}
         self.clock = clock
 
-    def poll(self) -> list[dict[str, Any]]:
+    def poll(self, now: float | None = None) -> Observation:
         if self.notice is not None:
-            return []
+            return Observation(requests=[self._forward()])
         for name, check in (("aws", self._aws), ("gcp", self._gcp)):
             if getattr(self, name) is None:
                 continue
@@ -363,9 +407,14 @@ class PreemptionWatcher:
                     setattr(self, name, None)
                 continue
             if found:
-                self.notice = {"cloud": name, "detail": found, "time": self.clock()}
-                return [{"event": Event.PREEMPTION_NOTICE, "cloud": name, "detail": found}]
-        return []
+                self.notice = {"cloud": name, "detail": found, "time": self.clock() if now is None else now}
+                seen = note(Event.PREEMPTION_NOTICE, cloud=name, detail=found)
+                return Observation([seen], requests=[self._forward()])
+        return Observation()
+
+    def _forward(self) -> ForwardStop:
+        assert self.notice is not None
+        return ForwardStop(f"preemption notice from {self.notice['cloud']}", dict(self.notice))
 
     @property
     def active(self) -> bool:

@@ -13,12 +13,12 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from prime_train.config.schema import Config
 from prime_train.contract import Event, ExitCode
 from prime_train.kit.failures import FailureKind
-from prime_train.kit.process import ProcessSpec
+from prime_train.kit.observe import Note, Observation, RestartWorker, Watcher, note
+from prime_train.kit.process import ProcessSpec, Role
 from prime_train.rl.vllm_server import (
     VllmEnv,
     find_vllm_python,
@@ -117,8 +117,13 @@ def inference_specs(
             argv = [sys.executable, "-m", "prime_train.rl.worker", "--config", config_path, "--index", str(i)]
         if plan.trainer:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
-        specs.append(ProcessSpec(f"inference-{i}", argv, env, role="inference"))
+        specs.append(ProcessSpec(worker_name(i), argv, env, role=Role.INFERENCE))
     return specs
+
+
+def worker_name(index: int) -> str:
+    """Rollout worker `index`'s process name: its log file, its events, its line in processes.json."""
+    return f"{Role.INFERENCE}-{index}"
 
 
 def never_starts(name: str, code: int | None, findings: list, health, tail: list[str]) -> str | None:
@@ -170,9 +175,12 @@ def http_healthy(url: str, timeout_s: float) -> bool:
         return False
 
 
-class InferenceHealthWatcher:
+class InferenceHealthWatcher(Watcher):
     """Asks each worker's /health with a bounded timeout; a worker that answered before and then misses
-    `misses` polls in a row is wedged (alive as a process, useless as a server)."""
+    `misses` polls in a row is wedged (alive as a process, useless as a server): a RestartWorker request. A worker
+    problem never ends the attempt by itself."""
+
+    blocking = True
 
     def __init__(
         self,
@@ -189,7 +197,6 @@ class InferenceHealthWatcher:
         self.seen_healthy: set[str] = set()
         self.failed_polls: dict[str, int] = {}
         self.wedged: set[str] = set()
-        self.failure = None  # a worker problem never ends the attempt by itself: the supervisor restarts it
 
     def forget(self, name: str) -> None:
         """The worker was restarted: it gets a fresh start-up."""
@@ -197,8 +204,12 @@ class InferenceHealthWatcher:
         self.failed_polls.pop(name, None)
         self.wedged.discard(name)
 
-    def poll(self) -> list[dict[str, Any]]:
-        events = []
+    def restarted(self, process: str) -> None:
+        self.forget(process)
+
+    def poll(self, now: float | None = None) -> Observation:
+        events: list[Note] = []
+        restarts: list[RestartWorker] = []
         for name, url in self.urls.items():
             if name in self.wedged:
                 continue
@@ -206,7 +217,7 @@ class InferenceHealthWatcher:
             ok = self.check(url, self.timeout_s)
             if ok:
                 if name not in self.seen_healthy:
-                    events.append({"event": Event.INFERENCE_HEALTHY, "process": name, "url": url})
+                    events.append(note(Event.INFERENCE_HEALTHY, process=name, url=url))
                 self.seen_healthy.add(name)
                 self.failed_polls[name] = 0
                 continue
@@ -215,8 +226,7 @@ class InferenceHealthWatcher:
             self.failed_polls[name] = self.failed_polls.get(name, 0) + 1
             if self.failed_polls[name] >= self.misses:
                 self.wedged.add(name)
-                events.append(
-                    {"event": Event.INFERENCE_WEDGED, "process": name, "url": url, "misses": self.failed_polls[name],
-                     "last_wait_s": round(time.time() - t0, 2)}
-                )  # fmt: skip
-        return events
+                events.append(note(Event.INFERENCE_WEDGED, process=name, url=url, misses=self.failed_polls[name],
+                                   last_wait_s=round(time.time() - t0, 2)))  # fmt: skip
+                restarts.append(RestartWorker(name, "stopped answering /health"))
+        return Observation(events, requests=restarts)
