@@ -345,3 +345,20 @@ def test_the_price_table_reads_at_80_columns_with_one_line_a_provider():
     assert len(rows) == len(report.rows[0].providers), rows  # one line a provider: nothing wrapped in a cell
     assert all(len(line) <= 80 for line in table)
     assert any("2025 list prices" in line for line in lines), "where each price comes from is still said"
+
+
+def test_lora_costs_4n_for_the_frozen_base_and_6_per_adapter_parameter(tmp_path):
+    cfg = _config(tmp_path)
+    lora = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"rank": 8})})
+    prices = _write_prices(tmp_path / "p.json", {"mycloud": {"prices": {"A100 80GB": {"on_demand": 2.0}}}})
+    whole = estimate_cost(cfg, gpu="A100-80GB", prices_file=prices)
+    report = estimate_cost(lora, gpu="A100-80GB", prices_file=prices)
+    # rank 8 on q,k,v,o (512 → 512) and gate, up (512 → 1024), down (1024 → 512) of 2 layers, by hand
+    adapters = 2 * 8 * (4 * (512 + 512) + 3 * (512 + 1024))  # 139,264
+    attention = 12 * 2 * 8 * 64 * 1000
+    assert report.flops_per_token == 4 * SMALL_PARAMS + 6 * adapters + attention
+    assert whole.flops_per_token == 6 * SMALL_PARAMS + attention
+    ratio = report.flops_per_token / whole.flops_per_token  # about 0.77 here: attention's share does not shrink
+    assert report.rows[0].step_time_s[1] == pytest.approx(ratio * whole.rows[0].step_time_s[1], rel=1e-12)
+    assert any("4N + 6 × adapters" in n for n in report.notes)
+    assert not any("4N" in n for n in whole.notes)

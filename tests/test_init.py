@@ -164,3 +164,52 @@ def test_init_knows_exactly_the_gpus_memory_and_cost_know(tmp_path):
 def _write(path, text: str):
     path.write_text(text)
     return path
+
+
+def _llama_8b(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    model = tmp_path / "llama-8b"
+    model.mkdir()
+    shutil.copy(Path(__file__).parent / "data" / "model_configs" / "Llama-3.1-8B" / "config.json", model)
+    return str(model)
+
+
+def test_lora_is_written_when_full_fine_tuning_does_not_fit_the_gpus(tmp_path):
+    model = _llama_8b(tmp_path)
+    a = Answers(job="sft", model=model, hardware="H100:1")
+    text = build_config(a)
+    assert "\n[lora]\n" in text and "\nrank = 16" in text and '# quantize = "nf4"' in text
+    # the figures behind the choice, from the memory calculator with the config's own settings
+    assert "full fine-tuning needs about 152 GiB a GPU" in text and "about 48 GiB" in text
+    assert any("the config trains LoRA adapters (rank 16)" in n for n in a.notes)
+    assert "lr = 0.0001" in text  # adapters take a higher rate
+    path = tmp_path / "lora.toml"
+    path.write_text(text)
+    problems, cfg = lint_files([str(path)], [])
+    assert problems == [] and cfg is not None and cfg.lora.rank == 16 and cfg.lora.quantize == "none"
+    from prime_train.validator.memory import estimate, inputs_from_config
+
+    assert estimate(inputs_from_config(cfg, gpus=["H100"])).gpus[0].trainer_fits
+    # sharded over 8 GPUs the whole model fits: no [lora]; nor for the tiny model or on the CPU
+    assert "[lora]" not in build_config(Answers(job="sft", model=model, hardware="H100:8"))
+    assert "[lora]" not in build_config(Answers(job="sft", hardware="H100:1"))
+
+
+def test_only_qlora_fits_the_share_of_a_gpu_rl_leaves_the_trainer(tmp_path, monkeypatch):
+    """One GPU for RL: vLLM takes 40 %, and the 8B model with a full-precision base is over the rest."""
+    from pathlib import Path
+
+    from prime_train.cli.init import _lint_generated
+    from prime_train.validator import lora_checks
+
+    model = _llama_8b(tmp_path)
+    text = build_config(Answers(job="rl", model=model, hardware="H100:1"))
+    assert 'quantize = "nf4"' in text.replace('# quantize = "nf4"', "") and "one H100 leaves the trainer" in text
+    # bitsandbytes missing where init runs is the training machine's to have: a warning, and the config is saved
+    monkeypatch.setattr(lora_checks, "installed", lambda m: m != "bitsandbytes")
+    problems = _lint_generated(text, Path("rl.toml"))
+    [missing] = [p for p in problems if p.key == "lora.quantize"]
+    assert missing.severity == "warning" and "install it where the run starts" in missing.message
+    assert not [p for p in problems if p.severity == "error"]

@@ -365,7 +365,15 @@ print("HEAVY=" + ",".join(m for m in {heavy!r} if m in sys.modules))
 """
 
 
-@pytest.mark.parametrize("argv", [["lint", "configs/examples/fsdp-2proc-cpu.toml"], ["--help"]], ids=["lint", "help"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["lint", "configs/examples/fsdp-2proc-cpu.toml"],
+        ["lint", "configs/examples/qwen2.5-7b-lora-1gpu.toml"],
+        ["--help"],
+    ],
+    ids=["lint", "lint-lora", "help"],
+)
 def test_lint_and_help_import_neither_torch_transformers_nor_numpy(argv):
     result = subprocess.run(
         [sys.executable, "-c", IMPORT_PROBE.format(argv=argv, heavy=HEAVY)],
@@ -714,3 +722,70 @@ def test_ckpt_dir_with_ckpt_remote_is_refused_as_nothing_would_be_uploaded(tmp_p
     args = ["--run.output_dir", str(tmp_path), "--ckpt.dir", str(tmp_path / "shared"), "--ckpt.remote", "s3://b/p"]
     problems, _ = lint_files([tiny], args)
     assert [(p.key, p.severity) for p in problems] == [("ckpt.remote", "error")], [p.format() for p in problems]
+
+
+# ---------------------------------------------------------------- [lora]
+
+
+def _without(monkeypatch, *modules: str) -> None:
+    """Make `modules` look uninstalled to lint and preflight's [lora] checks (find_spec, never an import)."""
+    from prime_train.validator import lora_checks
+
+    real = lora_checks.installed
+    monkeypatch.setattr(lora_checks, "installed", lambda m: m not in modules and real(m))
+
+
+def test_lora_without_peft_is_an_error_naming_the_extra_and_a_warning_for_spot_nodes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tiny = str(REPO / "prime_train" / "configs" / "tiny-sft.toml")
+    out = ["--run.output_dir", str(tmp_path)]
+    assert lint_files([tiny], [*out, "--lora.rank", "8"])[0] == []  # peft is installed here (the dev extra)
+    _without(monkeypatch, "peft", "bitsandbytes")
+    problems, _ = lint_files([tiny], [*out, "--lora.rank", "8"])
+    assert [(p.key, p.severity) for p in problems] == [("lora.rank", "error")], [p.format() for p in problems]
+    assert "lora.rank = 8 needs the peft package, which is not installed: pip install 'prime-train[lora]'" in (
+        problems[0].message
+    )
+    assert lint_files([tiny], out)[0] == []  # LoRA off: nothing to install
+    # QLoRA also names bitsandbytes, under lora.quantize
+    problems, _ = lint_files([tiny], [*out, "--lora.rank", "8", "--lora.quantize", "nf4"])
+    assert [p.key for p in problems] == ["lora.rank", "lora.quantize"]
+    assert "needs the bitsandbytes package" in problems[1].message and "prime-train[qlora]" in problems[1].message
+    # a config for spot nodes: they install what they need; this machine only warns
+    problems, _ = lint_files([tiny], [*out, "--lora.rank", "8"], spot=True)
+    problems = [p for p in problems if p.key.startswith("lora.")]  # SkyPilot's own findings aside
+    assert [(p.key, p.severity) for p in problems] == [("lora.rank", "warning")]
+    assert "not installed on this machine (the spot nodes must install it too)" in problems[0].message
+
+
+def test_lint_cli_exits_78_for_lora_without_peft(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from prime_train.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    _without(monkeypatch, "peft")
+    tiny = str(REPO / "prime_train" / "configs" / "tiny-sft.toml")
+    result = CliRunner().invoke(app, ["lint", tiny, "--lora.rank", "16"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert result.exit_code == BAD_INPUT
+    assert "pip install 'prime-train[lora]'" in result.output and "lora.rank" in result.output
+
+
+def test_nf4_with_fsdp_over_one_process_is_no_sharding_and_passes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    from prime_train.validator import lora_checks
+
+    monkeypatch.setattr(lora_checks, "installed", lambda m: True)  # bitsandbytes too, to see the strategy alone
+    tiny = str(REPO / "prime_train" / "configs" / "tiny-sft.toml")
+    nf4 = ["--run.output_dir", str(tmp_path), "--lora.rank", "8", "--lora.quantize", "nf4"]
+    one = ["--distributed.strategy", "fsdp", "--distributed.nproc_per_node", "1"]
+    assert lint_files([tiny], [*nf4, *one])[0] == []
+    problems, _ = lint_files([tiny], [*nf4, "--distributed.strategy", "hsdp"])  # processes unknown: as many as GPUs
+    assert [p.key for p in problems] == ["lora.quantize"] and "'hsdp'" in problems[0].message
+    assert lint_files([tiny], [*nf4, "--distributed.strategy", "ddp"])[0] == []
+
+
+def test_the_lora_example_is_one_80gb_gpu_with_an_8b_class_model():
+    cfg = tomllib.loads((EXAMPLES / "qwen2.5-7b-lora-1gpu.toml").read_text())
+    assert cfg["lora"]["rank"] == 16 and cfg["distributed"]["nproc_per_node"] == 1
+    assert cfg["model"]["path"] == "Qwen/Qwen2.5-7B-Instruct"

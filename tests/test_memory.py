@@ -462,3 +462,185 @@ def test_a_gpu_without_bf16_is_flagged_when_the_run_is_bf16():
     assert any(n.startswith("T4: no bf16") for n in bf16.notes)
     fp32 = estimate(inputs_from_flags(shape, precision="fp32", gpus=["T4"]))
     assert not any("no bf16" in n for n in fp32.notes)
+
+
+# ---------------------------------------------------------------- LoRA
+
+LLAMA31_8B_CONFIG = "tests/data/model_configs/Llama-3.1-8B"  # the hub's config.json, as the counter tests read it
+
+
+def test_adapter_count_of_the_default_tiny_model_is_the_engines():
+    """The engine reports 23,552 trainable of 581,248 at rank 4 and 47,104 at rank 8 for the default tiny model (its
+    tests build it with a 256-token vocabulary): the calculator counts the same adapters."""
+    from prime_train.validator.param_count import count_adapters, count_parameters
+
+    hf, _ = model_shape(Config())
+    assert count_adapters(hf, 4).trainable == 23_552
+    assert count_adapters(hf, 8).trainable == 47_104
+    assert count_parameters({**hf, "vocab_size": 256}) + 23_552 == 581_248
+    trainer = estimate(inputs_from_config(Config.model_validate({"lora": {"rank": 4}}))).trainer
+    assert trainer.trainable_params == 23_552
+    assert trainer.total_params == count_parameters(hf) + 23_552
+    assert trainer.to_dict()["trainable_fraction"] == pytest.approx(23_552 / trainer.total_params, abs=1e-6)
+
+
+def test_llama3_8b_fits_one_80gb_gpu_with_lora_and_not_trained_whole():
+    settings = {"seq_len": 2048, "micro_batch": 1, "activation_checkpointing": "full", "gpus": ["H100", "A100-80GB"]}
+    full = estimate(inputs_from_flags(LLAMA31_8B_CONFIG, **settings))
+    lora = estimate(inputs_from_flags(LLAMA31_8B_CONFIG, lora_rank=16, **settings))
+    qlora = estimate(inputs_from_flags(LLAMA31_8B_CONFIG, lora_rank=16, lora_quantize="nf4", **settings))
+    assert not any(g.trainer_fits for g in full.gpus)
+    assert all(g.trainer_fits and not g.tight for g in lora.gpus)
+    assert all(g.trainer_fits for g in qlora.gpus) and qlora.trainer.total < lora.trainer.total
+    # rank 16 on q/k/v/o and gate/up/down of 32 layers: the figure peft prints for Llama-3-8B
+    assert lora.trainer.trainable_params == 41_943_040
+    names = [p.name for p in lora.trainer.parts]
+    assert {"adapter weights", "adapter gradients", "adapter optimizer states"} <= set(names)
+    assert "gradients" not in names and "optimizer states" not in names  # the frozen base has neither
+    n, a = 8_030_261_248, 41_943_040
+    assert lora.trainer.weights == n * 4  # the base as the engine holds it: fp32
+    assert lora.trainer.gradients == a * 4 and lora.trainer.optimizer_states == a * 8
+    # NF4: the decoder blocks' linear weights at 4.127 bits; embeddings, lm_head and norms as they were
+    linear = 32 * (4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 14336)
+    assert qlora.trainer.weights == math.ceil(linear * (4 + 8 / 64 + 32 / 64 / 256) / 8 + (n - linear) * 4)
+    # activations barely move: what the frozen weights' gradients needed goes, the adapters' r-wide outputs come
+    assert 0.9 * full.trainer.activations < lora.trainer.activations < full.trainer.activations
+
+
+def test_lora_settings_the_engine_refuses_are_refused():
+    with pytest.raises(MemoryInputError, match="set a LoRA rank"):
+        inputs_from_flags(LLAMA31_8B_CONFIG, lora_quantize="nf4")
+    with pytest.raises(MemoryInputError, match=r"not supported with distributed\.strategy = 'fsdp'"):
+        inputs_from_flags(LLAMA31_8B_CONFIG, lora_rank=8, lora_quantize="nf4", strategy="fsdp", gpus_per_node=8)
+    one_gpu = inputs_from_flags(LLAMA31_8B_CONFIG, lora_rank=8, lora_quantize="nf4", strategy="fsdp")
+    assert estimate(one_gpu).trainer.trainable_params > 0  # one process shards nothing: the engine trains it unwrapped
+    with pytest.raises(MemoryInputError, match=r"'qkv' matches no linear layer.*q_proj"):
+        estimate(inputs_from_flags(LLAMA31_8B_CONFIG, lora_rank=8, lora_targets=["q_proj", "qkv"]))
+
+
+def _lora_model(cfg: Config, rank: int = 8, **lora: object):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    from prime_train.config.schema import LoraConfig
+    from prime_train.engine.lora import apply_lora
+    from prime_train.engine.model import build_model
+
+    hf, _ = model_shape(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, hf["vocab_size"])
+    return apply_lora(model, LoraConfig(rank=rank, **lora)), hf
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"]], ids=["all-linear", "q-v"])
+def test_lora_weights_gradients_and_adamw_states_match_a_real_step(targets):
+    """One AdamW step of the engine's model with peft's adapters in it: the frozen base, the adapters and their
+    gradients and moments as the calculator counts them (fp32 on the CPU)."""
+    torch = pytest.importorskip("torch")
+    from prime_train.engine.evaluate import token_losses
+    from prime_train.engine.optim import build_optimizer
+
+    cfg = _small_config(tie_embeddings=False)
+    model, hf = _lora_model(cfg, target_modules=targets)
+    optimizer = build_optimizer(model, cfg.train, torch.device("cpu"))
+    ids = torch.randint(0, hf["vocab_size"], (2, 128))
+    loss, _ = token_losses(model, ids, torch.arange(128).expand(2, 128), ids.clone())
+    loss.backward()
+    optimizer.step()
+
+    params = list({id(p): p for p in model.parameters()}.values())
+    trained = [p for p in params if p.requires_grad]
+    assert all(p.grad is None for p in params if not p.requires_grad)
+    moments = sum(optimizer.state[p][k].numel() * 4 for p in trained for k in ("exp_avg", "exp_avg_sq"))
+    lora_cfg = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"rank": 8, "target_modules": targets})})
+    trainer = estimate(inputs_from_config(lora_cfg, precision="fp32", strategy="none")).trainer
+    assert trainer.trainable_params == sum(p.numel() for p in trained)
+    assert trainer.weights + trainer.get("adapter weights") == sum(p.numel() * p.element_size() for p in params)
+    assert trainer.gradients == sum(p.grad.numel() * p.grad.element_size() for p in trained)
+    assert trainer.optimizer_states == moments
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"]], ids=["all-linear", "q-v"])
+def test_lora_activations_match_the_tensors_autograd_saves(targets):
+    """What a real fp32 forward of the engine's model with adapters keeps for backward (a saved-tensors hook): the
+    full model's activations less what only the frozen weights' gradients needed, plus each adapter's r-wide output."""
+    torch = pytest.importorskip("torch")
+    from prime_train.engine.evaluate import token_losses
+
+    cfg = _small_config(tie_embeddings=False)
+    model, hf = _lora_model(cfg, target_modules=targets)
+    vocab = hf["vocab_size"]
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    activations = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in param_storages and not (t.dim() and t.shape[-1] == vocab):
+            activations.append(t)
+        return t
+
+    ids = torch.randint(0, vocab, (2, 128))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        token_losses(model, ids, torch.arange(128).expand(2, 128), ids.clone())
+    measured = _storage_bytes(activations)
+    lora_cfg = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"rank": 8, "target_modules": targets})})
+    lora = estimate(inputs_from_config(lora_cfg, loss="full")).trainer.activations
+    assert lora == pytest.approx(measured, rel=0.03)
+    assert lora < estimate(inputs_from_config(cfg, loss="full")).trainer.activations  # the whole model keeps more
+
+
+def test_selective_checkpointing_keeps_the_adapters_matmul_outputs_too():
+    """Selective checkpointing keeps every matmul's output (engine/parallel.py): with LoRA, A's and B's as well."""
+    torch = pytest.importorskip("torch")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from prime_train.engine.model import decoder_layers
+    from prime_train.engine.parallel import apply_ac, selective_save_ops
+    from prime_train.validator.memory_breakdown import _activation_bytes_per_token, _lora_activations
+
+    cfg = _small_config(tie_embeddings=False, activation_checkpointing="selective")
+    model, hf = _lora_model(cfg)
+    layers = decoder_layers(model)
+    apply_ac(model, layers, "selective")
+    save, inside, kept = selective_save_ops(), [False], []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if inside[0] and func in save:
+                kept.extend(t for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor))
+            return out
+
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+        layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    ids = torch.randint(0, hf["vocab_size"], (2, 128))
+    with Record():
+        model(ids, labels=ids.clone())
+    measured = _storage_bytes(kept) + len(layers) * ids.numel() * hf["hidden_size"] * 4  # + the layer inputs
+
+    lora_cfg = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"rank": 8})})
+    inputs = inputs_from_config(lora_cfg)
+    shape = ModelShape.from_hf(hf)
+    per_token = _activation_bytes_per_token(inputs, shape)["selective"]
+    per_token += _lora_activations(inputs, shape, inputs.adapters).selective
+    assert ids.numel() * len(layers) * per_token == measured
+
+
+def test_memory_command_takes_lora_flags_and_shows_the_adapters(tmp_path):
+    from typer.testing import CliRunner
+
+    from prime_train.cli import app
+
+    wide = {"COLUMNS": "200", "NO_COLOR": "1"}
+    args = ["memory", "--model", LLAMA31_8B_CONFIG, "--seq-len", "2048", "--checkpointing", "full", "--gpu", "H100"]
+    result = CliRunner().invoke(app, [*args, "--lora-rank", "16", "--json"], env=wide)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["lora"] == {"rank": 16, "targets": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                                                    "v_proj"], "quantize": "none", "trainable_params": 41_943_040,
+                            "exact": True}  # fmt: skip
+    assert data["trainer"]["trainable_params"] == 41_943_040 and data["gpus"][0]["trainer_fits"]
+    text = CliRunner().invoke(app, [*args, "--lora-rank", "16", "--lora-quantize", "nf4"], env=wide).stdout
+    assert "41,943,040 trainable of 8,072,204,288 parameters (0.520 %), base in NF4" in text
+    assert "adapter optimizer states" in text and "NF4 base: 0.516 B a weight" in text
+    refused = CliRunner().invoke(app, [*args, "--lora-quantize", "nf4"], env=wide)
+    assert refused.exit_code == 78 and "set a LoRA rank" in refused.output

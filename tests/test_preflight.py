@@ -583,3 +583,108 @@ def test_sparse_layer_count_by_formula_equals_transformers_with_a_step_and_dense
     assert count.total == sum(built.values())
     # layers 1 and 5 are sparse (every 2nd, 3 is listed dense): two layers of 4 experts × 3 matrices of 32 × 16
     assert count.parts["experts"] == 2 * 4 * 3 * 32 * 16
+
+
+# ---------------------------------------------------------------- LoRA
+
+
+def _packages(monkeypatch, **present: bool) -> None:
+    """Which of peft / bitsandbytes the [lora] checks find here (find_spec, never an import)."""
+    from prime_train.validator import lora_checks
+
+    real = lora_checks.installed
+    monkeypatch.setattr(lora_checks, "installed", lambda m: present.get(m, real(m)))
+
+
+def _gpu_cuda(monkeypatch, cfg):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    return check_cuda(cfg, gpu_probe=healthy_probe(8))
+
+
+def test_lora_check_passes_with_peft_and_reports_the_trainable_share(tmp_path):
+    from prime_train.validator.lora_checks import check_lora
+
+    cfg = make_config(tmp_path, lora={"rank": 4})
+    result = check_lora(cfg, check_cuda(cfg), "none")
+    assert result.status == PASS
+    assert result.details["trainable_params"] == 23_552 and result.details["total_params"] == 589_440
+    assert "23,552 trainable of 589,440 parameters (3.996 %)" in result.message
+    assert check_lora(make_config(tmp_path), check_cuda(cfg), "none") is None  # LoRA off: no check
+    names = [r.name for r in run_preflight(cfg, disk_usage=disk_with(1e12))]
+    assert names == [*CHECK_NAMES[:3], "lora", *CHECK_NAMES[3:]]
+
+
+def test_lora_without_peft_fails_preflight_with_exit_78_naming_the_extra(tmp_path, monkeypatch, capsys):
+    _packages(monkeypatch, peft=False)
+    cfg = make_config(tmp_path, lora={"rank": 8})
+    by_name = {r.name: r for r in run_preflight(cfg, disk_usage=disk_with(1e12))}
+    lora = by_name["lora"]
+    assert lora.status == FAIL and "needs the peft package" in lora.message
+    assert lora.fix == "pip install 'prime-train[lora]'"
+    assert preflight_command(cfg, as_json=True) == 78
+    assert any(c["name"] == "lora" and c["status"] == FAIL for c in json.loads(capsys.readouterr().out))
+
+
+def test_nf4_is_refused_without_cuda_then_without_bitsandbytes_then_sharded(tmp_path, monkeypatch):
+    from prime_train.validator.lora_checks import check_lora
+
+    nf4 = {"rank": 16, "quantize": "nf4"}
+    cfg = make_config(tmp_path, lora=nf4)
+    _packages(monkeypatch, peft=True, bitsandbytes=True)
+    on_cpu = check_lora(cfg, check_cuda(cfg), "none")  # this CPU machine: the cuda check's verdict
+    assert on_cpu.status == FAIL and "needs a CUDA GPU" in on_cpu.message and "run on a CUDA GPU" in on_cpu.fix
+    gpu = _gpu_cuda(monkeypatch, cfg)  # eight healthy H100s, as a replayed inventory would show them
+    assert gpu.status == PASS
+    assert check_lora(cfg, gpu, "none").status == PASS
+    assert check_lora(cfg, gpu, "ddp").status == PASS
+    sharded = check_lora(cfg, gpu, "fsdp")
+    assert sharded.status == FAIL and "distributed.strategy = 'fsdp'" in sharded.message
+    _packages(monkeypatch, peft=True, bitsandbytes=False)
+    missing = check_lora(cfg, gpu, "none")
+    assert missing.status == FAIL and "bitsandbytes" in missing.message and "prime-train[qlora]" in missing.fix
+    # run_preflight resolves the strategy as the engine does: FSDP over one process shards nothing
+    _packages(monkeypatch, peft=True, bitsandbytes=True)
+    one = make_config(tmp_path, lora=nf4, distributed={"strategy": "fsdp", "nproc_per_node": 1})
+    results = {r.name: r for r in run_preflight(one, gpu_probe=healthy_probe(1), disk_usage=disk_with(1e12))}
+    assert results["lora"].status == PASS, results["lora"].message
+
+
+def test_lora_checkpoints_hold_the_adapters_only():
+    cfg = Config.model_validate({"lora": {"rank": 16}, "ckpt": {"interval": 100, "keep_last": 2},
+                                 "train": {"max_steps": 1000}})  # fmt: skip
+    n, adapters = 8_030_261_248, 41_943_040
+    whole = checkpoint_disk_need(cfg, n)
+    lora = checkpoint_disk_need(cfg, n, adapters)
+    assert lora["checkpoints"] == whole["checkpoints"] == 3
+    assert lora["checkpoint_bytes"] == adapters * 12 and whole["checkpoint_bytes"] == n * 12
+    assert lora["export_bytes"] == (n + adapters) * 4  # the merged model and the adapter beside it
+    alone = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"merge_on_export": False})})
+    assert checkpoint_disk_need(alone, n, adapters)["export_bytes"] == adapters * 4
+
+
+def test_memory_fit_counts_lora_and_offers_it_when_the_whole_model_does_not_fit(tmp_path):
+    model_dir = tmp_path / "llama"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(LLAMA31_8B))
+    common = {"model": {"path": str(model_dir), "activation_checkpointing": True}, "data": {"seq_len": 2048},
+              "train": {"micro_batch_size": 1}}  # fmt: skip
+    whole = check_memory_fit(make_config(tmp_path, **common), gpu_run=True, gpu_memory_bytes=80 * GIB)
+    assert whole.status == FAIL and "--lora.rank 16: about" in whole.fix
+    lora = check_memory_fit(make_config(tmp_path, lora={"rank": 16}, **common), gpu_run=True, gpu_memory_bytes=80 * GIB)
+    assert lora.status == PASS and "LoRA: 41.9M trainable" in lora.message
+    assert lora.details["trainable_params"] == 41_943_040
+    assert lora.details["states_bytes"] < whole.details["states_bytes"] / 3
+
+
+def test_the_shipped_lora_example_passes_the_memory_check_on_one_80gb_gpu(tmp_path):
+    from prime_train.config.loader import load_config
+
+    repo = Path(__file__).resolve().parents[1]
+    qwen = repo / "tests" / "data" / "model_configs" / "Qwen2.5-7B-Instruct"  # its hub config.json
+    example = str(repo / "configs" / "examples" / "qwen2.5-7b-lora-1gpu.toml")
+    cfg = load_config([example], ["--model.path", str(qwen), "--run.output_dir", str(tmp_path)])
+    for gpu in (80 * GIB, 81559 * 2**20 * 0.99):  # nominal, and what an H100's probe reports free
+        result = check_memory_fit(cfg, gpu_run=True, gpu_memory_bytes=gpu)
+        assert result.status == PASS, result.message
+    whole = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"rank": 0})})
+    assert check_memory_fit(whole, gpu_run=True, gpu_memory_bytes=80 * GIB).status == FAIL

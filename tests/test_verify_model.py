@@ -113,6 +113,27 @@ def test_counter_equals_a_transformers_model_built_from_the_same_config(name):
     assert count.parts["experts"] == experts
 
 
+@pytest.mark.parametrize("name", [n for n in FAMILIES if "VL" not in n and n != "gemma-3-4b-it"])
+def test_adapters_counted_equal_the_linear_layers_transformers_builds(name):
+    """LoRA's adapters (r × (in + out) for each linear layer of the decoder blocks, as engine/lora.py finds them)
+    and the linear weights NF4 would hold, counted from config.json alone, against transformers' own model."""
+    torch = pytest.importorskip("torch")
+    from prime_train.engine.model import decoder_layers
+
+    model = _meta_model(CONFIGS / name)
+    linears = [
+        (lname, m) for layer in decoder_layers(model) for lname, m in layer.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    ]  # fmt: skip
+    count = param_count.count_adapters(config_of(name), 16)
+    assert count.exact and not count.unmatched
+    assert count.trainable == sum(16 * (m.in_features + m.out_features) for _, m in linears)
+    assert count.linear_params == sum(m.in_features * m.out_features for _, m in linears)
+    assert count.linear_names == sorted({lname.rsplit(".", 1)[-1] for lname, _ in linears})
+    named = param_count.count_adapters(config_of(name), 8, ["o_proj"])
+    assert named.trainable == sum(8 * (m.in_features + m.out_features) for n, m in linears if n.endswith(".o_proj"))
+
+
 @pytest.mark.parametrize(
     ("name", "published_active_billions"),
     [("Mixtral-8x7B-v0.1", 12.9), ("Qwen3-30B-A3B", 3.3), ("Qwen1.5-MoE-A2.7B", 2.7), ("DeepSeek-V3", 37)],
@@ -616,3 +637,45 @@ def test_models_json_and_the_models_table():
     for entry in data["models"]:
         assert entry["model_id"] in out
     assert "nobody has served or trained" in out
+
+
+# ---------------------------------------------------------------- LoRA when full fine-tuning does not fit
+
+
+def test_lora_is_offered_with_its_figure_when_full_fine_tuning_does_not_fit(tmp_path):
+    llama = verify_model(str(model_dir(tmp_path, "Llama-3.1-8B")), job="sft")  # held against one H100
+    assert llama.ok  # an offer, not a problem
+    [offer] = [w for w in llama.warnings if "full fine-tuning" in w]
+    assert "--lora.rank 16" in offer and "41,943,040 trainable" in offer and "which fits" in offer
+    assert llama.lora_trainable_parameters == 41_943_040
+    assert llama.lora_train_memory_bytes == 8_030_261_248 * 4 + 41_943_040 * 16  # fp32 base + the adapters' states
+    assert llama.qlora_train_memory_bytes < llama.lora_train_memory_bytes < 80 << 30 < llama.train_memory_bytes
+    assert llama.train_gpu == {
+        "gpu": "H100 SXM", "count": 1, "memory_bytes": 81559 << 20, "full_fits": False, "lora_fits": True,
+        "qlora_fits": True,
+    }  # fmt: skip
+    data = llama.to_dict()
+    assert data["lora_train_memory_bytes"] == llama.lora_train_memory_bytes and "lora" in data["memory_assumptions"]
+
+    eight = verify_model(str(tmp_path / "Llama-3.1-8B"), job="sft", gpu="H100:8")  # FSDP over 8: 15 GiB a GPU
+    assert eight.train_gpu["full_fits"] and not any("full fine-tuning" in w for w in eight.warnings)
+    small = verify_model(str(model_dir(tmp_path, "Qwen3-0.6B")), job="sft")
+    assert small.train_gpu["full_fits"] and not any("full fine-tuning" in w for w in small.warnings)
+    with pytest.raises(ValueError, match="unknown GPU"):
+        verify_model(str(tmp_path / "Llama-3.1-8B"), job="sft", gpu="Z9000")
+
+
+def test_verify_model_cli_takes_the_gpu_and_shows_the_lora_row(tmp_path):
+    directory = model_dir(tmp_path, "Qwen2.5-7B-Instruct")
+    run = subprocess.run(
+        [sys.executable, "-m", "prime_train", "verify-model", str(directory), "--job", "sft", "--gpu", "A100-40GB"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "with LoRA (rank 16)" in run.stdout and "40,370,176 trainable" in run.stdout
+    assert "more than the 40.0 GiB of one A100 40GB" in " ".join(run.stdout.split())
+    bad = subprocess.run(
+        [sys.executable, "-m", "prime_train", "verify-model", str(directory), "--gpu", "cpu"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 78 and "--gpu names a GPU type" in bad.stderr

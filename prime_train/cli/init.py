@@ -130,6 +130,9 @@ def _lint_generated(text: str, output_path: Path) -> list[Problem]:
     # lint also checks this machine: a run.output_dir (or ckpt.dir) it cannot write from here is about where
     # `prime-train run` is started, not a mistake in the generated config. Said as a warning; the config is saved.
     for p in problems:
+        if p.severity == "error" and p.key in _PACKAGE_KEYS and "not installed" in p.message:
+            p.severity = "warning"
+            p.message += " (on this machine: install it where the run starts)"
         if p.severity == "error" and p.key in _MACHINE_KEYS and "cannot be written" in p.message:
             p.severity = "warning"
             p.message = (
@@ -141,6 +144,8 @@ def _lint_generated(text: str, output_path: Path) -> list[Problem]:
 
 # lint's problems about this machine rather than the config (a directory it cannot write from here)
 _MACHINE_KEYS = ("run.output_dir", "ckpt.dir")
+# ... and the packages a [lora] the wizard wrote needs (peft, bitsandbytes), missing here but not where it trains
+_PACKAGE_KEYS = ("lora.rank", "lora.quantize")
 
 
 def _cannot_write(path: Path, exc: OSError) -> CliError:

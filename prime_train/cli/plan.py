@@ -22,24 +22,30 @@ models_app = typer.Typer(help="The tested-model registry shipped with prime-trai
 def verify_model(
     model: Annotated[str, typer.Argument(help="HF model id, HF cache entry or local directory with config.json.")],
     job: Annotated[str, typer.Option(help="The job it is for: sft, pretrain or rl.")] = "rl",
+    gpu: Annotated[
+        Optional[str], typer.Option(help="GPU type[:count] to train on, for the memory verdict; default: one H100.")
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Can this model be used, before you pay: architecture, vLLM support, size, memory, tool calling.
 
     Reads config.json (and tokenizer_config.json) from a directory, the HF cache, or the hub when
     online. Exit 0 when usable for the job, 1 when not, 78 (bad input) when its config cannot be found.
+    When full fine-tuning does not fit the GPUs (--gpu), it says what LoRA (--lora.rank 16) needs.
 
     Examples:
 
       prime-train verify-model Qwen/Qwen2.5-7B-Instruct
 
       prime-train verify-model runs/tiny-sft/final --job sft --json
+
+      prime-train verify-model meta-llama/Llama-3.1-8B-Instruct --job sft --gpu A100-80GB
     """
     from prime_train.validator.models import render_report
     from prime_train.validator.models import verify_model as verify
 
     try:  # ModelConfigNotFound is bad input, printed (as JSON too with --json) by the error handler
-        report = verify(model, job=job)
+        report = verify(model, job=job, gpu=gpu)
     except ValueError as exc:  # a job or a model name that names nothing
         raise CliError(exc, BAD_INPUT) from None
     output.emit(report, as_json, lambda console: render_report(report, console))
@@ -80,13 +86,19 @@ def memory(
     gpu_memory_utilization: Annotated[Optional[float], typer.Option(help="vLLM: its share of the GPU.")] = None,
     colocate: Annotated[Optional[bool], typer.Option(help="Trainer and vLLM on the same GPU.")] = None,
     gpu: Annotated[Optional[list[str]], typer.Option(help="GPUs to give a verdict for (repeatable).")] = None,
+    lora_rank: Annotated[
+        Optional[int], typer.Option(min=0, help="LoRA: train adapters of this rank only, the base frozen (0: off).")
+    ] = None,
+    lora_quantize: Annotated[Optional[str], typer.Option(help="LoRA: none, or nf4 for a 4-bit base (QLoRA).")] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Will it fit: per-GPU memory of the trainer (and vLLM), and a verdict for each common GPU.
 
     Weights, gradients and optimizer states by precision, optimizer and sharding strategy;
     activations by sequence length, micro-batch and checkpointing (Korthikanti et al. 2022); the
-    KV cache of vLLM; a recommended split when both share one GPU.
+    KV cache of vLLM; a recommended split when both share one GPU. With LoRA ([lora], or
+    --lora-rank) the base is frozen: only the adapters have gradients and optimizer states,
+    and with nf4 the base's linear weights take 4 bits.
 
     Examples:
 
@@ -95,6 +107,8 @@ def memory(
       prime-train memory --model Qwen/Qwen2.5-7B-Instruct --seq-len 4096 --gpus-per-node 8 --strategy fsdp
 
       prime-train memory configs/tiny-rl.toml --colocate --gpu H100 --json
+
+      prime-train memory --model meta-llama/Llama-3.1-8B --seq-len 4096 --lora-rank 16 --gpu H100
     """
     from prime_train.validator.memory import estimate, inputs_from_config, inputs_from_flags, render_memory
 
@@ -104,6 +118,7 @@ def memory(
         "strategy": strategy, "precision": precision, "optimizer": optimizer,
         "activation_checkpointing": checkpointing, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
         "gpu_memory_utilization": gpu_memory_utilization, "colocate": colocate, "gpus": gpu,
+        "lora_rank": lora_rank, "lora_quantize": lora_quantize,
     }  # fmt: skip
     flags = {k: v for k, v in flags.items() if v is not None}
     if paths or overrides or model is None:  # a config (the tiny default when none), flags on top

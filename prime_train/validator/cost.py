@@ -30,7 +30,7 @@ from prime_train.validator.gpus import DATA_DIR, GpuSpec, GpuTable, load_gpus
 from prime_train.validator.memory import estimate, inputs_from_config
 from prime_train.validator.memory_inputs import MemoryInputError, resolve_model
 from prime_train.validator.model_shape import model_shape
-from prime_train.validator.param_count import count_parameters
+from prime_train.validator.param_count import count_adapters, count_parameters
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -49,8 +49,11 @@ class CostInputError(MemoryInputError):
 # ---------------------------------------------------------------- FLOPs and tokens
 
 
-def flops_per_token(hf: dict[str, Any], seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward): the engine's formula, on an HF config dict."""
+def flops_per_token(hf: dict[str, Any], seq_len: int, adapters: int | None = None) -> float:
+    """Training FLOPs per token (forward + backward): the engine's formula, on an HF config dict.
+
+    With LoRA (`adapters`: the trainable adapter parameters) the frozen base computes no weight gradients: 4 FLOPs
+    per base parameter (2 forward, 2 for the input gradients) instead of 6, and the adapters 6 each."""
     if "hidden_size" not in hf and isinstance(hf.get("text_config"), dict):
         hf = hf["text_config"]
     h, vocab = hf["hidden_size"], hf["vocab_size"]
@@ -59,7 +62,8 @@ def flops_per_token(hf: dict[str, Any], seq_len: int) -> float:
     tied = hf.get("tie_word_embeddings", True)
     # the input embedding is a lookup, not a matmul; a tied lm_head shares its table but is a matmul
     matmul_params = count_parameters(hf) - (0 if tied else vocab * h)
-    return 6.0 * matmul_params + 12.0 * layers * heads * head_dim * seq_len
+    weights = 6.0 * matmul_params if adapters is None else 4.0 * matmul_params + 6.0 * adapters
+    return weights + 12.0 * layers * heads * head_dim * seq_len
 
 
 def total_sequences(train: TrainConfig, seq_len: int, world_size: int, steps: int | None = None) -> int:
@@ -360,6 +364,13 @@ def estimate_cost(
     _require_measured_step(cfg, step_time_s)
 
     run = _run_size(cfg, model, steps, num_gpus)
+    if cfg.lora.enabled and step_time_s is None:
+        notes.append(
+            f"LoRA (rank {cfg.lora.rank}): the frozen base computes no weight gradients, 4N + 6 × adapters FLOPs per "
+            "token instead of 6N"
+            + ("; NF4 dequantizes every base weight in each matmul: expect a lower MFU (measure it)"
+               if cfg.lora.quantize == "nf4" else "")
+        )  # fmt: skip
     if cfg.train.precision == "fp32" and step_time_s is None:
         notes.append("train.precision = 'fp32': the estimate uses bf16 peaks; fp32 (TF32) runs are slower")
     if not selected:
@@ -503,8 +514,18 @@ def _run_size(cfg: Config, model: dict[str, Any] | str | None, steps: int | None
         seq_len=seq_len,
         total_tokens=sequences * seq_len,
         full_step_tokens=cfg.train.global_batch_size * seq_len,
-        flops_per_token=flops_per_token(hf, seq_len),
+        flops_per_token=flops_per_token(hf, seq_len, _adapters(cfg, hf)),
     )
+
+
+def _adapters(cfg: Config, hf: dict[str, Any]) -> int | None:
+    """The trainable adapter parameters of a LoRA run (None without LoRA)."""
+    if not cfg.lora.enabled:
+        return None
+    try:
+        return count_adapters(hf, cfg.lora.rank, cfg.lora.target_modules).trainable
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CostInputError(f"LoRA adapters not counted: the model's config lacks {exc}") from None
 
 
 def _priced_gpus(gpus: GpuTable, prices: PriceTable, step_time_s: float | None, notes: list[str]) -> list[GpuSpec]:

@@ -21,6 +21,7 @@ from prime_train.config.schema import Config
 from prime_train.rl.budget import lint_problems as token_budget_problems
 from prime_train.validator import data_fields
 from prime_train.validator.data_fields import DATA_SUFFIXES, TASK_FIELDS
+from prime_train.validator.lora_checks import lora_problems
 
 
 def data_parallel_size(cfg: Config) -> int:
@@ -137,7 +138,9 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
         token_budget_problems,
     )
     problems = [problem for rule in rules for problem in rule(cfg, sources)]
-    if spot or "spot" in cfg.model_fields_set:  # a [spot] table: this config is meant for `run --spot`
+    spot = spot or "spot" in cfg.model_fields_set  # a [spot] table: this config is meant for `run --spot`
+    problems.extend(lora_problems(cfg, sources, spot=spot))
+    if spot:
         problems.extend(spot_problems(cfg, sources))
     return problems
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from prime_train.validator.gpus import GpuSpec, GpuTable, load_gpus
 from prime_train.validator.memory_breakdown import (
+    NF4_BYTES_PER_PARAM,
     InferenceMemory,
     TrainerMemory,
     inference_memory,
@@ -76,6 +77,10 @@ def inputs_from_config(cfg: Config, **overrides: Any) -> MemoryInputs:
         "attention": attention,
         "loss": {"native": "chunked", "hf": "full"}.get(cfg.model.implementation, "auto"),
         "hsdp_shard_size": cfg.distributed.hsdp_shard_size,
+        "lora_rank": cfg.lora.rank,
+        "lora_targets": cfg.lora.target_modules,
+        "lora_quantize": cfg.lora.quantize,
+        "lora_dropout": cfg.lora.dropout,
     }
     if cfg.run.job == "rl" and not cfg.job.command:
         inf = cfg.inference
@@ -219,9 +224,20 @@ class MemoryReport:
 
     def to_dict(self) -> dict[str, Any]:
         settings = {k: v for k, v in asdict(self.inputs).items() if k != "model"}
+        ad = self.inputs.adapters
+        lora = None
+        if ad is not None:
+            lora = {
+                "rank": ad.rank,
+                "targets": sorted({lin.name.rsplit(".", 1)[-1] for lin in ad.adapted}),
+                "quantize": self.inputs.lora_quantize,
+                "trainable_params": ad.trainable,
+                "exact": ad.exact,
+            }
         return {
             "model": {"source": self.inputs.model_source, **asdict(self.shape)},
             "settings": settings,
+            "lora": lora,
             "trainer": self.trainer.to_dict(),
             "inference": self.inference.to_dict() if self.inference else None,
             "gpus": [g.to_dict() for g in self.gpus],
@@ -238,9 +254,9 @@ def estimate(params: MemoryInputs, *, gpu_table: GpuTable | None = None) -> Memo
             f"hsdp_shard_size = {params.shard_group} does not divide the {params.world_size} GPUs of the job"
         )
     table = gpu_table or load_gpus()
+    notes = lora_notes(params)
     trainer = trainer_memory(params, shape)
     inf = inference_memory(params, shape)
-    notes = []
     if params.strategy in ZERO_FAMILY and params.precision == "bf16":
         notes.append("ZeRO family: bf16 weights and gradients, fp32 master weights inside the optimizer states")
     if params.strategy in ("none", "ddp") and params.precision == "bf16":
@@ -269,6 +285,29 @@ def estimate(params: MemoryInputs, *, gpu_table: GpuTable | None = None) -> Memo
     )
 
 
+def lora_notes(params: MemoryInputs) -> list[str]:
+    """What the estimate says of LoRA's adapters; MemoryInputError for target_modules that name no linear layer of a
+    model whose layers the counter knows (the engine would refuse them at start-up)."""
+    ad = params.adapters
+    if ad is None:
+        return []
+    if ad.unmatched and (ad.exact or not ad.adapted):
+        shown = ", ".join(repr(t) for t in ad.unmatched)
+        raise MemoryInputError(
+            f"lora.target_modules: {shown} {'matches' if len(ad.unmatched) == 1 else 'match'} no linear layer in the "
+            f"decoder blocks; its linear layers are: {', '.join(ad.linear_names)} (or use 'all-linear')"
+        )
+    notes = [f"LoRA adapters: {n}" for n in ad.notes]
+    if ad.unmatched:
+        notes.append(f"lora.target_modules {', '.join(map(repr, ad.unmatched))}: no such layer in the counted model")
+    if params.lora_quantize == "nf4":
+        notes.append(
+            f"NF4 base: {NF4_BYTES_PER_PARAM:.3f} B a weight (bitsandbytes' 4-bit NormalFloat with double-quantized "
+            "block constants); its matmuls dequantize each weight, so expect slower steps than a bf16 base"
+        )
+    return notes
+
+
 # ---------------------------------------------------------------- rendering
 
 
@@ -293,6 +332,13 @@ def render_memory(report: MemoryReport, console: Console) -> None:
         f"checkpointing {p.activation_checkpointing}, attention {p.attention}, "
         f"loss {'chunked' if p.chunked_loss else 'on whole logits'}"
     )
+    if (ad := p.adapters) is not None:
+        t = report.trainer
+        targets = ", ".join(sorted({lin.name.rsplit(".", 1)[-1] for lin in ad.adapted}))
+        console.print(
+            f"LoRA rank {ad.rank} on {escape(targets)}: {t.trainable_params:,} trainable of {t.total_params:,} "
+            f"parameters ({100 * t.trainable_fraction:.3f} %)" + (", base in NF4" if p.lora_quantize == "nf4" else "")
+        )
     parts = Table(title="Trainer memory per GPU", title_justify="left")
     parts.add_column("part")
     parts.add_column("GiB", justify="right")

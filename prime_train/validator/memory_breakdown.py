@@ -40,6 +40,22 @@ use ``gradient_as_bucket_view``); ``zero1`` optimizer states / N; ``zero2`` + gr
 the current and the prefetched one) and one unit's unsharded gradient. ZeRO's communication buckets
 (DeepSpeed's ``reduce_bucket_size``) come on top and are not modelled.
 
+LoRA (``lora.rank`` > 0)
+------------------------
+The base is frozen: its weights are held as the run holds every weight (fp32 in the engine, bf16 in the ZeRO
+accounting), with no gradients and no optimizer states. With ``lora.quantize = "nf4"`` (QLoRA) every linear weight of
+the decoder blocks is held in 4-bit NormalFloat instead, 0.516 B a parameter (4 bits, plus bitsandbytes' double-
+quantized block constants: one byte per 64 weights, and 4 bytes per 256 blocks); embeddings, norms and lm_head stay
+as they were. The adapters, r × (in + out) for each targeted linear layer (param_count.count_adapters, the count the
+engine reports), take the table's bytes as any trained parameter: weights, gradients, optimizer states, sharded
+alike. Under autocast (none/ddp in bf16) only the adapters' casts are cached; a frozen weight's cast is kept for
+backward where it is used (every layer's without checkpointing, one layer's at a time with it; NF4 weights are
+dequantized inside their matmul and keep none). Activations are the full model's less what only a frozen weight's
+gradient needed (each norm's normalised value, the token ids, lm_head's input, and the input of a linear layer no
+adapted layer reads too), plus A's r-wide output for each adapter (with ``lora.dropout``, also its mask, one byte on
+CUDA, and its dropped input); selective checkpointing keeps every matmul output, so B's out-wide ones as well. The
+first layer keeps a little less again when its first adapter comes late (down_proj only): not modelled.
+
 Activations
 -----------
 After Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (section 4),
@@ -92,6 +108,7 @@ from prime_train.validator.memory_inputs import (
     MemoryInputs,
     ModelShape,
 )
+from prime_train.validator.param_count import AdapterCount
 
 # optimizer states per parameter besides master weights: AdamW's m and v, 8-bit AdamW's quantised m and v,
 # SGD's momentum buffer
@@ -101,6 +118,15 @@ RUNTIME_OVERHEAD_BYTES = GIB
 VLLM_BLOCK_TOKENS = 16
 VLLM_MAX_BATCHED_TOKENS = 8192
 LOSS_BYTES_PER_VOCAB = 12  # fp32: saved log-softmax + its incoming gradient + the logits' gradient
+# bitsandbytes' NF4 (Linear4bit's defaults, which engine/lora.py uses): 4 bits a weight, one 8-bit absmax per block of
+# 64 weights (double quantization, compress_statistics) and one fp32 constant per 256 of those blocks (QLoRA paper,
+# Dettmers et al. 2023, section 3: 4 + 8/64 + 32/(64·256) = 4.127 bits)
+NF4_BYTES_PER_PARAM = (4 + 8 / 64 + 32 / (64 * 256)) / 8
+# The parts that are the parameters' own (what preflight calls the states), the rest being activations and runtime
+STATE_PARTS = (
+    "weights", "adapter weights", "gradients", "adapter gradients", "optimizer states", "adapter optimizer states",
+    "bf16 weight copy", "DDP gradient buckets", "gathered units",
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------- the trainer
@@ -124,6 +150,12 @@ class TrainerMemory:
     bytes_per_param: dict[str, float]
     shard_group: int
     per_micro_batch_bytes: int  # how much one more sequence of micro-batch adds: the linear part
+    trainable_params: int = 0  # what trains: every parameter, or with LoRA the adapters only
+    total_params: int = 0  # the model's parameters, adapters included
+
+    @property
+    def trainable_fraction(self) -> float:
+        return self.trainable_params / self.total_params if self.total_params else 1.0
 
     def get(self, name: str) -> int:
         for part in self.parts:
@@ -141,11 +173,16 @@ class TrainerMemory:
 
     @property
     def gradients(self) -> int:
-        return self.get("gradients")
+        return self.get("gradients") + self.get("adapter gradients")
 
     @property
     def optimizer_states(self) -> int:
-        return self.get("optimizer states")
+        return self.get("optimizer states") + self.get("adapter optimizer states")
+
+    @property
+    def states(self) -> int:
+        """Everything but activations, logits and the runtime: what the parameters cost (STATE_PARTS)."""
+        return sum(self.get(name) for name in STATE_PARTS)
 
     @property
     def activations(self) -> int:
@@ -158,6 +195,9 @@ class TrainerMemory:
             "parts": [p.to_dict() for p in self.parts],
             "bytes_per_param": self.bytes_per_param,
             "shard_group": self.shard_group,
+            "trainable_params": self.trainable_params,
+            "total_params": self.total_params,
+            "trainable_fraction": round(self.trainable_fraction, 6),
         }
 
 
@@ -208,16 +248,10 @@ def _activation_bytes_per_token(inputs: MemoryInputs, m: ModelShape) -> dict[str
     }
 
 
-def trainer_memory(inputs: MemoryInputs, m: ModelShape, *, micro_batch: int | None = None) -> TrainerMemory:
-    """Per-GPU bytes of a training process, part by part (see the module docstring for every rule)."""
-    mb = micro_batch if micro_batch is not None else inputs.micro_batch
-    n = inputs.shard_group
-    strat = inputs.strategy
-    per = bytes_per_param(strat, inputs.precision, inputs.optimizer)
-    p = m.num_params
-    shard_w = n if strat in ("zero3", "fsdp", "hsdp") else 1
-    shard_g = n if strat in ("zero2", "zero3", "fsdp", "hsdp") else 1
-    shard_o = n if strat in ("zero1", "zero2", "zero3", "fsdp", "hsdp") else 1
+def _state_parts(inputs: MemoryInputs, m: ModelShape, per: dict[str, float]) -> list[Part]:
+    """Weights, gradients, optimizer states and their companions when the whole model trains."""
+    n, strat, p = inputs.shard_group, inputs.strategy, m.num_params
+    shard_w, shard_g, shard_o = _shards(inputs)
     over = f" / {n} GPUs" if n > 1 else ""
     parts = [
         Part("weights", math.ceil(p * per["weights"] / shard_w), f"{p:,} params × {per['weights']} B"
@@ -238,21 +272,131 @@ def trainer_memory(inputs: MemoryInputs, m: ModelShape, *, micro_batch: int | No
         unit = max(m.layer_params, m.root_params)
         gathered = (m.root_params + 2 * m.layer_params + unit) * w
         parts.append(Part("gathered units", gathered, "root unit + 2 decoder layers unsharded, one unit's gradient"))
+    return parts
+
+
+def _shards(inputs: MemoryInputs) -> tuple[int, int, int]:
+    """What the weights, the gradients and the optimizer states are divided by (ZeRO stages, FSDP, HSDP)."""
+    n, strat = inputs.shard_group, inputs.strategy
+    return (
+        n if strat in ("zero3", "fsdp", "hsdp") else 1,
+        n if strat in ("zero2", "zero3", "fsdp", "hsdp") else 1,
+        n if strat in ("zero1", "zero2", "zero3", "fsdp", "hsdp") else 1,
+    )
+
+
+def _lora_state_parts(inputs: MemoryInputs, m: ModelShape, per: dict[str, float], ad: AdapterCount) -> list[Part]:
+    """With LoRA: the frozen base (4-bit NF4 linear weights with lora.quantize = "nf4"), and the adapters' weights,
+    gradients and optimizer states; the base has neither gradients nor optimizer states."""
+    n, strat, p, a = inputs.shard_group, inputs.strategy, m.num_params, ad.trainable
+    shard_w, shard_g, shard_o = _shards(inputs)
+    over = f" / {n} GPUs" if n > 1 else ""
+    nf4 = inputs.lora_quantize == "nf4"
+    quantized = ad.linear_params if nf4 else 0
+    base = (p - quantized) * per["weights"] + quantized * NF4_BYTES_PER_PARAM
+    how = f"frozen base: {p:,} params × {per['weights']} B"
+    if nf4:
+        nf4_how = f"{quantized:,} in NF4 × {NF4_BYTES_PER_PARAM:.3f} B"
+        how = f"frozen base: {nf4_how} + {p - quantized:,} × {per['weights']} B"
+    parts = [
+        Part("weights", math.ceil(base / shard_w), how + (over if shard_w > 1 else "")),
+        Part("adapter weights", math.ceil(a * per["weights"] / shard_w),
+             f"LoRA rank {ad.rank}: {a:,} params × {per['weights']} B" + (over if shard_w > 1 else "")),
+        Part("adapter gradients", math.ceil(a * per["gradients"] / shard_g),
+             f"adapters only: × {per['gradients']} B" + (over if shard_g > 1 else "")),
+        Part("adapter optimizer states", math.ceil(a * per["optimizer states"] / shard_o),
+             f"{inputs.optimizer}, adapters only: × {per['optimizer states']} B" + (over if shard_o > 1 else "")),
+    ]  # fmt: skip
+    if per["bf16 weight copy"]:
+        # autocast caches the casts of weights that train (the adapters) until backward; a frozen weight's cast is
+        # made at each use and kept only where backward needs it: every layer's without checkpointing, one layer's
+        # at a time with it (recomputed); NF4 layers dequantize inside their matmul and keep only the 4-bit weight
+        lm_head = 0 if inputs.chunked_loss else m.vocab * m.hidden  # the fused loss keeps no cast of lm_head
+        if nf4:
+            held, kept = lm_head + max((lin.fan_in * lin.fan_out for lin in ad.per_block), default=0), "one dequantized"
+        elif inputs.activation_checkpointing == "none":
+            held, kept = lm_head + ad.linear_params, "every frozen"
+        else:
+            held, kept = lm_head + ad.linear_params // max(1, m.layers), "one layer's frozen"
+        parts.append(Part("bf16 weight copy", 2 * (a + held), f"casts of the adapters and of {kept} weight(s)"))
+    if strat == "ddp" and inputs.world_size > 1:
+        parts.append(Part("DDP gradient buckets", a * per["gradients"], "a second copy of the adapters' gradients"))
+    if strat in ("zero3", "fsdp", "hsdp"):
+        w = 2 if inputs.precision == "bf16" else 4
+        gathered = (m.root_params + 2 * m.layer_params) * w + math.ceil(a / max(1, m.layers)) * w
+        parts.append(Part("gathered units", gathered, "root unit + 2 decoder layers unsharded, one layer's adapters' "
+                                                      "gradient"))  # fmt: skip
+    return parts
+
+
+# What each linear layer of a block reads (LoRA's activations): the attention's input (the first norm's output), the
+# MLP's input (the second norm's output), or the MLP's product; o_proj's input, the attention output, is kept anyway
+_READS_ATTENTION_INPUT = ("q_proj", "k_proj", "v_proj", "qkv_proj", "q_a_proj", "kv_a_proj_with_mqa")
+_READS_MLP_INPUT = ("gate_proj", "up_proj", "gate_up_proj", "shared_expert_gate")
+
+
+@dataclass
+class _LoraActivations:
+    """How LoRA changes the bytes a token leaves for backward: in a decoder layer, in what selective checkpointing
+    keeps of one, and outside the layers."""
+
+    layer: float
+    selective: float
+    outside: float
+
+
+def _lora_activations(inputs: MemoryInputs, m: ModelShape, ad: AdapterCount | None) -> _LoraActivations:
+    """A frozen weight's gradient is never computed, so what only it needed is not kept: each norm's normalised
+    value, the input of a linear layer without an adapter (unless an adapted one reads the same tensor), the token
+    ids of the embedding, lm_head's input. Each adapter keeps A's r-wide output for B's gradient (with dropout, also
+    its mask and its dropped input); selective checkpointing keeps every matmul output, B's out-wide one too."""
+    if ad is None:
+        return _LoraActivations(0.0, 0.0, 0.0)
+    bf16 = inputs.precision == "bf16"
+    a = 2 if bf16 else 4
+    autocast = bf16 and inputs.strategy in ("none", "ddp")
+    h = m.hidden
+    norm_weight_only = 4 * h if (autocast or not bf16) else h * a  # the normalised value `weight *` keeps
+    block = ad.per_block
+    leaves = {lin.name.rsplit(".", 1)[-1] for lin in block}
+    layer = len(block) * ad.rank * a - 2 * norm_weight_only
+    if inputs.lora_dropout > 0:
+        layer += sum(lin.fan_in for lin in block) * (1 + a)
+    if not leaves & set(_READS_ATTENTION_INPUT):
+        layer -= h * a
+    if not leaves & set(_READS_MLP_INPUT):
+        layer -= h * a
+    if "down_proj" not in leaves:
+        layer -= m.mlp_width * a
+    selective = sum(ad.rank + lin.fan_out for lin in block) * a
+    outside = -norm_weight_only - 8 - (0 if inputs.chunked_loss else h * a)
+    return _LoraActivations(float(layer), float(selective), float(outside))
+
+
+def trainer_memory(inputs: MemoryInputs, m: ModelShape, *, micro_batch: int | None = None) -> TrainerMemory:
+    """Per-GPU bytes of a training process, part by part (see the module docstring for every rule)."""
+    mb = micro_batch if micro_batch is not None else inputs.micro_batch
+    per = bytes_per_param(inputs.strategy, inputs.precision, inputs.optimizer)
+    ad = inputs.adapters
+    parts = _state_parts(inputs, m, per) if ad is None else _lora_state_parts(inputs, m, per, ad)
 
     act = _activation_bytes_per_token(inputs, m)
+    lora = _lora_activations(inputs, m, ad)
     tokens = mb * inputs.seq_len
-    layer = act["norms"] + act["attention"] + act["scores"] + act["mlp"]
+    layer = act["norms"] + act["attention"] + act["scores"] + act["mlp"] + lora.layer
     ckpt = inputs.activation_checkpointing
     if ckpt == "full":
         per_token = m.layers * act["layer_input"] + layer
         how = f"{m.layers} layer inputs + one layer recomputed"
     elif ckpt == "selective":
-        per_token = m.layers * act["selective"]
+        per_token = m.layers * (act["selective"] + lora.selective)
         how = f"{m.layers} layers' inputs, matmul and attention outputs; the rest recomputed"
     else:
         per_token = m.layers * layer
         how = f"{m.layers} layers"
-    per_token += act["final_norm"] + act["indices"]
+    if ad is not None:
+        how += "; frozen weights' own needs left out, the adapters' added"
+    per_token += act["final_norm"] + act["indices"] + lora.outside
     parts.append(
         Part(
             "activations",
@@ -260,28 +404,34 @@ def trainer_memory(inputs: MemoryInputs, m: ModelShape, *, micro_batch: int | No
             f"{mb} × {inputs.seq_len} tokens × {per_token / 1024:,.1f} KiB; {how}",
         )
     )
-    if inputs.chunked_loss:
-        # engine/loss.py: a chunk's fp32 logits and gradient at a time, the hidden states' gradient kept for
-        # backward, the lm_head's gradient summed in fp32 and kept in the weight's dtype. A whole chunk is counted
-        # even when the batch has fewer tokens, so memory stays linear in the micro-batch (max_micro_batch)
-        a = 2 if inputs.precision == "bf16" else 4
-        chunk = LOSS_CHUNK_TOKENS * act["logits"]
-        lm_head_grad = m.vocab * m.hidden * (4 + a)
-        loss_bytes, per_token_loss = chunk + lm_head_grad + tokens * m.hidden * a, m.hidden * a
-        how = (
-            f"chunks of {LOSS_CHUNK_TOKENS} tokens × vocab × 12 B, lm_head's gradient in fp32, hidden states' gradient"
-        )
-    else:
-        loss_bytes, per_token_loss = tokens * act["logits"], act["logits"]
-        how = f"tokens × vocab {m.vocab:,} × 12 B (fp32 loss on the whole logits)"
-    parts.append(Part("logits and loss", int(loss_bytes), how))
+    loss_part, per_token_loss = _loss_part(inputs, m, act, tokens)
+    parts.append(loss_part)
     parts.append(Part("runtime", RUNTIME_OVERHEAD_BYTES, "CUDA context, cuBLAS workspaces, NCCL buffers"))
     return TrainerMemory(
         parts=parts,
         bytes_per_param={k: float(v) for k, v in per.items()},
-        shard_group=n,
+        shard_group=inputs.shard_group,
         per_micro_batch_bytes=int(inputs.seq_len * (per_token + per_token_loss)),
+        trainable_params=ad.trainable if ad else m.num_params,
+        total_params=m.num_params + (ad.trainable if ad else 0),
     )
+
+
+def _loss_part(inputs: MemoryInputs, m: ModelShape, act: dict[str, float], tokens: int) -> tuple[Part, float]:
+    """The logits and the loss, and what one more token adds to them."""
+    if inputs.chunked_loss:
+        # engine/loss.py: a chunk's fp32 logits and gradient at a time, the hidden states' gradient kept for
+        # backward, the lm_head's gradient summed in fp32 and kept in the weight's dtype (a frozen lm_head's too).
+        # A whole chunk is counted even when the batch has fewer tokens, so memory stays linear in the micro-batch
+        a = 2 if inputs.precision == "bf16" else 4
+        chunk = LOSS_CHUNK_TOKENS * act["logits"]
+        lm_head_grad = m.vocab * m.hidden * (4 + a)
+        how = (
+            f"chunks of {LOSS_CHUNK_TOKENS} tokens × vocab × 12 B, lm_head's gradient in fp32, hidden states' gradient"
+        )
+        return Part("logits and loss", int(chunk + lm_head_grad + tokens * m.hidden * a), how), m.hidden * a
+    how = f"tokens × vocab {m.vocab:,} × 12 B (fp32 loss on the whole logits)"
+    return Part("logits and loss", int(tokens * act["logits"]), how), act["logits"]
 
 
 def max_micro_batch(inputs: MemoryInputs, m: ModelShape, capacity: float) -> int:

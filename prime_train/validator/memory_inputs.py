@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prime_train.validator.param_count import count_parameters
+from prime_train.validator.param_count import ALL_LINEAR, AdapterCount, count_adapters, count_parameters
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -34,6 +34,8 @@ KV_CACHE_DTYPES = {"auto": None, "bf16": 2, "fp16": 2, "fp8": 1, "fp8_e4m3": 1, 
 INFERENCE_DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 ZERO_FAMILY = ("zero1", "zero2", "zero3")
+# lora.quantize: the frozen base as the run holds it, or its decoder blocks' linear weights in 4-bit NormalFloat
+LORA_QUANTIZE = ("none", "nf4")
 
 
 class MemoryInputError(ValueError):
@@ -179,6 +181,11 @@ class MemoryInputs:
     tensor_parallel: int = 1
     colocate: bool = False
     gpus: list[str] | None = None  # the GPUs to give verdicts for; None: the whole table
+    # LoRA ([lora]): adapters of lora_rank on lora_targets train, the base is frozen (0: the whole model trains)
+    lora_rank: int = 0
+    lora_targets: str | list[str] = ALL_LINEAR
+    lora_quantize: str = "none"
+    lora_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         choices = {
@@ -190,6 +197,7 @@ class MemoryInputs:
             "loss": LOSSES,
             "kv_cache_dtype": tuple(KV_CACHE_DTYPES),
             "inference_dtype": tuple(INFERENCE_DTYPES),
+            "lora_quantize": LORA_QUANTIZE,
         }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
@@ -202,10 +210,36 @@ class MemoryInputs:
             raise MemoryInputError(f"max_model_len = {self.max_model_len!r}: must be ≥ 1")
         if self.hsdp_shard_size is not None and self.hsdp_shard_size < 1:
             raise MemoryInputError(f"hsdp_shard_size = {self.hsdp_shard_size!r}: must be ≥ 1")
+        self._check_lora()
         if not 0 < self.gpu_memory_utilization <= 1:
             raise MemoryInputError(
                 f"gpu_memory_utilization = {self.gpu_memory_utilization!r}: must be in (0, 1], a fraction of the GPU"
             )
+
+    def _check_lora(self) -> None:
+        if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 0:
+            raise MemoryInputError(f"lora_rank = {self.lora_rank!r}: must be a whole number ≥ 0 (0: no LoRA)")
+        if self.lora_quantize != "none" and not self.lora_rank:
+            raise MemoryInputError(
+                f"lora_quantize = {self.lora_quantize!r} quantizes the frozen base under LoRA adapters: set a LoRA rank"
+            )
+        if self.lora_quantize == "nf4" and self.strategy in ("fsdp", "hsdp") and self.world_size > 1:
+            from prime_train.config.schema import LoraConfig
+
+            nf4 = LoraConfig(rank=1, quantize="nf4")
+            raise MemoryInputError(nf4.unavailable(strategy=self.strategy, cuda=True, bitsandbytes=True))
+        if not 0 <= self.lora_dropout < 1:
+            raise MemoryInputError(f"lora_dropout = {self.lora_dropout!r}: must be in [0, 1)")
+
+    @property
+    def adapters(self) -> AdapterCount | None:
+        """The LoRA adapters the run trains (None without LoRA); MemoryInputError when they cannot be counted."""
+        if not self.lora_rank:
+            return None
+        try:
+            return count_adapters(self.model, self.lora_rank, self.lora_targets)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MemoryInputError(f"LoRA adapters not counted: {self.model_source} lacks {exc}") from None
 
     @property
     def chunked_loss(self) -> bool:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 # ModelConfigNotFound is verify_model's error (raised by find_model_files): its callers import it from here
 from prime_train.validator.model_files import ModelConfigNotFound, ModelFiles, find_model_files  # noqa: F401
-from prime_train.validator.param_count import ParameterCount, count_model_parameters, text_config
+from prime_train.validator.param_count import ParameterCount, count_adapters, count_model_parameters, text_config
 from prime_train.validator.registry import lookup
 from prime_train.validator.vllm_compat import (
     VllmSupport,
@@ -43,6 +43,14 @@ TRAIN_MEMORY_ASSUMPTION = (
     "weights and two fp32 moments), before activations; sharding (FSDP) divides it across GPUs"
 )
 SERVE_MEMORY_ASSUMPTION = "weights only, in the dtype vLLM serves them; the KV cache and activations come on top"
+# LoRA's offer when the full fine-tuning does not fit: adapters of this rank on every linear layer of the blocks
+LORA_RANK = 16
+LORA_MEMORY_ASSUMPTION = (
+    f"LoRA rank {LORA_RANK} on every linear layer of the decoder blocks, on one GPU: the frozen base as the engine "
+    "holds it (fp32, 4 bytes/parameter; QLoRA: its linear weights in NF4, about 0.52 bytes) and the adapters' weights, "
+    "gradients and AdamW states (16 bytes/parameter), before activations"
+)
+DEFAULT_TRAIN_GPU = "H100"
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1, "float8": 1}
 # MXFP4: 4-bit values plus one shared 8-bit exponent per block of 32.
@@ -84,6 +92,11 @@ class ModelReport:
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # LoRA (rank LORA_RANK, all linear layers): what trains and the memory before activations, base in fp32 or NF4
+    lora_trainable_parameters: int | None = None
+    lora_train_memory_bytes: int | None = None
+    qlora_train_memory_bytes: int | None = None
+    train_gpu: dict[str, Any] | None = None  # the GPUs the training figures are held against, and the verdicts
 
     @property
     def ok(self) -> bool:
@@ -102,7 +115,11 @@ class ModelReport:
             "parser": data.pop("tool_call_parser"),
             "note": tool_note,
         }
-        data["memory_assumptions"] = {"serve": SERVE_MEMORY_ASSUMPTION, "train": TRAIN_MEMORY_ASSUMPTION}
+        data["memory_assumptions"] = {
+            "serve": SERVE_MEMORY_ASSUMPTION,
+            "train": TRAIN_MEMORY_ASSUMPTION,
+            "lora": LORA_MEMORY_ASSUMPTION,
+        }
         data["ok"] = self.ok
         return data
 
@@ -151,8 +168,13 @@ class _Findings:
     notes: list[str] = field(default_factory=list)
 
 
-def verify_model(name_or_path: str, *, job: str = "rl", offline: bool | None = None) -> ModelReport:
+def verify_model(
+    name_or_path: str, *, job: str = "rl", offline: bool | None = None, gpu: str | None = None
+) -> ModelReport:
     """Read a model's config and answer: can this job use it, and what will it cost in memory?
+
+    `gpu` ('H100', 'A100-80GB:4'; default one H100) is what the training memory is held against: when full
+    fine-tuning's states do not fit it, the report offers LoRA with its figure (a warning: the model stays usable).
 
     Raises ModelConfigNotFound when config.json cannot be read (CLI exit 2). A config.json that lacks what a
     parameter count needs (an unknown architecture without intermediate_size, say) still gets its report: the
@@ -161,6 +183,7 @@ def verify_model(name_or_path: str, *, job: str = "rl", offline: bool | None = N
     """
     if job not in JOBS:
         raise ValueError(f"job must be one of {', '.join(JOBS)}, not {job!r}")
+    train_gpus = _train_gpus(gpu or DEFAULT_TRAIN_GPU)
     files = find_model_files(name_or_path, offline=offline)
     hf = files.config
     architectures = hf.get("architectures") or []
@@ -182,6 +205,7 @@ def verify_model(name_or_path: str, *, job: str = "rl", offline: bool | None = N
     max_len, rope = _context(text, found)
     tested = lookup(files.model_id)
     _versions(tested, support, found)
+    lora = _training_fit(count, hf, train_gpus, found) if count is not None else {}
 
     return ModelReport(
         name=name_or_path,
@@ -212,7 +236,61 @@ def verify_model(name_or_path: str, *, job: str = "rl", offline: bool | None = N
         problems=found.problems,
         warnings=found.warnings,
         notes=found.notes,
+        **lora,
     )
+
+
+def _train_gpus(gpu: str) -> tuple[Any, int]:
+    """The GPU spec and count `gpu` ('H100', 'H100:8') names; ValueError for one the GPU table does not know."""
+    from prime_train.config.accelerators import parse_accelerators
+    from prime_train.validator.gpus import load_gpus
+    from prime_train.validator.memory_inputs import MemoryInputError
+
+    accelerators = parse_accelerators(gpu, what="--gpu")
+    if accelerators.is_cpu:
+        raise ValueError("--gpu names a GPU type, optionally with a count: 'H100' or 'H100:8'")
+    n = accelerators.whole_count("training takes whole GPUs", what="--gpu")
+    try:
+        return load_gpus().find(accelerators.name), n
+    except MemoryInputError as exc:
+        raise ValueError(f"--gpu {gpu!r}: {exc}") from None
+
+
+def _training_fit(count: ParameterCount, hf: dict[str, Any], gpus: tuple[Any, int], found: _Findings) -> dict[str, Any]:
+    """The LoRA figures, and a warning offering LoRA when full fine-tuning's states (16 B/param, sharded over the
+    GPUs) do not fit one of the `gpus` (spec, count)."""
+    from prime_train.validator.memory_breakdown import NF4_BYTES_PER_PARAM
+
+    spec, n = gpus
+    ad = count_adapters(hf, LORA_RANK)
+    lora = count.total * 4 + ad.trainable * TRAIN_BYTES_PER_PARAM
+    qlora = (count.total - ad.linear_params) * 4 + ad.linear_params * NF4_BYTES_PER_PARAM
+    qlora += ad.trainable * TRAIN_BYTES_PER_PARAM
+    full = count.total * TRAIN_BYTES_PER_PARAM / n
+    cap = spec.memory_bytes
+    verdict = {"gpu": spec.name, "count": n, "memory_bytes": cap, "full_fits": full <= cap, "lora_fits": lora <= cap,
+               "qlora_fits": qlora <= cap}  # fmt: skip
+    if full > cap:
+        where = f"{n} × {spec.name}" if n > 1 else f"one {spec.name}"
+        shard = f" sharded over {n} GPUs" if n > 1 else ""
+        offer = (
+            f"full fine-tuning needs about {human_bytes(full)} a GPU before activations (16 B/param{shard}), more "
+            f"than the {human_bytes(cap)} of {where}. LoRA trains adapters only: --lora.rank {LORA_RANK} "
+            f"({ad.trainable:,} trainable) needs about {human_bytes(lora)} on one GPU"
+        )
+        if lora <= cap:
+            offer += f", which fits (QLoRA, --lora.quantize nf4 on CUDA: about {human_bytes(qlora)})"
+        elif qlora <= cap:
+            offer += f"; with its base in 4 bits (QLoRA: --lora.quantize nf4, CUDA) {human_bytes(qlora)}, which fits"
+        else:
+            offer += f" (QLoRA about {human_bytes(qlora)}): neither fits; shard over more GPUs with fsdp"
+        found.warnings.append(offer + "; `prime-train memory` adds the activations")
+    return {
+        "lora_trainable_parameters": ad.trainable,
+        "lora_train_memory_bytes": int(lora),
+        "qlora_train_memory_bytes": int(qlora),
+        "train_gpu": verdict,
+    }
 
 
 def _parameter_count(hf: dict[str, Any], model_id: str, found: _Findings) -> ParameterCount | None:
@@ -389,6 +467,15 @@ def render_report(report: ModelReport, console: Any) -> None:
     table.add_row(
         "memory to train", escape(human_bytes(train) + (" (16 B/param, full AdamW)" if train is not None else ""))
     )
+    if report.lora_train_memory_bytes is not None and report.num_parameters:
+        share = 100 * (report.lora_trainable_parameters or 0) / report.num_parameters
+        table.add_row(
+            f"with LoRA (rank {LORA_RANK})",
+            escape(
+                f"{human_bytes(report.lora_train_memory_bytes)} ({report.lora_trainable_parameters:,} trainable, "
+                f"{share:.2f} %); QLoRA {human_bytes(report.qlora_train_memory_bytes)}"
+            ),
+        )
     tested = report.tested
     table.add_row(
         "registry", escape(f"{tested['model_id']} (checked {tested.get('tested_on')})" if tested else "not listed")

@@ -340,3 +340,137 @@ def count_model_parameters(hf: dict[str, Any]) -> ParameterCount:
 def count_parameters(hf: dict[str, Any]) -> int:
     """Total parameters of the model an HF config dict describes (see `count_model_parameters`)."""
     return count_model_parameters(hf).total
+
+
+# ---------------------------------------------------------------- LoRA adapters
+
+# What lora.target_modules = "all-linear" means (config/schema.py LORA_ALL_LINEAR): every linear layer of the blocks.
+ALL_LINEAR = "all-linear"
+# Vision-language outer types: the engine's decoder blocks there are not (only) the language model's.
+_VL_TYPES = frozenset(_VISION_COUNTED | {"qwen2_vl", "qwen2_5_vl"})
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One linear layer of a decoder block: its name inside the block, its sizes, and in how many blocks it is."""
+
+    name: str
+    fan_in: int
+    fan_out: int
+    blocks: int
+
+    @property
+    def params(self) -> int:
+        return self.fan_in * self.fan_out * self.blocks
+
+
+def _mlp_linears(prefix: str, h: int, width: int, blocks: int) -> list[Linear]:
+    return [
+        Linear(f"{prefix}.gate_proj", h, width, blocks),
+        Linear(f"{prefix}.up_proj", h, width, blocks),
+        Linear(f"{prefix}.down_proj", width, h, blocks),
+    ]
+
+
+def _attention_linears(cfg: dict[str, Any], text_type: str, h: int, layers: int) -> list[Linear]:
+    heads = _num(cfg, "num_attention_heads")
+    if text_type == "deepseek_v3":  # multi-head latent attention
+        rope, nope, v = _num(cfg, "qk_rope_head_dim"), _num(cfg, "qk_nope_head_dim"), _num(cfg, "v_head_dim")
+        kv_rank, q_rank = _num(cfg, "kv_lora_rank"), cfg.get("q_lora_rank")
+        q = [Linear("self_attn.q_proj", h, heads * (nope + rope), layers)]
+        if q_rank:
+            q_rank = _num(cfg, "q_lora_rank")
+            q = [Linear("self_attn.q_a_proj", h, q_rank, layers),
+                 Linear("self_attn.q_b_proj", q_rank, heads * (nope + rope), layers)]  # fmt: skip
+        return [
+            *q,
+            Linear("self_attn.kv_a_proj_with_mqa", h, kv_rank + rope, layers),
+            Linear("self_attn.kv_b_proj", kv_rank, heads * (nope + v), layers),
+            Linear("self_attn.o_proj", heads * v, h, layers),
+        ]
+    head_dim = _num(cfg, "head_dim", h // heads)
+    q, kv = heads * head_dim, _num(cfg, "num_key_value_heads", heads) * head_dim
+    if text_type == "phi3":  # fused q/k/v
+        return [Linear("self_attn.qkv_proj", h, q + 2 * kv, layers), Linear("self_attn.o_proj", q, h, layers)]
+    return [
+        Linear("self_attn.q_proj", h, q, layers),
+        Linear("self_attn.k_proj", h, kv, layers),
+        Linear("self_attn.v_proj", h, kv, layers),
+        Linear("self_attn.o_proj", q, h, layers),
+    ]
+
+
+def decoder_linears(hf: dict[str, Any]) -> list[Linear]:
+    """The nn.Linear layers inside the decoder blocks of the model `hf` describes, as transformers 5 builds them:
+    what LoRA's "all-linear" adapts and NF4 quantizes. Routed experts (fused tensors) and routers are not nn.Linear
+    there, so mixture-of-experts blocks contribute their attention, shared experts and dense layers only."""
+    cfg, text_type, _ = split_config(hf)
+    h, layers = _num(cfg, "hidden_size"), _layers(cfg)
+    out = _attention_linears(cfg, text_type, h, layers)
+    sparse = _moe_layer_count(cfg, text_type, layers)
+    if layers - sparse:
+        if text_type == "phi3":  # fused gate/up
+            width = _num(cfg, "intermediate_size")
+            out += [Linear("mlp.gate_up_proj", h, 2 * width, layers), Linear("mlp.down_proj", width, h, layers)]
+        else:
+            out += _mlp_linears("mlp", h, _num(cfg, "intermediate_size"), layers - sparse)
+    if sparse and text_type == "qwen2_moe":
+        out += _mlp_linears("mlp.shared_expert", h, _num(cfg, "shared_expert_intermediate_size"), sparse)
+        out.append(Linear("mlp.shared_expert_gate", h, 1, sparse))
+    elif sparse and text_type == "deepseek_v3" and _num(cfg, "n_shared_experts", 0):
+        width = _num(cfg, "moe_intermediate_size") * _num(cfg, "n_shared_experts")
+        out += _mlp_linears("mlp.shared_experts", h, width, sparse)
+    return out
+
+
+@dataclass
+class AdapterCount:
+    """LoRA's adapters on a model: B (out × r) @ A (r × in) beside each targeted linear layer of every block."""
+
+    rank: int
+    trainable: int  # the adapters' parameters: rank × (in + out) summed over the adapted layers
+    adapted: list[Linear]
+    linear_params: int  # every linear weight of the decoder blocks (what lora.quantize = "nf4" holds in 4 bits)
+    linear_names: list[str]  # the distinct names an entry of target_modules can end with
+    unmatched: list[str]  # target_modules entries that name no linear layer
+    exact: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def per_block(self) -> list[Linear]:
+        """The adapted layers of one block (a block of the most common kind)."""
+        most = max((lin.blocks for lin in self.adapted), default=0)
+        return [lin for lin in self.adapted if lin.blocks == most]
+
+
+def count_adapters(hf: dict[str, Any], rank: int, targets: str | list[str] = ALL_LINEAR) -> AdapterCount:
+    """The adapters `lora.rank` and `lora.target_modules` put on the model `hf` describes (engine/lora.py's rule: an
+    entry names the layers whose name is it or ends in '.<entry>'; 'all-linear' every linear layer of the blocks)."""
+    _, text_type, outer = split_config(hf)
+    linears = decoder_linears(hf)
+    if targets == ALL_LINEAR:
+        adapted, unmatched = linears, []
+    else:
+        names = list(targets)
+
+        def hit(lin: Linear) -> bool:
+            return any(lin.name == t or lin.name.endswith("." + t) for t in names)
+
+        adapted = [lin for lin in linears if hit(lin)]
+        unmatched = [t for t in names if not any(lin.name == t or lin.name.endswith("." + t) for lin in linears)]
+    notes = []
+    exact = text_type in EXACT_TEXT_TYPES and outer not in _VL_TYPES
+    if outer in _VL_TYPES:
+        notes.append(f"{outer}: the language model's linear layers only (the vision tower's are not counted)")
+    elif text_type not in EXACT_TEXT_TYPES:
+        notes.append(f"model_type {text_type!r} is not one the counter mirrors: Llama-shaped linear layers assumed")
+    return AdapterCount(
+        rank=rank,
+        trainable=sum(rank * (lin.fan_in + lin.fan_out) * lin.blocks for lin in adapted),
+        adapted=adapted,
+        linear_params=sum(lin.params for lin in linears),
+        linear_names=sorted({lin.name.rsplit(".", 1)[-1] for lin in linears}),
+        unmatched=unmatched,
+        exact=exact,
+        notes=notes,
+    )

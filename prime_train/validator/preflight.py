@@ -31,7 +31,9 @@ from prime_train.contract import ExitCode
 from prime_train.kit.gpu import ENV_GPU_REPLAY, replayed_probe
 from prime_train.launch import node_rank, procs_per_node, rendezvous_endpoint, visible_gpu_count
 from prime_train.validator.checks import FAIL, PASS, WARN, CheckResult
+from prime_train.validator.lora_checks import adapters, check_lora
 from prime_train.validator.memory import estimate, inputs_from_config
+from prime_train.validator.memory_breakdown import STATE_PARTS
 from prime_train.validator.memory_inputs import MemoryInputError
 from prime_train.validator.model_shape import model_shape
 from prime_train.validator.param_count import count_parameters
@@ -356,16 +358,19 @@ def _existing_ancestor(path: Path) -> Path:
 # ---------------------------------------------------------------- disk
 
 
-def checkpoint_disk_need(cfg: Config, num_params: int) -> dict[str, int]:
-    """Bytes the run's checkpoints and export occupy at their peak, with the counts behind it."""
+def checkpoint_disk_need(cfg: Config, num_params: int, adapters: int | None = None) -> dict[str, int]:
+    """Bytes the run's checkpoints and export occupy at their peak, with the counts behind it. With LoRA
+    (`adapters` parameters) a checkpoint holds the adapters and their optimizer state only, and the export the
+    adapter (PEFT's format) and, with lora.merge_on_export, the merged model."""
     ck, max_steps = cfg.ckpt, cfg.train.max_steps
     written = max_steps // ck.interval + (1 if ck.resumable_final_save and max_steps % ck.interval else 0)
     # keep_last + 1: the next checkpoint is written whole before the oldest is deleted
     kept = written if ck.keep_last is None else min(written, ck.keep_last + 1)
     if ck.keep_every:
         kept = min(written, kept + max_steps // ck.keep_every)
-    per_checkpoint = num_params * DCP_BYTES_PER_PARAM
-    export = num_params * EXPORT_BYTES_PER_PARAM if ck.export_final else 0
+    per_checkpoint = (num_params if adapters is None else adapters) * DCP_BYTES_PER_PARAM
+    exported = num_params if adapters is None else adapters + (num_params if cfg.lora.merge_on_export else 0)
+    export = exported * EXPORT_BYTES_PER_PARAM if ck.export_final else 0
     total = kept * per_checkpoint + export
     return {"checkpoints": kept, "checkpoint_bytes": per_checkpoint, "export_bytes": export, "total_bytes": total}
 
@@ -386,7 +391,8 @@ def check_disk(cfg: Config, disk_usage: DiskUsage | None = None) -> CheckResult:
             "disk", WARN, f"{_human(free)} free on {where}; checkpoint size unknown: {source}", None, details
         )
     num_params = count_parameters(hf)
-    need = checkpoint_disk_need(cfg, num_params)
+    ad = adapters(cfg)
+    need = checkpoint_disk_need(cfg, num_params, ad.trainable if ad is not None else None)
     details.update(need, num_params=num_params)
     total = need["total_bytes"]
     breakdown = f"{need['checkpoints']} checkpoint(s) × {_human(need['checkpoint_bytes'])}"
@@ -590,11 +596,7 @@ def estimate_memory(cfg: Config, hf: dict[str, Any], *, on_gpu: bool) -> dict[st
         )
     )  # fmt: skip
     trainer = report.trainer
-    states = sum(
-        trainer.get(name)
-        for name in ("weights", "gradients", "optimizer states", "bf16 weight copy", "DDP gradient buckets",
-                     "gathered units")
-    )  # fmt: skip
+    states = sum(trainer.get(name) for name in STATE_PARTS)
     activations, logits = trainer.get("activations"), trainer.get("logits and loss")
     overhead = GPU_OVERHEAD_BYTES if on_gpu else CPU_OVERHEAD_BYTES
     return {
@@ -607,6 +609,8 @@ def estimate_memory(cfg: Config, hf: dict[str, Any], *, on_gpu: bool) -> dict[st
         "overhead_bytes": overhead,
         "per_rank_bytes": int(states + activations + logits + overhead),
         "ranks_per_node": nproc,
+        "trainable_params": trainer.trainable_params,
+        "trainable_fraction": round(trainer.trainable_fraction, 6),
     }
 
 
@@ -632,19 +636,37 @@ def check_memory_fit(
         need, where = est["per_rank_bytes"] * est["ranks_per_node"], f"available RAM, {est['ranks_per_node']} proc"
     est.update(need_bytes=int(need), capacity_bytes=int(capacity))
     fraction = need / capacity if capacity else float("inf")
+    trains = f", LoRA: {est['trainable_params'] / 1e6:,.1f}M trainable" if cfg.lora.enabled else ""
     message = (
         f"about {_human(need)} needed: {fraction:.0%} of {_human(capacity)} ({where}; "
-        f"{est['num_params'] / 1e6:,.1f}M params, strategy {est['strategy']}, {source})"
+        f"{est['num_params'] / 1e6:,.1f}M params{trains}, strategy {est['strategy']}, {source})"
     )
     fix = (
         f"lower train.micro_batch_size (now {cfg.train.micro_batch_size}) or data.seq_len (now {cfg.data.seq_len}), "
         "set model.activation_checkpointing = true, or shard the states with distributed.strategy = 'fsdp'"
     )
+    if fraction > MEMORY_WARN_FRACTION and not cfg.lora.enabled and cfg.model.path is not None:
+        fix += _lora_offer(cfg, hf, gpu_run, need / est["per_rank_bytes"])
     if fraction > 1.0:
         return CheckResult("memory_fit", FAIL, message, fix, est)
     if fraction > MEMORY_WARN_FRACTION:
         return CheckResult("memory_fit", WARN, message, fix, est)
     return CheckResult("memory_fit", PASS, message, None, est)
+
+
+LORA_OFFER_RANK = 16
+
+
+def _lora_offer(cfg: Config, hf: dict[str, Any], gpu_run: bool, ranks: float) -> str:
+    """The fix's last option when the whole model does not fit: LoRA adapters of rank 16, with what they need."""
+    from prime_train.config.schema import LoraConfig
+
+    try:
+        with_lora = cfg.model_copy(update={"lora": LoraConfig(rank=LORA_OFFER_RANK)})
+        need = estimate_memory(with_lora, hf, on_gpu=gpu_run)["per_rank_bytes"] * ranks
+    except MemoryInputError:
+        return ""
+    return f", or train LoRA adapters only (--lora.rank {LORA_OFFER_RANK}: about {_human(need)})"
 
 
 # ---------------------------------------------------------------- all of it
@@ -668,10 +690,12 @@ def run_preflight(
         gpu_probe = replayed_probe  # the machine a gpu.jsonl recorded: its GPUs, as preflight would have seen them
     cuda = check_cuda(cfg, gpu_probe)
     gpu_run = bool(cuda.details.get("gpu_run"))
+    lora = check_lora(cfg, cuda, _strategy(cfg, procs_per_node(cfg) * cfg.distributed.nnodes))
     return [
         check_open_files(*open_files_needed(cfg)),
         check_model_source(cfg),
         cuda,
+        *([lora] if lora is not None else []),
         check_output_dir(cfg),
         check_disk(cfg, disk_usage),
         check_ports(cfg),

@@ -89,6 +89,30 @@ def _model_shape(model: str) -> tuple[dict[str, Any] | None, int | None]:
 
 # completions per RL prompt: a step trains on rl.prompts_per_step × this many
 _GROUP_SIZE = 8
+# LoRA's rank when the whole model does not fit the GPUs, and the share of one GPU a colocated RL trainer gets
+LORA_RANK = 16
+_COLOCATED_TRAINER_SHARE = 0.6
+_HEADROOM = 0.10  # memory.TIGHT_FRACTION: a plan that leaves less of the GPU free is tight
+
+
+@dataclass(frozen=True)
+class _LoraChoice:
+    """Full fine-tuning does not fit the GPUs: what it needs, what LoRA (and QLoRA) need, per GPU, in bytes."""
+
+    full: int
+    lora: int
+    qlora: int | None  # None: not with a sharded strategy
+    capacity: float
+    gpu: str
+
+    def fits(self, need: float | None) -> bool:
+        """Whether `need` bytes fit a GPU with the headroom `prime-train memory` asks for (under it: tight)."""
+        return need is not None and need <= (1 - _HEADROOM) * self.capacity
+
+    @property
+    def quantize(self) -> bool:
+        """Whether only QLoRA fits (the config then says lora.quantize = "nf4")."""
+        return not self.fits(self.lora) and self.fits(self.qlora)
 
 
 @dataclass(frozen=True)
@@ -107,6 +131,9 @@ class _Plan:
     world: int  # training processes over all nodes
     micro: int
     global_batch: int
+    strategy: str
+    strategy_why: str
+    lora: _LoraChoice | None  # set when the whole model does not fit the GPUs but LoRA's adapters do
 
 
 def build_config(a: Answers) -> str:
@@ -115,6 +142,7 @@ def build_config(a: Answers) -> str:
     sections = (
         _run_lines,
         _model_lines,
+        _lora_lines,
         _data_lines,
         _train_lines,
         _distributed_lines,
@@ -152,6 +180,8 @@ def _plan(a: Answers) -> _Plan:
     if seq_len > max_len:
         raise ValueError(f"seq_len {seq_len} is longer than the model's context ({max_len})")
     micro, global_batch = _batch_sizes(a.job, hw, big, world)
+    strategy, why = _strategy(a, hw, params, big, world)
+    lora = _lora_choice(a, hw, hf, strategy, world, seq_len, micro, big)
     return _Plan(
         a=a,
         hw=hw,
@@ -165,7 +195,53 @@ def _plan(a: Answers) -> _Plan:
         world=world,
         micro=micro,
         global_batch=global_batch,
+        strategy=strategy,
+        strategy_why=why,
+        lora=lora,
     )
+
+
+def _strategy(a: Answers, hw: Hardware, params: int | None, big: bool, world: int) -> tuple[str, str]:
+    """The data-parallel strategy the model's size and the GPUs' memory call for, and why."""
+    if world == 1:
+        return "none", "one process"
+    if big or (hw.memory_gib is not None and params is not None and params * 16 / 2**30 > 0.5 * hw.memory_gib):
+        if a.nodes > 1:
+            return "hsdp", "FSDP inside each node, replicas across nodes: less cross-node traffic"
+        return "fsdp", "shards weights, gradients and optimizer states: the full states do not fit one GPU"
+    return "ddp", "the model fits one GPU: replicate it and all-reduce gradients"
+
+
+def _lora_choice(
+    a: Answers, hw: Hardware, hf: dict[str, Any] | None, strategy: str, world: int, seq_len: int, micro: int, big: bool
+) -> _LoraChoice | None:
+    """LoRA's figures when training the whole model would not fit the GPUs (the memory calculator, with the
+    config's settings); None when it fits, or when the model or the GPU is not known here."""
+    from dataclasses import replace
+
+    from prime_train.validator.memory_breakdown import trainer_memory
+    from prime_train.validator.memory_inputs import MemoryInputError, MemoryInputs, ModelShape
+
+    if a.model == TINY or hf is None or not hw.is_gpu or hw.memory_gib is None:
+        return None
+    capacity = hw.memory_gib * 2**30 * (_COLOCATED_TRAINER_SHARE if a.job == "rl" and world == 1 else 1.0)
+    try:
+        inputs = MemoryInputs(
+            model=hf, seq_len=seq_len, micro_batch=micro, gpus_per_node=world // a.nodes, num_nodes=a.nodes,
+            strategy=strategy, precision="bf16" if hw.bf16 else "fp32",
+            activation_checkpointing="full" if big else "none", gpus=[],
+        )  # fmt: skip
+        shape = ModelShape.from_hf(hf)
+        full = trainer_memory(inputs, shape).total
+        if full <= (1 - _HEADROOM) * capacity:
+            return None
+        lora = trainer_memory(replace(inputs, lora_rank=LORA_RANK), shape).total
+        qlora = None
+        if strategy not in ("fsdp", "hsdp"):
+            qlora = trainer_memory(replace(inputs, lora_rank=LORA_RANK, lora_quantize="nf4"), shape).total
+    except MemoryInputError:
+        return None
+    return _LoraChoice(full, lora, qlora, capacity, str(hw.gpu))
 
 
 def _batch_sizes(job: str, hw: Hardware, big: bool, world: int) -> tuple[int, int]:
@@ -218,6 +294,43 @@ def _model_lines(p: _Plan) -> list[str]:
     return lines
 
 
+def _lora_lines(p: _Plan) -> list[str]:
+    """[lora] when the whole model does not fit the GPUs but LoRA's adapters do (a note when neither does)."""
+    c = p.lora
+    if c is None:
+        return []
+    gib = 2**30
+    shared = p.a.job == "rl" and p.world == 1  # vLLM takes the rest of the one GPU
+    where = f"the {c.capacity / gib:.0f} GiB {f'one {c.gpu} leaves the trainer' if shared else f'of one {c.gpu}'}"
+    if not c.fits(c.lora) and not c.quantize:
+        p.a.notes.append(
+            f"full fine-tuning needs about {c.full / gib:.0f} GiB a GPU and LoRA (rank {LORA_RANK}) "
+            f"{c.lora / gib:.0f} GiB, more than {where}: shard over more GPUs or nodes than {p.hw.count} × {c.gpu}"
+        )
+        return []
+    lora_need = c.qlora if c.quantize and c.qlora is not None else c.lora
+    p.a.notes.append(
+        f"full fine-tuning needs about {c.full / gib:.0f} GiB a GPU, more than {where}: the config trains LoRA "
+        f"adapters (rank {LORA_RANK}{', base in NF4' if c.quantize else ''}), about {lora_need / gib:.0f} GiB"
+    )
+    lines = [
+        "",
+        "[lora]",
+        f"# full fine-tuning needs about {c.full / gib:.0f} GiB a GPU (`prime-train memory`), more than {where}:",
+        f"# train LoRA adapters only, about {lora_need / gib:.0f} GiB; the base stays frozen, final/ holds the merged",
+        "# model and final/adapter/ the adapter alone",
+        f"rank = {LORA_RANK}   # adapters on every linear layer of the decoder blocks; alpha = 2 × rank",
+    ]
+    if c.quantize:
+        lines.append("quantize = \"nf4\"   # QLoRA: the frozen base in 4 bits (CUDA; pip install 'prime-train[qlora]')")
+    elif c.qlora is not None:
+        lines.append(
+            f'# quantize = "nf4"   # QLoRA: the frozen base in 4 bits, about {c.qlora / gib:.0f} GiB '
+            "(CUDA; pip install 'prime-train[qlora]')"
+        )
+    return lines
+
+
 def _data_lines(p: _Plan) -> list[str]:
     """[data]: the sequence length, and for SFT and pretraining the dataset (a built-in task when none is given)."""
     a = p.a
@@ -241,13 +354,16 @@ def _train_lines(p: _Plan) -> list[str]:
     max_steps = a.max_steps or (300 if a.model == TINY else 1000)
     precision = "bf16" if p.hw.bf16 else "fp32"
     lr = 3e-3 if a.model == TINY else (1e-6 if a.job == "rl" else 1e-5)
+    lr_why = "tiny models learn fast" if a.model == TINY else "fine-tuning a pretrained model"
+    if _writes_lora(p):
+        lr, lr_why = lr * 10, "LoRA's adapters take about 10× the full fine-tuning rate"
     lines = [
         "",
         "[train]",
         f"max_steps = {max_steps}",
         f"global_batch_size = {p.global_batch}   # sequences per optimizer step, over all {p.world} process(es)",
         f"micro_batch_size = {p.micro}   # per forward/backward; lower it first if memory runs out",
-        f"lr = {lr:g}   # {'tiny models learn fast' if a.model == TINY else 'fine-tuning a pretrained model'}",
+        f"lr = {lr:g}   # {lr_why}",
         f'precision = "{precision}"   # {_precision_why(p.hw)}',
     ]
     if a.job == "rl":
@@ -258,17 +374,9 @@ def _train_lines(p: _Plan) -> list[str]:
 
 def _distributed_lines(p: _Plan) -> list[str]:
     """[distributed]: the strategy the model's size and the GPUs' memory call for, and the processes."""
-    a, hw, params = p.a, p.hw, p.params
+    a, hw = p.a, p.hw
     lines = ["", "[distributed]"]
-    if p.world == 1:
-        strategy, why = "none", "one process"
-    elif p.big or (hw.memory_gib is not None and params is not None and params * 16 / 2**30 > 0.5 * hw.memory_gib):
-        strategy, why = "fsdp", "shards weights, gradients and optimizer states: the full states do not fit one GPU"
-        if a.nodes > 1:
-            strategy, why = "hsdp", "FSDP inside each node, replicas across nodes: less cross-node traffic"
-    else:
-        strategy, why = "ddp", "the model fits one GPU: replicate it and all-reduce gradients"
-    lines.append(f'strategy = "{strategy}"   # {why}')
+    lines.append(f'strategy = "{p.strategy}"   # {p.strategy_why}')
     if hw.is_gpu:
         lines.append(f"nproc_per_node = {p.trainer_gpus}")
     if a.nodes > 1:
@@ -345,6 +453,12 @@ def _supervisor_lines(p: _Plan) -> list[str]:
         "[logging]",
         f"log_interval = {10 if p.a.model == TINY else 20}",
     ]
+
+
+def _writes_lora(p: _Plan) -> bool:
+    """Whether the config gets a [lora] section (_lora_lines)."""
+    c = p.lora
+    return c is not None and (c.fits(c.lora) or c.quantize)
 
 
 def _precision_why(hw: Hardware) -> str:
