@@ -63,8 +63,17 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from prime_train.config.schema import CkptConfig
-from prime_train.contract import STEP_RE, RunDir, fsync_dir, list_checkpoints, newest_checkpoint, write_json_atomic
+from prime_train.contract import (
+    STEP_RE,
+    RunDir,
+    fsync_dir,
+    list_checkpoints,
+    newest_checkpoint,
+    read_json,
+    write_json_atomic,
+)
 from prime_train.engine import safe_dcp
+from prime_train.engine.lora import check_resume_compatible, checkpoint_state, load_checkpoint_state
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.verify import (  # re-exported: the checkpoint's files and checks
     DCP_METADATA_FILE,
@@ -128,10 +137,14 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 class TrainState(Stateful):
-    """What a checkpoint holds: model, optimizer, scheduler, per-rank data-loader and RNG state, step, tokens."""
+    """What a checkpoint holds: model, optimizer, scheduler, per-rank data-loader and RNG state, step, tokens.
 
-    def __init__(self, model, optimizer, scheduler, dataloader, *, rank: int):
+    `adapter_only` (a LoRA run): the model and optimizer entries hold the adapters and their optimizer state alone
+    (engine/lora.py checkpoint_state); the frozen base is built again at every start, never saved."""
+
+    def __init__(self, model, optimizer, scheduler, dataloader, *, rank: int, adapter_only: bool = False):
         self.model = model
+        self.adapter_only = adapter_only and optimizer is not None
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.dataloader = dataloader
@@ -150,7 +163,9 @@ class TrainState(Stateful):
     def state_dict(self) -> dict[str, Any]:
         """The DCP state dict; model and optimizer entries are sharded as the model is (plain, DDP, FSDP2)."""
         sd: dict[str, Any] = {}
-        if self.optimizer is not None:
+        if self.adapter_only:
+            sd["model"], sd["optim"] = checkpoint_state(self.model, self.optimizer)
+        elif self.optimizer is not None:
             sd["model"], sd["optim"] = get_state_dict(self.model, self.optimizer)
         else:
             sd["model"] = get_model_state_dict(self.model)
@@ -167,7 +182,9 @@ class TrainState(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Apply a loaded state dict; keys missing from it (another world size's ranks) are left as they are."""
-        if self.optimizer is not None and "optim" in state_dict:
+        if self.adapter_only and "optim" in state_dict:
+            load_checkpoint_state(self.model, self.optimizer, state_dict["model"], state_dict["optim"])
+        elif self.optimizer is not None and "optim" in state_dict:
             set_state_dict(
                 self.model,
                 self.optimizer,
@@ -284,6 +301,8 @@ class Checkpointer:
         self._shard_prefix = f"__{dist.get_group_rank(self._save_pg, rank) if self._distributed else 0}_"
         self._digester: ThreadPoolExecutor | None = None  # checksums an async save's shards off the training thread
         self.quarantined: list[tuple[str, str]] = []  # (checkpoint, what was wrong) set aside by resolve_resume
+        # a LoRA run's adapter_identity: written into meta.json, and a checkpoint made with others is not resumed
+        self.lora_identity: dict[str, Any] | None = None
         self._hf_config = None
         self._tokenizer = None
 
@@ -553,6 +572,7 @@ class Checkpointer:
                         "next one trains from step 0"
                     )
                 return None
+            self._check_adapter(path)  # before anything loads: a refusal is exit 78 and the checkpoint stays whole
             failure: BaseException | None = None
             try:
                 self.load(state, path)
@@ -588,6 +608,23 @@ class Checkpointer:
                 raise RuntimeError(error)
             set_aside.append((path.name, problem))
             logger.warning("%s %s; set aside, trying the checkpoint before it", path.name, problem)
+
+    def _check_adapter(self, path: Path) -> None:
+        """Refuse (EngineConfigError, exit 78, nothing loaded or set aside) a checkpoint whose LoRA settings, in its
+        meta.json, are not this run's: a LoRA checkpoint without LoRA, a full one with it, another rank or alpha or
+        other targets. A meta.json that cannot be read says nothing here; loading decides."""
+        meta = read_json(path / META_FILE) if self.rank == 0 or not self._distributed else None
+        if (meta := self._from_rank0(meta)) is None:
+            return
+        saved = meta.get("lora")
+        if saved is not None and not (isinstance(saved, dict) and {"rank", "alpha", "target_modules"} <= set(saved)):
+            return  # not what a save writes: loading decides
+        try:
+            check_resume_compatible(saved, self.lora_identity, checkpoint=f"checkpoint {path}")
+        except EngineConfigError:
+            raise
+        except (TypeError, ValueError):  # a hand-edited identity that does not compare: loading decides
+            return
 
     def load(self, state: TrainState, path: Path) -> None:
         """Load checkpoint `path` into `state` (any saving world size), this rank's RNG included."""
@@ -625,6 +662,8 @@ class Checkpointer:
             "world_size": self.world_size,
             "final": p.final,
         }
+        if self.lora_identity is not None:
+            meta["lora"] = self.lora_identity  # what a resume must agree on (engine/lora.py check_resume_compatible)
         write_json_atomic(p.tmp / META_FILE, meta)
         if p.hf_config is not None or p.tokenizer is not None:
             hf_dir = p.tmp / HF_ASSETS_DIR

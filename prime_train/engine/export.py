@@ -5,7 +5,9 @@ Files each kind of save writes:
 checkpoints/step-N/  (a DCP checkpoint, by Checkpointer; resumable at any world size)
   .metadata                     DCP index of every tensor and object, written by rank 0
   __<rank>_<i>.distcp           each rank's shards of model, optimizer and its own RNG/data state
-  meta.json                     step, tokens_seen, time, world_size, final
+  meta.json                     step, tokens_seen, time, world_size, final; a LoRA run's adapter identity (lora:
+                                rank, alpha, target_modules), which a resume must match; such a checkpoint holds
+                                the adapters and their optimizer state, not the frozen base
   hf/config.json                the model's config, for offline conversion (dcp_to_hf)
   hf/tokenizer.json, hf/tokenizer_config.json, …   the tokenizer's own files
 

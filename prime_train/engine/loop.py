@@ -14,6 +14,12 @@ divergence (engine/metrics.py), the evaluator when it evaluates (engine/evaluate
 (`prime-train profile`, PRIME_TRAIN_PROFILE) the profiler hooks time each step (engine/profiling.py). `run_step`
 is one turn: the stop agreement, the step, and whatever is due after it.
 
+With [lora] (lora.rank > 0) the loop puts peft's adapters into the model after the job's `prepare_model` and before
+it is wrapped (engine/lora.py); only they train, checkpoints hold them and their optimizer state (TrainState's
+adapter_only) with their settings in meta.json, which a resume must match (exit 78 otherwise), and the final export
+writes the merged model and final/adapter/ in PEFT's format. Every job logs its trainable parameters at start and
+in the first row of metrics.jsonl.
+
 SIGTERM/SIGINT only set a flag; the step in progress finishes, every rank agrees to stop at the
 same step, a checkpoint is saved synchronously and the process exits 75 (engine/checkpoint.py has
 the full design). Before the first step there is nothing to save: a stop then ends start-up at once,
@@ -55,8 +61,8 @@ from prime_train.engine import parallel
 from prime_train.engine.checkpoint import Checkpointer, StartOver, TrainState
 from prime_train.engine.evaluate import Evaluator
 from prime_train.engine.lifeline import PeerWatch, watch_peers, watch_supervisor
+from prime_train.engine.lora import adapter_identity, apply_lora, trainable_parameters
 from prime_train.engine.metrics import Divergence, EngineConfigError, HeartbeatWriter, MetricsBuffer, MetricsLogger
-from prime_train.engine.model import num_parameters
 from prime_train.engine.optim import build_optimizer
 from prime_train.engine.profiling import NullProfile, ProfileSession, profile_request
 from prime_train.engine.records import shown_path
@@ -148,26 +154,68 @@ class TrainingJob:
         self.tokenizer, model = load_model_and_tokenizer(cfg)
         self.hf_config = model.config
         self.prepare_model(model)
+        self.lora_identity: dict[str, Any] | None = None
+        if cfg.lora.enabled:
+            # adapters into the bare model, before it moves and is wrapped or sharded; only they train from here
+            model = apply_lora(model, cfg.lora, device=self.dist.device, strategy=self.strategy)
+            self.lora_identity = adapter_identity(model)
         model.to(self.dist.device)
         self.model = parallel.parallelize(model, cfg, self.dist)
         self.optimizer = build_optimizer(self.model, cfg.train, self.dist.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.batches = self.build_batch_source()
-        self.state = TrainState(self.model, self.optimizer, self.scheduler, self.batches, rank=self.dist.rank)
+        self.state = TrainState(
+            self.model, self.optimizer, self.scheduler, self.batches, rank=self.dist.rank, adapter_only=cfg.lora.enabled
+        )
         self.checkpointer = Checkpointer(self.run_dir, cfg.ckpt, rank=self.dist.rank, world_size=self.dist.world_size)
         self.checkpointer.set_hf_assets(self.hf_config, self.tokenizer)
+        self.checkpointer.lora_identity = self.lora_identity
         self.metrics = MetricsLogger(self.run_dir, cfg, enabled=self.dist.is_rank0)
         self._build_loop_parts()
         self.device_name = torch.cuda.get_device_name(self.dist.device) if self.dist.device.type == "cuda" else "cpu"
+        self.trainable_params, self.total_params = trainable_parameters(self.model)
+        self._log_start()
+
+    def _log_start(self) -> None:
+        """The start-up line: the model, what of it trains, the strategy; with LoRA what a checkpoint holds."""
+        trains = f"{self.trainable_params / 1e6:.3f}M ({self.trainable_fraction:.2%}) trainable"
+        if self.lora_identity is not None:
+            trains += f", LoRA rank {self.lora_identity['rank']}"
         logger.info(
-            "%s job, model %s: %.2fM parameters, strategy %s over %d process(es) on %s",
+            "%s job, model %s: %.2fM parameters, %s; strategy %s over %d process(es) on %s",
             self.job_name,
             self.hf_config.model_type,
-            num_parameters(self.model) / 1e6,
+            self.total_params / 1e6,
+            trains,
             self.strategy,
             self.dist.world_size,
             self.device_name,
         )
+        if self.lora_identity is not None:
+            # a parameter's value and AdamW's two moments, in the parameters' own dtype
+            per_param = 3 * next(self.model.parameters()).element_size()
+            logger.info(
+                "LoRA: a checkpoint holds the adapters and their optimizer state, about %.2f MB against about "
+                "%.2f MB for the full weights; the frozen base is %s again at every start",
+                self.trainable_params * per_param / 1e6,
+                self.total_params * per_param / 1e6,
+                f"loaded from {self.cfg.model.path}"
+                if self.cfg.model.path
+                else f"built from run.seed {self.cfg.run.seed}",
+            )
+
+    @property
+    def trainable_fraction(self) -> float:
+        """The share of the model's parameters the optimizer updates (1.0 without LoRA)."""
+        return self.trainable_params / max(1, self.total_params)
+
+    def parameter_counts(self) -> dict[str, Any]:
+        """What of the model trains, for the first row of metrics.jsonl."""
+        return {
+            "total_params": self.total_params,
+            "trainable_params": self.trainable_params,
+            "trainable_fraction": self.trainable_fraction,
+        }
 
     def _build_loop_parts(self) -> None:
         """The parts that own the loop's cadence; a profile (PRIME_TRAIN_PROFILE) reads every step, evaluates none."""
@@ -335,10 +383,14 @@ class TrainingJob:
         self.before_training()
         if self.dist.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.dist.device)
+        # a fresh run's first row of metrics.jsonl says what of the model trains (a resume keeps its step-0 row)
+        first = self.parameter_counts() if self.state.step == 0 else {}
         if self.evaluator.baseline_due(self.state.step):
             # a baseline at step 0 so curves and "did it learn" have a starting point
             self.heartbeat(Phase.EVAL)
-            self.metrics.log(0, self.evaluator.run())
+            first.update(self.evaluator.run())
+        if first:
+            self.metrics.log(0, first)
         self.stop.startup = False  # from here a stop finishes the step and saves
         # the first step of an attempt is part of start-up: CUDA and allocator warm-up, torch.compile
         self.heartbeat(Phase.COMPILE if self.cfg.train.compile else Phase.STARTUP)
@@ -395,7 +447,11 @@ class TrainingJob:
             self.heartbeat(Phase.EXPORT)
             from prime_train.engine.export import export_hf
 
-            export_hf(self.model, self.tokenizer, self.run_dir.final_dir, rank=self.dist.rank)
+            lora = cfg.lora.enabled  # final/ the merged model (unless merge_on_export is off), final/adapter/ PEFT's
+            export_hf(
+                self.model, self.tokenizer, self.run_dir.final_dir, rank=self.dist.rank,
+                adapter=lora, merge=cfg.lora.merge_on_export or not lora, base_model=cfg.model.path,
+            )  # fmt: skip
         self.heartbeat(Phase.DONE, loss=self.buffer.last_loss)
         return ExitCode.OK
 

@@ -229,8 +229,12 @@ def num_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
     return sum(p.numel() for p in params.values())
 
 
-def flops_per_token(model_config, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward) of the model a transformers config describes."""
+def flops_per_token(model_config, seq_len: int, *, adapter_params: int | None = None) -> float:
+    """Training FLOPs per token (forward + backward) of the model a transformers config describes.
+
+    `adapter_params` (a LoRA run: the adapters' parameter count): the base is frozen, so its weights need no
+    gradient: 4N for its matmuls (forward, and the gradient of each activation the adapters' gradients flow back
+    through) plus 6 per adapter parameter, instead of 6N."""
     from transformers import AutoModelForCausalLM
 
     # A meta-device model counts the parameters of any architecture exactly, allocates nothing and
@@ -249,7 +253,10 @@ def flops_per_token(model_config, seq_len: int) -> float:
     # 6N for the matmuls with weights (2 forward + 4 backward FLOPs per parameter, Kaplan et al. 2020,
     # "Scaling Laws for Neural Language Models", section 2.1) plus 12·L·H·Q·T for the attention scores and
     # their weighted sum (PaLM, Chowdhery et al. 2022, appendix B), H·Q = heads × head_dim, T = seq_len.
-    return 6.0 * n_non_embedding + 12.0 * layers * heads * head_dim * seq_len
+    attention = 12.0 * layers * heads * head_dim * seq_len
+    if adapter_params is not None:
+        return 4.0 * n_non_embedding + 6.0 * adapter_params + attention
+    return 6.0 * n_non_embedding + attention
 
 
 def peak_flops(device_name: str) -> float | None:

@@ -34,7 +34,9 @@ class SFTJob(TrainingJob):
         super().__init__(cfg)
         self.job_name = cfg.run.job
         self.num_params = num_parameters(self.model)
-        self.flops_per_token = flops_per_token(self.hf_config, cfg.data.seq_len)
+        # with LoRA the frozen base's weights get no gradient: ~4N rather than 6N (model.flops_per_token)
+        adapters = self.trainable_params if cfg.lora.enabled else None
+        self.flops_per_token = flops_per_token(self.hf_config, cfg.data.seq_len, adapter_params=adapters)
         self.peak_flops = peak_flops(self.device_name)  # FLOP/s per device, None when unknown (never a guess)
         common = self._data_args()
         self.eval_batches = build_eval_batches(cfg.data, self.tokenizer, max_batches=cfg.train.eval_batches, **common)

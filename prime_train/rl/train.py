@@ -9,6 +9,12 @@ saves, export, exit codes) is the shared one in engine/loop.py, the same as SFT'
 Dr. GRPO, DAPO's parts) and the optimizer steps per rollout batch are [rl] keys; each step logs the sampled
 `reward` and `pass_rate`, the policy's `entropy` at the tokens it learnt from, and `trained_samples_fraction`.
 
+With LoRA (lora.rank > 0) only the adapters train and are checkpointed, as in SFT; the weights published for the
+workers are the merged model (W + alpha/r · B @ A under the plain HF names), which the embedded worker and vLLM load
+as they load full weights. Loading the adapter alone into vLLM at run time (its LoRA adapters) is the next step: it
+would publish megabytes instead of the whole model each step. The KL reference (rl.kl_coef > 0) is the policy with its
+adapters bypassed, the frozen base, not a second copy of the model.
+
 `logprob_mismatch`, logged for each batch sampled by the weights the trainer holds when it trains on it
 (off_policy_steps = 0): the mean over the batch's completion tokens of |worker logprob - trainer logprob|
 of the sampled token, both log_softmax(logits / rl.temperature) (vLLM runs with processed logprobs). The
@@ -32,6 +38,7 @@ from prime_train.config.schema import RLConfig
 from prime_train.contract import Phase
 from prime_train.engine import parallel
 from prime_train.engine.loop import TrainingJob, main
+from prime_train.engine.lora import adapters_disabled
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.environments import load_environment
 from prime_train.rl.client import ContextLengthError, RolloutPool, WeightLoad, worker_url
@@ -73,8 +80,9 @@ class GRPOJob(TrainingJob):
         self.pool = RolloutPool(urls, cfg.inference.request_timeout_s, backend)
 
     def prepare_model(self, model) -> None:
-        if self.cfg.rl.kl_coef > 0:
-            # the KL anchor is the model as loaded, before it is wrapped or sharded
+        if self.cfg.rl.kl_coef > 0 and not self.cfg.lora.enabled:
+            # the KL anchor is the model as loaded, before it is wrapped or sharded; with LoRA it is the trained
+            # model itself with its adapters bypassed (the frozen base: _reference_logprobs), no second copy
             self.reference = copy.deepcopy(model).to(self.dist.device).eval().requires_grad_(False)
 
     def build_batch_source(self) -> RolloutSource:
@@ -243,10 +251,7 @@ class GRPOJob(TrainingJob):
                         self.model, chunk, dist.device, rl.temperature, pad_id, entropy=True
                     )
                     old = _worker_logprobs(chunk, new_logp)
-                    ref = None
-                    if self.reference is not None:
-                        with torch.no_grad():
-                            ref, _ = completion_logprobs(self.reference, chunk, dist.device, rl.temperature, pad_id)
+                    ref = self._reference_logprobs(chunk) if rl.kl_coef > 0 else None
                     if measure:  # the worker sampled with the weights the trainer holds: any difference is numerical
                         with torch.no_grad():
                             sums.add_mismatch(((new_logp - old).abs() * mask).sum(), chunk)
@@ -267,6 +272,18 @@ class GRPOJob(TrainingJob):
                 sums.add("clipped", clipped)
                 sums.add("entropy", (entropy * mask).sum())
                 sums.tokens += _completion_tokens(chunk)
+
+    def _reference_logprobs(self, chunk: list[Sample]) -> torch.Tensor:
+        """The KL reference's logprobs of `chunk`'s completions: the copy made at start, or with LoRA the policy with
+        its adapters bypassed, which is the frozen base it started from (outside any backward: activation
+        checkpointing recomputes the policy's forward later with the adapters on again)."""
+        cfg, device = self.cfg, self.dist.device
+        pad_id = self.tokenizer.pad_token_id
+        with torch.no_grad():
+            if self.reference is not None:
+                return completion_logprobs(self.reference, chunk, device, cfg.rl.temperature, pad_id)[0]
+            with adapters_disabled(self.model):
+                return completion_logprobs(self.model, chunk, device, cfg.rl.temperature, pad_id)[0]
 
     def log_fields(self, m: dict) -> list[str]:
         fields = [
@@ -291,6 +308,7 @@ class GRPOJob(TrainingJob):
 
         self.heartbeat(Phase.EXPORT)
         out = self.run_dir.published_weights(self.state.step)
+        # with LoRA the merged model (export_hf's default): the workers load plain HF weights either way
         export_hf(self.model, self.tokenizer, out, rank=self.dist.rank)
         if self.dist.is_rank0:
             self._last_load = self.pool.update_weights(str(out), self.state.step)
