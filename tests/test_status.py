@@ -272,3 +272,24 @@ def test_diagnose_piped_at_80_columns_wraps_no_header(tmp_path):
     assert "process" in header and "kind" in header, result.stdout
     table = [line for line in result.stdout.splitlines() if line[:1] in "┏┃┡│└"]
     assert table and max(len(line) for line in table) <= 80
+
+
+def test_status_shows_the_trainable_share_of_parameters_the_job_logged_at_its_last_start(tmp_path):
+    # a LoRA run trains a small fraction; a resumed run logs its counts again, and garbled rows are passed over
+    run = make_run(tmp_path, supervisor='{"state": "done"}')
+    rows = [
+        {"step": 0, "total_params": 660_096, "trainable_params": 94_208, "trainable_fraction": 0.1427},
+        {"step": 5, "loss": 1.2},
+        {"step": 5, "total_params": 660_096, "trainable_params": 47_104},
+        {"step": 6, "total_params": "many", "trainable_params": 3},
+    ]
+    RunDir(run).metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    shown, document = status_both_ways(run)
+    assert document["parameters"] == {"trainable": 47_104, "total": 660_096, "fraction": 47_104 / 660_096}
+    assert "47,104 of 660,096 parameters (7.14%)" in shown
+
+
+def test_status_of_a_run_that_logged_no_parameter_counts_says_nothing_of_them(tmp_path):
+    shown, document = status_both_ways(make_run(tmp_path, supervisor='{"state": "running"}'))
+    assert document["parameters"] is None
+    assert "trainable" not in shown

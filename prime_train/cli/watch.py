@@ -89,6 +89,10 @@ def render_status(s: dict, console: Console) -> None:
     table.add_column(overflow="fold")
     for key in STATUS_FIELDS:
         table.add_row(key, literal(_cell(key, s[key])))
+    if s.get("parameters"):  # trainable of total, as the job logged them at its start
+        p = s["parameters"]
+        share = f" ({p['fraction']:.2%})" if isinstance(p.get("fraction"), float) else ""
+        table.add_row("trainable", literal(f"{p['trainable']:,} of {p['total']:,} parameters{share}"))
     if s.get("node"):  # one node of several: the step and checkpoints are the job's, metrics and export on node 0
         node = s["node"]
         rank = "?" if node["node_rank"] is None else node["node_rank"]

@@ -183,6 +183,17 @@ def _newest_failure(sup: dict, events: list[dict], events_path: Path, notes: lis
     return None
 
 
+def _parameters(metrics_path: Path, notes: list[str]) -> dict | None:
+    """The model's trainable and total parameter counts as the job logged them at its start (the last start's, after
+    a resume); None when it logged none. LoRA trains a small fraction: this says how small."""
+    found = None
+    for record in bounded.records(metrics_path, notes, contains=(b"trainable_params",)):
+        trainable, total = record.get("trainable_params"), record.get("total_params")
+        if _is_int(trainable) and _is_int(total) and 0 <= trainable <= total:
+            found = {"trainable": trainable, "total": total, "fraction": trainable / total if total else None}
+    return found
+
+
 def run_status(run_dir: Path, redactor: Redactor | None = None) -> dict:
     """A run's state from its files, every string redacted (the environment's credential values included).
 
@@ -212,6 +223,7 @@ def run_status(run_dir: Path, redactor: Redactor | None = None) -> dict:
         "loss": hb.loss if hb is not None else None,
         "heartbeat_age_s": round(age, 1) if age is not None else None,
         "checkpoints": _checkpoint_steps(rd, job),
+        "parameters": _parameters(rd.metrics_path, notes),  # trainable of total: LoRA trains a fraction
         "node": _node(config),
         "last_failure": _newest_failure(sup, events, rd.events_path, notes),
         "recent_events": events,
