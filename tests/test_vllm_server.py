@@ -279,3 +279,94 @@ def _kill_group(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+# ---------------------------------------------------------------- LoRA: the adapter loaded at run time
+
+
+def test_a_lora_run_starts_vllm_with_runtime_lora_loading_at_a_rank_vllm_takes():
+    from prime_train.rl.vllm_server import lora_adapter_plan, vllm_env
+
+    def cfg(**lora) -> Config:
+        return Config.model_validate({**rl_config(backend="vllm").model_dump(), "lora": lora})
+
+    for rank, max_rank in ((16, "16"), (4, "8"), (100, "128")):
+        args = vllm_args(cfg(rank=rank), 0, cpu=True)
+        assert args[args.index("--enable-lora") + 1 :][:2] == ["--max-lora-rank", max_rank]
+        assert vllm_env(cfg(rank=rank), 0, cpu=True, environ={})["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert "load the LoRA adapter (rank 16" in lora_adapter_plan(cfg(rank=16))[1]
+    # no adapters: no LoRA, QLoRA (vLLM's base would not be the trainer's 4-bit one), a rank past vLLM's largest
+    for off in (cfg(), cfg(rank=16, quantize="nf4"), cfg(rank=1024)):
+        assert "--enable-lora" not in vllm_args(off, 0, cpu=True)
+        assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in vllm_env(off, 0, cpu=True, environ={})
+    assert "reload the merged weights" in lora_adapter_plan(cfg(rank=16, quantize="nf4"))[1]
+    assert "above vLLM's largest" in lora_adapter_plan(cfg(rank=1024))[1]
+    given = vllm_args(cfg(rank=16).model_copy(update={"inference": cfg(rank=16).inference.model_copy(
+        update={"extra_args": ["--enable-lora", "--max-lora-rank", "64"]})}), 0)  # fmt: skip
+    assert given.count("--enable-lora") == 1 and given[-1] == "64"  # the user's own LoRA flags stay
+
+
+def test_the_vllm_client_loads_each_adapter_under_a_new_name_unloads_the_last_and_samples_from_it(tmp_path):
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from prime_train.rl.client import WorkerClient
+
+    calls: list[tuple[str, dict]] = []
+    loaded: set[str] = set()
+
+    class FakeVllm(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def reply(self, status: int, body: object) -> None:
+            raw = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def do_GET(self):
+            self.reply(200, {"data": [{"id": "grpo"}]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+            calls.append((self.path, body))
+            if self.path == "/v1/load_lora_adapter":
+                loaded.add(body["lora_name"])
+                return self.reply(200, f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+            if self.path == "/v1/unload_lora_adapter":
+                if body["lora_name"] not in loaded:
+                    return self.reply(404, {"error": {"message": "not found", "code": 404}})
+                loaded.discard(body["lora_name"])
+                return self.reply(200, "removed")
+            if self.path == "/v1/completions":
+                logprobs = {"token_logprobs": [-0.5], "tokens": ["token_id:1"]}
+                choice = {"index": 0, "token_ids": [1], "prompt_token_ids": [5], "logprobs": logprobs}
+                return self.reply(200, {"choices": [choice]})
+            self.reply(200, {"success": True})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeVllm)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        adapter = tmp_path / "step-1" / "adapter"
+        adapter.mkdir(parents=True)
+        (adapter / "adapter_config.json").write_text("{}")
+        client = WorkerClient(f"http://127.0.0.1:{server.server_port}", 5.0, "vllm")
+        client.update_weights(str(adapter), 1)
+        client.complete([[5]], n=1, max_tokens=1, temperature=1.0, top_p=1.0)
+        first = calls[1][1]["lora_name"]
+        assert [c[0] for c in calls] == ["/pause?mode=wait", "/v1/load_lora_adapter", "/update_weight_version",
+                                         "/resume", "/v1/completions"]  # fmt: skip
+        assert first.startswith("step-1-") and calls[1][1]["lora_path"] == str(adapter)
+        assert calls[-1][1]["model"] == first  # rollouts sample from the adapter, not the bare base
+        calls.clear()
+        loaded.clear()  # the worker restarted: the last adapter is gone, its unload is not an error
+        client.update_weights(str(adapter), 2)
+        client.complete([[5]], n=1, max_tokens=1, temperature=1.0, top_p=1.0)
+        assert [c[0] for c in calls][1:3] == ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
+        assert calls[2][1]["lora_name"] == first and calls[-1][1]["model"].startswith("step-2-")
+        assert calls[3] == ("/update_weight_version", {"new_version": "2"})
+    finally:
+        server.shutdown()

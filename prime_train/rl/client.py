@@ -7,7 +7,9 @@ loaded, and the client speaks each one's protocol (`backend`):
 - 'vllm' (vLLM's own dev-mode routes, rl/vllm_server.py): POST /pause?mode=wait, POST /collective_rpc
   prime_train_reload_weights(weights_path) (vLLM's reload_weights, through our worker extension), POST
   /reset_prefix_cache, POST /update_weight_version, POST /resume;
-  GET /weight_info {"weight_version"}.
+  GET /weight_info {"weight_version"}. A LoRA adapter directory (adapter_config.json, PEFT's format) is loaded
+  instead with POST /v1/load_lora_adapter under a name of its own per step, the previous one unloaded, between the
+  same /pause and /resume; completions then name the adapter (vLLM started with --enable-lora).
 
 Every call has a timeout: a dead worker is a `WorkerUnavailable` within it, never a hang. A request that
 can never fit the worker's max_model_len is a `ContextLengthError` carrying the worker's own message.
@@ -24,6 +26,7 @@ import re
 import threading
 import time
 import urllib.parse
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,6 +99,7 @@ class WorkerClient:
         self._port = parsed.port or (443 if self._https else 80)
         self.timeout_s = timeout_s
         self._model: str | None = None
+        self._adapter: str | None = None  # the LoRA adapter vLLM serves our policy under (LoRA runs on vLLM)
 
     def __repr__(self) -> str:
         return f"WorkerClient({self.base_url!r})"
@@ -128,6 +132,10 @@ class WorkerClient:
             if obj is None:
                 raise WorkerError(f"{self.base_url}{path}: answered {status} with no JSON", status)
             return obj
+        self._fail(path, status, raw, obj)
+
+    def _fail(self, path: str, status: int, raw: bytes, obj: Any) -> None:
+        """Raise the error a non-2xx answer means (its JSON `obj`, or None)."""
         message = _error_message(obj) or raw.decode("utf-8", "replace")[:500] or f"HTTP {status}"
         if status == 400 and any(marker in message for marker in CONTEXT_LENGTH_MARKERS):
             raise ContextLengthError(message)
@@ -167,7 +175,7 @@ class WorkerClient:
         if not prompts:
             return []
         body = {
-            "model": self.model_name(),
+            "model": self._adapter or self.model_name(),
             "prompt": prompts,
             "n": n,
             "max_tokens": max_tokens,
@@ -199,6 +207,9 @@ class WorkerClient:
             if data.get("step") != step:
                 raise WorkerError(f"{self.base_url}/update_weights answered {data!r}, expected step {step}", 200)
             return time.perf_counter() - t0
+        if (Path(path) / "adapter_config.json").is_file():
+            self._load_adapter(path, step)
+            return time.perf_counter() - t0
         if not any(Path(path).glob("*.safetensors")):
             # vLLM's reload_weights takes a missing directory for a hub id and its engine dies of it: never send one
             raise WorkerError(f"{path} holds no *.safetensors; not sent to {self.base_url} (reload_weights)", 400)
@@ -219,6 +230,35 @@ class WorkerClient:
             with contextlib.suppress(WorkerUnavailable):
                 self._json("POST", "/resume")
         return time.perf_counter() - t0
+
+    def _load_adapter(self, path: str, step: int) -> None:
+        """vLLM: serve the LoRA adapter in `path` (PEFT's format) as the policy of `step`, under a new name (vLLM
+        keeps an adapter per name: a name of its own per load, so a worker that outlived a trainer restart never
+        answers 'already loaded'), then unload the one before it; requests in flight finish on the old adapter. The
+        prefix cache needs no reset: vLLM keys its cached blocks by the adapter's name too."""
+        name = f"step-{step}-{uuid.uuid4().hex[:8]}"
+        self._json("POST", "/pause?mode=wait")
+        try:
+            self._post_plain("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+            previous, self._adapter = self._adapter, name
+            if previous is not None:
+                # gone already on a worker that restarted since: nothing to unload there
+                with contextlib.suppress(WorkerError):
+                    self._post_plain("/v1/unload_lora_adapter", {"lora_name": previous})
+            self._json("POST", "/update_weight_version", {"new_version": str(step)})
+        finally:
+            with contextlib.suppress(WorkerUnavailable):
+                self._json("POST", "/resume")
+
+    def _post_plain(self, path: str, body: Any) -> None:
+        """A call whose success vLLM answers in plain text (its LoRA routes); an error is raised as `_json` does."""
+        status, raw = self._request("POST", path, body)
+        if not 200 <= status < 300:
+            try:
+                obj = json.loads(raw) if raw else None
+            except ValueError:
+                obj = None
+            self._fail(path, status, raw, obj)
 
     def weights_step(self) -> int | None:
         """The step of the weights the worker serves: 0 = initial on the embedded worker, None = the model vLLM

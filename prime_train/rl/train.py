@@ -9,10 +9,11 @@ saves, export, exit codes) is the shared one in engine/loop.py, the same as SFT'
 Dr. GRPO, DAPO's parts) and the optimizer steps per rollout batch are [rl] keys; each step logs the sampled
 `reward` and `pass_rate`, the policy's `entropy` at the tokens it learnt from, and `trained_samples_fraction`.
 
-With LoRA (lora.rank > 0) only the adapters train and are checkpointed, as in SFT; the weights published for the
-workers are the merged model (W + alpha/r · B @ A under the plain HF names), which the embedded worker and vLLM load
-as they load full weights. Loading the adapter alone into vLLM at run time (its LoRA adapters) is the next step: it
-would publish megabytes instead of the whole model each step. The KL reference (rl.kl_coef > 0) is the policy with its
+With LoRA (lora.rank > 0) only the adapters train and are checkpointed, as in SFT. For vLLM workers the trainer
+publishes the adapter alone (weights/step-N/adapter, PEFT's format) and each worker loads it through vLLM's runtime
+LoRA loading, over the base it serves from the start (model.path; rl/vllm_server.py lora_adapter_plan says when it
+falls back to merged weights); for the embedded worker the published weights are the merged model (W + alpha/r · B @ A
+under the plain HF names), loaded as full weights are. The KL reference (rl.kl_coef > 0) is the policy with its
 adapters bypassed, the frozen base, not a second copy of the model.
 
 `logprob_mismatch`, logged for each batch sampled by the weights the trainer holds when it trains on it
@@ -44,6 +45,7 @@ from prime_train.environments import load_environment
 from prime_train.rl.client import ContextLengthError, RolloutPool, WeightLoad, worker_url
 from prime_train.rl.grpo import completion_logprobs, grpo_loss, token_weights
 from prime_train.rl.rollouts import RolloutBatch, RolloutSource, Sample
+from prime_train.rl.vllm_server import lora_adapter_plan
 from prime_train.rl.workers import resolve_backend
 
 logger = logging.getLogger("prime_train.rl")
@@ -78,6 +80,9 @@ class GRPOJob(TrainingJob):
         except ValueError as exc:
             raise EngineConfigError(str(exc)) from None
         self.pool = RolloutPool(urls, cfg.inference.request_timeout_s, backend)
+        # LoRA on vLLM: publish the adapter alone, which the workers load at run time (rl/vllm_server.py)
+        rank, self._lora_plan = lora_adapter_plan(cfg)
+        self.publish_adapter = cfg.lora.enabled and backend == "vllm" and rank is not None
 
     def prepare_model(self, model) -> None:
         if self.cfg.rl.kl_coef > 0 and not self.cfg.lora.enabled:
@@ -117,6 +122,8 @@ class GRPOJob(TrainingJob):
                     "%d of %d rollout workers answer after %.0f s; starting with those, the rest join when they answer",
                     healthy, workers, time.monotonic() - t0,
                 )  # fmt: skip
+        if self.cfg.lora.enabled and self.pool.backend == "vllm":
+            logger.info("LoRA: %s", self._lora_plan)
         self.publish_weights()
 
     # ------------------------------------------------------------------ one step
@@ -304,14 +311,17 @@ class GRPOJob(TrainingJob):
 
     def publish_weights(self) -> None:
         """Write HF weights to weights/step-N (renamed when whole) and tell every worker to load them."""
-        from prime_train.engine.export import export_hf
+        from prime_train.engine.export import ADAPTER_DIR, export_hf
 
         self.heartbeat(Phase.EXPORT)
         out = self.run_dir.published_weights(self.state.step)
-        # with LoRA the merged model (export_hf's default): the workers load plain HF weights either way
-        export_hf(self.model, self.tokenizer, out, rank=self.dist.rank)
+        # with LoRA the merged model (export_hf's default), which the workers load as plain HF weights, or for vLLM
+        # the adapter alone (out/adapter), loaded over the base vLLM serves
+        adapter = self.publish_adapter
+        export_hf(self.model, self.tokenizer, out, rank=self.dist.rank, merge=not adapter, adapter=adapter)
         if self.dist.is_rank0:
-            self._last_load = self.pool.update_weights(str(out), self.state.step)
+            load_path = out / ADAPTER_DIR if adapter else out
+            self._last_load = self.pool.update_weights(str(load_path), self.state.step)
             load = self._last_load
             missed = f"; not reached: {', '.join(load.unreachable)}" if load.unreachable else ""
             logger.info(

