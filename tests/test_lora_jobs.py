@@ -8,6 +8,7 @@ The engine-level pieces (adapters, state, merge, PEFT format) are tested in test
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -253,3 +254,121 @@ def test_mfu_counts_four_flops_a_frozen_base_parameter_and_six_an_adapter_parame
     lora = flops_per_token(config, 128, adapter_params=TRAINABLE_16)
     assert lora == pytest.approx(4.0 * frozen + 6.0 * TRAINABLE_16 + attention)
     assert lora < full
+
+
+# ---------------------------------------------------------------- ckpt to-hf of a LoRA checkpoint
+
+
+@pytest.fixture(scope="module")
+def final_step_lora_run(tmp_path_factory):
+    """The random-initialised tiny default with --lora.rank 16, 6 steps, its last step saved too (a few seconds):
+    to-hf of step-6 must give the run's own final/."""
+    out = tmp_path_factory.mktemp("final-step")
+    args = {"train.max_steps": 6, "ckpt.interval": 3, "ckpt.resumable_final_save": "true", "lora.rank": 16,
+            "data.datasets.0.num_examples": 400}  # fmt: skip
+    result = run_train(out, "lora", **args)
+    assert result.returncode == 0, output(result)[-4000:]
+    return out / "lora"
+
+
+def test_to_hf_of_a_lora_run_s_last_step_is_its_final_export(final_step_lora_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    step = final_step_lora_run / "checkpoints" / "step-6"
+    assert read_json(step / "meta.json")["lora"] == IDENTITY_16
+    result = subprocess.run(cli("ckpt", "to-hf", str(step), str(tmp_path / "hf"), "--json"), env=env(),
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, output(result)[-4000:]
+    # the base rebuilt from run.seed bit for bit, the same adapters, the same merge: the run's final/ exactly
+    ours, final = load_file(str(tmp_path / "hf" / "model.safetensors")), final_weights(final_step_lora_run)
+    assert ours.keys() == final.keys() and all(torch.equal(ours[k], final[k]) for k in final)
+    theirs = load_file(str(final_step_lora_run / "final" / "adapter" / "adapter_model.safetensors"))
+    adapter = load_file(str(tmp_path / "hf" / "adapter" / "adapter_model.safetensors"))
+    assert adapter.keys() == theirs.keys() and all(torch.equal(adapter[k], theirs[k]) for k in theirs)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    final_model = AutoModelForCausalLM.from_pretrained(final_step_lora_run / "final")
+    assert torch.equal(logits(merged), logits(final_model))
+    assert read_json(tmp_path / "hf" / "adapter" / "adapter_config.json")["r"] == 16
+
+
+def test_to_hf_of_a_lora_checkpoint_honours_the_export_guards_and_adapter_only(final_step_lora_run, tmp_path):
+    from prime_train.engine.export import ExportRefused, dcp_to_hf
+
+    step = final_step_lora_run / "checkpoints" / "step-3"
+    out = dcp_to_hf(step, tmp_path / "hf")
+    assert (out / ".prime-train-export.json").is_file() and (out / "adapter" / "adapter_model.safetensors").is_file()
+    with pytest.raises(ExportRefused, match="--overwrite"):
+        dcp_to_hf(step, out)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(ExportRefused, match="not an export of prime-train"):
+        dcp_to_hf(step, tmp_path / "mine", overwrite=True)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+    # --adapter-only of a random-initialised run: an adapter with no base anyone has, refused as merge_on_export is
+    with pytest.raises(ValueError, match="random-initialised"):
+        dcp_to_hf(step, out, overwrite=True, adapter_only=True)
+    assert dcp_to_hf(step, out, overwrite=True) == out
+
+
+@pytest.mark.parametrize(
+    ("meta_lora", "config_rank", "says"),
+    [
+        ({**IDENTITY_16, "rank": 8}, None, "saved with LoRA rank 8, alpha 32.0"),
+        ({**IDENTITY_16, "alpha": 64.0}, None, "saved with LoRA rank 16, alpha 64.0"),
+        ({**IDENTITY_16, "target_modules": ["q_proj", "v_proj"]}, None, "target_modules q_proj, v_proj"),
+        ({**IDENTITY_16, "rank": 8, "alpha": 16.0}, 8, "adapter weights do not match its meta.json's lora identity"),
+        (None, None, "names no LoRA adapter"),
+    ],
+    ids=["rank", "alpha", "targets", "rank-and-config", "no-identity"],
+)
+def test_to_hf_refuses_a_lora_checkpoint_whose_identity_was_tampered(
+    final_step_lora_run, tmp_path, meta_lora, config_rank, says
+):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(final_step_lora_run, run, ignore=shutil.ignore_patterns("final", "tensorboard", "logs"))
+    step = run / "checkpoints" / "step-6"
+    meta = read_json(step / "meta.json")
+    if meta_lora is None:
+        del meta["lora"]
+    else:
+        meta["lora"] = meta_lora
+    (step / "meta.json").write_text(json.dumps(meta))
+    if config_rank is not None:
+        config = run / "config.toml"
+        config.write_text(re.sub(r"(?m)^rank = 16$", f"rank = {config_rank}", config.read_text()))
+    result = subprocess.run(cli("ckpt", "to-hf", str(step), str(tmp_path / "hf")), env=env(), capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 78, output(result)[-4000:]
+    assert says in output(result) and "Traceback" not in result.stderr, output(result)[-4000:]
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+def test_to_hf_of_a_lora_step_on_model_path_gives_the_adapter_peft_loads_on_that_base(
+    tiny_lora_run, half_trained_sft_model, tmp_path
+):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from prime_train.engine.export import dcp_to_hf
+
+    step = tiny_lora_run[0] / "checkpoints" / "step-50"
+    out = dcp_to_hf(step, tmp_path / "hf")
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    base = AutoModelForCausalLM.from_pretrained(half_trained_sft_model)
+    base_logits = logits(base)
+    assert read_json(out / "adapter" / "adapter_config.json")["base_model_name_or_path"] == str(half_trained_sft_model)
+    adapter = PeftModel.from_pretrained(base, out / "adapter")
+    torch.testing.assert_close(logits(adapter), logits(merged), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(logits(merged), base_logits, atol=1e-2)
+    # step 50 is not the run's end: its adapter is not final/'s
+    final = load_file(str(tiny_lora_run[0] / "final" / "adapter" / "adapter_model.safetensors"))
+    ours = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert ours.keys() == final.keys() and any(not torch.equal(ours[k], final[k]) for k in final)
+
+    only = dcp_to_hf(step, tmp_path / "adapter-only", adapter_only=True)
+    assert not list(only.glob("*.safetensors")) and not (only / "config.json").exists()
+    again = load_file(str(only / "adapter" / "adapter_model.safetensors"))
+    assert all(torch.equal(again[k], ours[k]) for k in ours)

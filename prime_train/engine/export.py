@@ -317,6 +317,9 @@ def export_hf(
     merge: bool = True,
     adapter: bool = False,
     base_model: str | None = None,
+    overwrite: bool = True,
+    own_run: bool = True,
+    source: str = "training",
 ) -> Path | None:
     """Write `model` (plain, DDP or FSDP2) and `tokenizer` to out_dir in HF format; every rank calls it.
 
@@ -327,7 +330,8 @@ def export_hf(
     B @ A under its plain HF name) as out_dir's weights; `adapter` writes out_dir/adapter/ in PEFT's format, recorded
     against `base_model` (unset: the model config's name_or_path, i.e. model.path). The final export passes
     adapter=True, merge=lora.merge_on_export; RL's weights/step-N the defaults (merged only). Both are ignored for a
-    model without adapters.
+    model without adapters. `overwrite`, `own_run`, `source`: check_export_target's and the marker's; the defaults
+    are the run's own export's, `ckpt to-hf` of a LoRA checkpoint (engine/lora_to_hf.py) passes its own.
     """
     lora = has_lora(model)
     if lora and not (merge or adapter):
@@ -368,9 +372,9 @@ def export_hf(
         Path(out_dir),
         max_shard_size=max_shard_size,
         tokenizer=tokenizer,
-        overwrite=True,
-        own_run=True,
-        source="training",
+        overwrite=overwrite,
+        own_run=own_run,
+        source=source,
         write_model=write_model,
         extra=write_adapter,
     )
@@ -397,11 +401,15 @@ def dcp_to_hf(
     *,
     max_shard_size: int | str = "2GB",
     overwrite: bool = False,
+    adapter_only: bool = False,
+    config_path: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Convert one DCP checkpoint (step-N with hf/ assets) to an HF model directory, in this one process.
 
     out_dir must be missing, empty, or (with `overwrite`) an earlier export: ExportRefused otherwise, before the
-    checkpoint is read.
+    checkpoint is read. A LoRA run's checkpoint is written as the run exports (engine/lora_to_hf.py): out_dir the
+    merged model on the base the run's config.toml builds (`config_path`, else the run directory's above
+    checkpoints/), out_dir/adapter/ the adapter in PEFT's format; `adapter_only` writes the adapter alone.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -424,10 +432,16 @@ def dcp_to_hf(
             f"cannot convert {step_dir} to HF format: its {DCP_METADATA_FILE} does not load ({type(e).__name__}: {e})"
         ) from None
     if any(is_adapter_key(key) for key in metadata.state_dict_metadata):
+        # a LoRA run's: the adapters alone; the frozen base is built again as the run builds it
+        from prime_train.engine.lora_to_hf import lora_checkpoint_to_hf
+
+        return lora_checkpoint_to_hf(
+            step_dir, out_dir, metadata, config_path=config_path, adapter_only=adapter_only, overwrite=overwrite,
+            max_shard_size=max_shard_size,
+        )  # fmt: skip
+    if adapter_only:
         raise ValueError(
-            f"cannot convert {step_dir} to HF format: it is a LoRA run's checkpoint, which holds the adapter (and its "
-            "optimizer state) but not the frozen base weights. Use the run's final/ (merged) or final/adapter/ "
-            "(PEFT's format, on the base model), or resume the run and let it export."
+            f"cannot convert {step_dir} with --adapter-only: it is not a LoRA run's checkpoint (it holds no adapter)"
         )
     config = AutoConfig.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_config(config, dtype=_checkpoint_dtype(metadata))
