@@ -63,6 +63,7 @@ from prime_train.engine.evaluate import Evaluator
 from prime_train.engine.lifeline import PeerWatch, watch_peers, watch_supervisor
 from prime_train.engine.lora import adapter_identity, apply_lora, trainable_parameters
 from prime_train.engine.metrics import Divergence, EngineConfigError, HeartbeatWriter, MetricsBuffer, MetricsLogger
+from prime_train.engine.model import load_model_and_tokenizer
 from prime_train.engine.optim import build_optimizer
 from prime_train.engine.profiling import NullProfile, ProfileSession, profile_request
 from prime_train.engine.records import shown_path
@@ -90,20 +91,6 @@ def setup_logging(cfg: Config, rank: int) -> None:
         hf_logging.disable_progress_bar()
     except ImportError:
         pass
-
-
-def load_model_and_tokenizer(cfg: Config):
-    """Tokenizer and model on the CPU; one that cannot be loaded is a configuration error (never retried)."""
-    from prime_train.engine.model import build_model
-    from prime_train.engine.tokenizer import load_tokenizer, padded_vocab_size
-
-    try:
-        tokenizer = load_tokenizer(cfg.model)
-        model = build_model(cfg.model, padded_vocab_size(tokenizer, cfg.model.vocab_multiple), for_training=True)
-    except (OSError, ValueError) as exc:
-        key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
-        raise EngineConfigError(f"{key}: cannot load {getattr(cfg.model, key.split('.')[1])!r}: {exc}") from None
-    return tokenizer, model
 
 
 class TrainingJob:

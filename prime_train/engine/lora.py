@@ -262,7 +262,7 @@ def adapter_identity(model: nn.Module) -> dict[str, Any] | None:
     return identity
 
 
-def _describe(identity: dict[str, Any] | None) -> str:
+def describe_identity(identity: dict[str, Any] | None) -> str:
     if identity is None:
         return "no LoRA (the whole model trained)"
     return (
@@ -277,16 +277,17 @@ def check_resume_compatible(
     """Raise EngineConfigError (exit 78, never retried) naming both settings when the checkpoint's adapter identity
     (`saved`, from its meta.json) is not this run's (`current`). Call it before loading anything: the checkpoint is
     left as it is, and nothing of the run is lost."""
-    if _comparable(saved) == _comparable(current):
+    if comparable_identity(saved) == comparable_identity(current):
         return
     raise EngineConfigError(
-        f"{checkpoint} was saved with {_describe(saved)}; this run has {_describe(current)}. A checkpoint holds "
-        "the adapter it was trained with and does not load into another: resume with the [lora] settings it was saved "
-        "with, or start a new run (another run.name, or ckpt.resume = 'never'). The checkpoint is kept as it is."
+        f"{checkpoint} was saved with {describe_identity(saved)}; this run has {describe_identity(current)}. "
+        "A checkpoint holds the adapter it was trained with and does not load into another: resume with the "
+        "[lora] settings it was saved with, or start a new run (another run.name, or ckpt.resume = 'never'). "
+        "The checkpoint is kept as it is."
     )
 
 
-def _comparable(identity: dict[str, Any] | None) -> tuple | None:
+def comparable_identity(identity: dict[str, Any] | None) -> tuple | None:
     if identity is None:
         return None
     return (int(identity["rank"]), float(identity["alpha"]), tuple(sorted(identity["target_modules"])))

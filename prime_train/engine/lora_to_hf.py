@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from prime_train.contract import read_json
 from prime_train.engine import safe_dcp
 from prime_train.engine.checkpoint import META_FILE
-from prime_train.engine.lora import _comparable, _describe, adapter_identity, apply_lora, is_adapter_key
+from prime_train.engine.lora import adapter_identity, apply_lora, comparable_identity, describe_identity, is_adapter_key
 
 
 def _refuse(step_dir: Path, why: str) -> ValueError:
@@ -56,7 +56,7 @@ def _check_identity(step_dir: Path, saved: Any, built: dict[str, Any], config_pa
     if not isinstance(saved, dict):
         raise _refuse(step_dir, f"its {META_FILE} names no LoRA adapter (no 'lora': rank, alpha, target_modules)")
     try:
-        same = _comparable(saved) == _comparable(built) and bool(saved.get("fan_in_fan_out")) == bool(
+        same = comparable_identity(saved) == comparable_identity(built) and bool(saved.get("fan_in_fan_out")) == bool(
             built.get("fan_in_fan_out")
         )
     except (KeyError, TypeError, ValueError):
@@ -64,8 +64,9 @@ def _check_identity(step_dir: Path, saved: Any, built: dict[str, Any], config_pa
     if not same:
         raise _refuse(
             step_dir,
-            f"its {META_FILE} says it was saved with {_describe(saved)}, and the run's config {config_path} builds "
-            f"{_describe(built)}; the adapter is merged only with the settings it was trained with",
+            f"its {META_FILE} says it was saved with {describe_identity(saved)}, and the run's config "
+            f"{config_path} builds {describe_identity(built)}; the adapter is merged only with the settings it was "
+            "trained with",
         )
 
 
@@ -110,7 +111,7 @@ def lora_checkpoint_to_hf(
     adapter is not what its meta.json and the run's config say."""
     from prime_train.engine import parallel
     from prime_train.engine.export import export_hf
-    from prime_train.engine.loop import load_model_and_tokenizer
+    from prime_train.engine.model import load_model_and_tokenizer
 
     cfg, config_path = _run_config(step_dir, config_path)
     if adapter_only and not cfg.model.path:

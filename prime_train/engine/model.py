@@ -9,7 +9,7 @@ import re
 import torch
 from torch import nn
 
-from prime_train.config.schema import ModelConfig
+from prime_train.config.schema import Config, ModelConfig
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.vocab import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID
 
@@ -275,3 +275,16 @@ def mfu(
     if not peak_flops_per_device or num_devices < 1:
         return None
     return tokens_per_s * flops_per_token / (peak_flops_per_device * num_devices)
+
+
+def load_model_and_tokenizer(cfg: Config):
+    """Tokenizer and model on the CPU; one that cannot be loaded is a configuration error (never retried)."""
+    from prime_train.engine.tokenizer import load_tokenizer, padded_vocab_size
+
+    try:
+        tokenizer = load_tokenizer(cfg.model)
+        model = build_model(cfg.model, padded_vocab_size(tokenizer, cfg.model.vocab_multiple), for_training=True)
+    except (OSError, ValueError) as exc:
+        key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+        raise EngineConfigError(f"{key}: cannot load {getattr(cfg.model, key.split('.')[1])!r}: {exc}") from None
+    return tokenizer, model
