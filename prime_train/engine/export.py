@@ -437,7 +437,7 @@ def dcp_to_hf(
 
         return lora_checkpoint_to_hf(
             step_dir, out_dir, metadata, config_path=config_path, adapter_only=adapter_only, overwrite=overwrite,
-            max_shard_size=max_shard_size,
+            max_shard_size=max_shard_size, write=export_hf,
         )  # fmt: skip
     if adapter_only:
         raise ValueError(

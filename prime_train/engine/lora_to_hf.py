@@ -5,7 +5,7 @@ config.toml builds at every start (model.path, or the random init seeded with ru
 builds it again exactly as the job does (set_seed(run.seed), then load_model_and_tokenizer: the same model code, the
 same RNG stream, on the CPU as the job builds it), puts the adapters on it with the run's [lora] settings, checks them
 against the checkpoint's meta.json identity and its DCP metadata (names and shapes), loads the adapter tensors through
-safe_dcp's restricted reader, and writes with export_hf, as the run's own final/ is written.
+safe_dcp's restricted reader, and writes with export_hf (handed in by its caller), as the run's own final/ is written.
 
 What cannot be checked: that model.path holds today what it held when the run trained (a re-exported base makes
 another merged model), and, for a random init, that torch and transformers are the versions the run used (their
@@ -15,6 +15,7 @@ initialisers give other numbers across versions).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,13 +105,14 @@ def lora_checkpoint_to_hf(
     adapter_only: bool = False,
     overwrite: bool = False,
     max_shard_size: int | str = "2GB",
+    write: Callable[..., Path],
 ) -> Path:
-    """Write a LoRA checkpoint (`step_dir`, whose DCP `metadata` dcp_to_hf read) as the run's export: out_dir the
+    """Write a LoRA checkpoint (`step_dir`, whose DCP `metadata` dcp_to_hf read) as the run's export with `write`
+    (export.export_hf, handed in by dcp_to_hf so this module does not import its caller): out_dir the
     merged model, out_dir/adapter/ PEFT's adapter (`adapter_only`: that alone). ValueError (ExportRefused for
     out_dir) before anything is written when the base cannot be built as the run built it or the checkpoint's
     adapter is not what its meta.json and the run's config say."""
     from prime_train.engine import parallel
-    from prime_train.engine.export import export_hf
     from prime_train.engine.model import load_model_and_tokenizer
 
     cfg, config_path = _run_config(step_dir, config_path)
@@ -139,7 +141,7 @@ def lora_checkpoint_to_hf(
     safe_dcp.load(state, step_dir, no_dist=True)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
     model.eval()
-    out = export_hf(
+    out = write(
         model, tokenizer, out_dir, rank=0, max_shard_size=max_shard_size, merge=not adapter_only, adapter=True,
         base_model=cfg.model.path, overwrite=overwrite, own_run=False, source=str(step_dir),
     )  # fmt: skip
