@@ -66,10 +66,12 @@ class RunConfig(Section):
     seed: int = Field(
         1234, ge=0, lt=2**32, description="Global seed for Python, NumPy, torch and data order (NumPy's range)."
     )
-    job: Literal["sft", "pretrain", "rl"] = Field(
+    job: Literal["sft", "pretrain", "rl", "dpo", "reward"] = Field(
         "sft",
         description="Embedded job: 'sft' masks the loss to completions, 'pretrain' trains on every token, "
-        "'rl' runs GRPO against [inference] workers. Ignored when [job].command is set.",
+        "'rl' runs GRPO or PPO (rl.algorithm) against [inference] workers, 'dpo' trains on preference pairs "
+        "against a frozen reference ([dpo]), 'reward' trains a scalar reward model on preference pairs "
+        "(Bradley-Terry). Ignored when [job].command is set.",
     )
 
     @model_validator(mode="after")
@@ -269,6 +271,27 @@ class LoraConfig(Section):
         return None
 
 
+class DPOConfig(Section):
+    beta: float = Field(
+        0.1, gt=0, le=1e3, description="Strength of the implicit KL to the reference (DPO's beta; IPO's tau)."
+    )
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = Field(
+        "sigmoid",
+        description="'sigmoid': DPO's -log sigmoid(beta · margin); 'ipo': (margin - 1/(2·beta))²; 'hinge': "
+        "relu(1 - beta · margin) (SLiC). The margin is the policy's log-ratio of chosen over rejected minus the "
+        "reference's.",
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0.0, lt=0.5, description="sigmoid only: the fraction of pairs assumed mislabelled (conservative DPO)."
+    )
+    precompute_reference: bool = Field(
+        False,
+        description="Compute the reference's log-probs of every pair in one pass before training and keep them, "
+        "instead of holding the reference model during training (saves its memory). With LoRA the reference is "
+        "the base with the adapters switched off either way (no second copy).",
+    )
+
+
 class DatasetConfig(Section):
     task: Literal["arithmetic", "reverse-text", "sorting"] | None = Field(
         None, description="A built-in generated task (no download)."
@@ -276,13 +299,17 @@ class DatasetConfig(Section):
     path: str | None = Field(None, description="Local .txt, .jsonl or .parquet file, directory or glob.")
     hub: str | None = Field(None, description="Hub dataset id, streamed (needs network).")
     split: str = Field("train", description="Split of a hub dataset.")
-    format: Literal["auto", "text", "prompt_completion", "chat"] = Field(
-        "auto", description="Record format; 'auto' looks at the first record's fields."
+    format: Literal["auto", "text", "prompt_completion", "chat", "preference"] = Field(
+        "auto",
+        description="Record format; 'auto' looks at the first record's fields. 'preference': {prompt, chosen, "
+        "rejected} pairs (strings, or chat message lists) for the dpo and reward jobs.",
     )
     text_field: str = Field("text", description="Field holding plain text.")
     prompt_field: str = Field("prompt", description="Field holding the prompt of prompt/completion records.")
     completion_field: str = Field("completion", description="Field holding the completion.")
     messages_field: str = Field("messages", description="Field holding chat messages [{role, content}].")
+    chosen_field: str = Field("chosen", description="Field holding the preferred answer of a preference pair.")
+    rejected_field: str = Field("rejected", description="Field holding the dispreferred answer of a preference pair.")
     num_examples: int = Field(
         20000, ge=1, le=10_000_000, description="Examples generated for a built-in task (all of them at start-up)."
     )
@@ -607,6 +634,17 @@ class RLConfig(Section):
         "local", description="Where a tool-calling environment runs its tools."
     )
     eval_prompts: int = Field(64, ge=0, description="Held-out prompts for the mean-reward eval.")
+    algorithm: Literal["grpo", "ppo"] = Field(
+        "grpo",
+        description="'grpo': advantages from each prompt's group of completions; 'ppo': a learned value head and "
+        "GAE advantages per token (rl.gamma, rl.gae_lambda), with a clipped value loss.",
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="PPO: discount of future rewards per token.")
+    gae_lambda: float = Field(0.95, ge=0, le=1, description="PPO: GAE's lambda (1: Monte Carlo returns, 0: TD).")
+    value_clip: float | None = Field(
+        0.2, gt=0, description="PPO: clip each new value to this distance of the rollout's value; unset: no clip."
+    )
+    vf_coef: float = Field(0.1, ge=0, description="PPO: weight of the value loss beside the policy loss.")
 
     @field_validator("scale_rewards", mode="before")
     @classmethod
@@ -697,6 +735,7 @@ class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig, description="What the run is called and where it lives.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The model to train.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA / QLoRA: train small adapters only.")
+    dpo: DPOConfig = Field(default_factory=DPOConfig, description="Direct preference optimisation (run.job = 'dpo').")
     data: DataConfig = Field(default_factory=DataConfig, description="The training data.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="The optimisation loop.")
     distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="Processes and parallelism.")
@@ -705,7 +744,7 @@ class Config(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Console, TensorBoard and W&B.")
     job: JobConfig = Field(default_factory=JobConfig, description="An external command instead of the engine.")
     inference: InferenceConfig = Field(default_factory=InferenceConfig, description="Rollout workers for RL.")
-    rl: RLConfig = Field(default_factory=RLConfig, description="GRPO and its environment.")
+    rl: RLConfig = Field(default_factory=RLConfig, description="GRPO or PPO and its environment.")
     spot: SpotConfig = Field(default_factory=SpotConfig, description="`run --spot`: a SkyPilot managed job.")
 
     @property
