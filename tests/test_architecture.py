@@ -46,7 +46,13 @@ RL_TORCH_FREE = (
     "prime_train.rl.rollouts",
     "prime_train.rl.vllm_server",
 )
-RL_TRAINING = ("prime_train.rl.grpo", "prime_train.rl.train", "prime_train.rl.generation", "prime_train.rl.worker")
+RL_TRAINING = (
+    "prime_train.rl.grpo",
+    "prime_train.rl.ppo",
+    "prime_train.rl.train",
+    "prime_train.rl.generation",
+    "prime_train.rl.worker",
+)
 HEAVY = ("torch", "transformers", "safetensors", "numpy", "tokenizers", "wandb", "boto3", "vllm", "sky")
 
 

@@ -590,7 +590,12 @@ class RLConfig(Section):
         default_factory=dict, description="Keyword arguments for the environment's loader."
     )
     prompts_per_step: int = Field(8, ge=1, description="Prompts per optimizer step.")
-    group_size: int = Field(8, ge=2, description="Completions sampled per prompt; advantages are normalised per group.")
+    group_size: int = Field(
+        8,
+        ge=1,
+        description="Completions sampled per prompt; GRPO's advantages compare them within the group (2 or more). "
+        "PPO may sample one.",
+    )
     max_tokens: int = Field(16, ge=1, description="Longest completion, in tokens.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature of rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of rollouts.")

@@ -319,6 +319,47 @@ def _dead_variable_findings(environ: dict[str, str] | None, vllm_version: tuple[
     return findings
 
 
+# ---------------------------------------------------------------- the algorithm's own keys
+
+
+def group_size_problem(rl) -> str | None:
+    """GRPO's advantage compares a prompt's completions with each other: one completion has nothing to compare
+    with. PPO's baseline is its value head, so one completion per prompt is enough."""
+    if rl.algorithm == "grpo" and rl.group_size < 2:
+        return (
+            f"rl.group_size = {rl.group_size}: GRPO's advantages compare the completions of one prompt with each "
+            "other, so it needs 2 or more (8 is usual); raise rl.group_size, or set rl.algorithm = 'ppo', whose value "
+            "head is the baseline"
+        )
+    return None
+
+
+def check_algorithm(cfg: Config) -> list[Finding]:
+    """rl.group_size against rl.algorithm, and GRPO's advantage keys set for a PPO run, where they do nothing."""
+    rl = cfg.rl
+    if (problem := group_size_problem(rl)) is not None:
+        return [("error", problem, "rl.group_size")]
+    if rl.algorithm != "ppo":
+        return []
+    findings: list[Finding] = []
+    if rl.drop_zero_variance_groups:
+        findings.append((
+            "warning",
+            "rl.drop_zero_variance_groups does nothing with rl.algorithm = 'ppo': PPO's advantages come from the "
+            "value head, so a group whose completions all scored alike still has them; every completion is learnt "
+            "from",
+            "rl.drop_zero_variance_groups",
+        ))  # fmt: skip
+    if "scale_rewards" in rl.model_fields_set and rl.scale_rewards != "group":
+        findings.append((
+            "warning",
+            f"rl.scale_rewards = {rl.scale_rewards!r} does nothing with rl.algorithm = 'ppo': PPO whitens its GAE "
+            "advantages over the batch's tokens",
+            "rl.scale_rewards",
+        ))  # fmt: skip
+    return findings
+
+
 # ---------------------------------------------------------------- wiring into lint and preflight
 
 
@@ -327,8 +368,9 @@ def _key_path(key: str) -> tuple[str, ...]:
 
 
 def lint_problems(cfg: Config, sources: Sources) -> list[Problem]:
-    """The token-budget and vLLM-flag findings as lint Problems at their config keys (none unless run.job == 'rl')."""
+    """The algorithm, token-budget and vLLM-flag findings as lint Problems at their config keys (none unless
+    run.job == 'rl')."""
     if cfg.run.job != "rl":
         return []
-    findings = check_token_budget(cfg, pending_ok=True) + check_vllm_args(cfg)
+    findings = check_algorithm(cfg) + check_token_budget(cfg, pending_ok=True) + check_vllm_args(cfg)
     return [sources.problem(_key_path(key), sev, msg) for sev, msg, key in findings]

@@ -12,11 +12,25 @@ run are options of one loss (rl.loss_norm, rl.clip_eps_high; advantages in rl/ro
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
 
+from prime_train.rl.ppo import final_hidden_states
 from prime_train.rl.rollouts import Sample
 
 LOSS_NORMS = ("token", "sequence", "constant")
+
+
+@dataclass
+class CompletionScores:
+    """What one forward of the policy gives on a batch of samples, each [B, T] over completion tokens."""
+
+    logp: torch.Tensor  # log-probability of each sampled token (sampling temperature applied)
+    mask: torch.Tensor  # 1 on each row's completion tokens
+    entropy: torch.Tensor | None = None  # of the tempered distribution at each token (nats, no gradient)
+    values: torch.Tensor | None = None  # PPO: the value head's V_t, read where token t is predicted
 
 
 def completion_logprobs(model, samples: list[Sample], device, temperature: float, pad_id: int, *, entropy=False):
@@ -25,6 +39,15 @@ def completion_logprobs(model, samples: list[Sample], device, temperature: float
     Returns a [B, T] tensor of logprobs aligned to completion tokens and a [B, T] mask, and with
     `entropy=True` also the [B, T] entropy (nats, no gradient) of the tempered distribution at each token.
     """
+    scores = score_completions(model, samples, device, temperature, pad_id, entropy=entropy)
+    return (scores.logp, scores.mask, scores.entropy) if entropy else (scores.logp, scores.mask)
+
+
+def score_completions(
+    model, samples: list[Sample], device, temperature: float, pad_id: int, *, entropy=False, value_head=None
+) -> CompletionScores:
+    """completion_logprobs' forward, and with a `value_head` (rl/ppo.py) each token's value from the same forward's
+    final hidden states."""
     seqs = [s.prompt_ids + s.completion_ids for s in samples]
     width = max(len(x) for x in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -32,26 +55,33 @@ def completion_logprobs(model, samples: list[Sample], device, temperature: float
         ids[row, : len(x)] = torch.tensor(x)
     ids = ids.to(device)
     positions = torch.arange(width, device=device).expand(len(seqs), width)
-    logits = model(input_ids=ids, position_ids=positions).logits[:, :-1].float()
+    with final_hidden_states(model) if value_head is not None else contextlib.nullcontext([]) as hidden:
+        logits = model(input_ids=ids, position_ids=positions).logits[:, :-1].float()
     if temperature > 0:
         logits = logits / temperature
     all_logp = torch.log_softmax(logits, dim=-1)
     logp = all_logp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # predicts token t+1
-    comp_width = max(len(s.completion_ids) for s in samples)
-    out = torch.zeros((len(seqs), comp_width), device=device)
-    mask = torch.zeros((len(seqs), comp_width), device=device)
-    ent = torch.zeros((len(seqs), comp_width), device=device) if entropy else None
+    token_entropy = token_values = None
     if entropy:
         with torch.no_grad():
             token_entropy = -(all_logp.exp() * all_logp).sum(-1)
+    if value_head is not None:
+        token_values = value_head(hidden[-1][:, :-1])  # the state before token t+1, where its logprob comes from
+    comp_width = max(len(s.completion_ids) for s in samples)
+    mask = torch.zeros((len(seqs), comp_width), device=device)
+
+    def completion_part(per_position: torch.Tensor | None) -> torch.Tensor | None:
+        if per_position is None:
+            return None
+        out = torch.zeros((len(seqs), comp_width), device=device, dtype=per_position.dtype)
+        for row, s in enumerate(samples):
+            start = len(s.prompt_ids) - 1
+            out[row, : len(s.completion_ids)] = per_position[row, start : start + len(s.completion_ids)]
+        return out
+
     for row, s in enumerate(samples):
-        start = len(s.prompt_ids) - 1
-        n = len(s.completion_ids)
-        out[row, :n] = logp[row, start : start + n]
-        mask[row, :n] = 1.0
-        if entropy:
-            ent[row, :n] = token_entropy[row, start : start + n]
-    return (out, mask, ent) if entropy else (out, mask)
+        mask[row, : len(s.completion_ids)] = 1.0
+    return CompletionScores(completion_part(logp), mask, completion_part(token_entropy), completion_part(token_values))
 
 
 def token_weights(mask, loss_norm: str, *, tokens: float, samples: float, max_tokens: int):
@@ -76,12 +106,14 @@ def grpo_loss(
 ):  # fmt: skip
     """Clipped surrogate on completion tokens, summed with `weights` (default: the mask, so the caller divides).
 
+    `advantages`: one per completion [B] (GRPO), or one per completion token [B, T] (PPO's GAE).
+
     The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (clip_eps_high None: clip_eps). Returns the loss,
     and the masked sums of the KL estimate and of the clipped-token indicator (for metrics).
     """
     high = clip_eps if clip_eps_high is None else clip_eps_high
     ratio = torch.exp(new_logp - old_logp)
-    adv = advantages[:, None]
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages  # per completion, or per token (PPO)
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + high) * adv)
     per_token = -surrogate
     kl = torch.zeros_like(per_token)

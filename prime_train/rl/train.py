@@ -1,4 +1,7 @@
-"""The embedded GRPO job: `python -m prime_train.rl.train --config RUN/config.toml` (run.job = "rl").
+"""The embedded RL job: `python -m prime_train.rl.train --config RUN/config.toml` (run.job = "rl").
+
+rl.algorithm picks the class: GRPOJob ("grpo", the default), or PPOJob ("ppo"), which is GRPOJob with a value head
+and per-token GAE advantages in place of the group's (its docstring, and rl/ppo.py); everything below holds for both.
 
 Rollouts come from OpenAI-compatible workers the supervisor runs ([inference]; rl/workers.py),
 through the batch source in rl/rollouts.py; the step is a clipped policy-gradient loss on
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import logging
 import math
 import time
@@ -35,15 +39,19 @@ from typing import Any
 
 import torch
 
-from prime_train.config.schema import RLConfig
+from prime_train.config.schema import Config, RLConfig
 from prime_train.contract import Phase
 from prime_train.engine import parallel
+from prime_train.engine.checkpoint import TrainState
 from prime_train.engine.loop import TrainingJob, main
 from prime_train.engine.lora import adapters_disabled
 from prime_train.engine.metrics import EngineConfigError
+from prime_train.engine.optim import param_groups
 from prime_train.environments import load_environment
+from prime_train.rl.budget import group_size_problem
 from prime_train.rl.client import ContextLengthError, RolloutPool, WeightLoad, worker_url
-from prime_train.rl.grpo import completion_logprobs, grpo_loss, token_weights
+from prime_train.rl.grpo import CompletionScores, completion_logprobs, grpo_loss, score_completions, token_weights
+from prime_train.rl.ppo import ValueHead, clipped_value_loss, explained_variance_from_sums, gae, whiten
 from prime_train.rl.rollouts import RolloutBatch, RolloutSource, Sample
 from prime_train.rl.vllm_server import lora_adapter_plan
 from prime_train.rl.workers import resolve_backend
@@ -65,6 +73,8 @@ class GRPOJob(TrainingJob):
         """The environment and the workers' pool, before the process group and the model: a bad rl.environment is a
         configuration error before any model is loaded."""
         cfg = self.cfg
+        if (problem := group_size_problem(cfg.rl)) is not None:
+            raise EngineConfigError(problem)
         try:
             self.env = load_environment(cfg.rl.environment, dict(cfg.rl.env_args))
         except (ValueError, ImportError) as exc:
@@ -155,14 +165,17 @@ class GRPOJob(TrainingJob):
         batch, lag = self._next_batch()
         samples = batch.samples
         kept = loss_samples(samples, cfg.rl)
+        sums = _StepSums(dist.device)
+        t0 = time.perf_counter()
+        # PPO: the old values and the advantages of every token, before the first optimizer step (it may measure the
+        # worker/trainer mismatch on the way)
+        measured = self.prepare_batch(samples, kept, measure=lag == 0, sums=sums)
         k = cfg.rl.optimizer_steps
         # mini-batches of whole groups, in the batch's order; a rank with nothing to learn from in one still runs a
         # zero-weight backward, so that every rank reduces gradients the same number of times
         per = math.ceil(len(kept) / k) if kept else 0
         minibatches = [kept[i * per : (i + 1) * per] for i in range(k)]
-        sums = _StepSums(dist.device)
         grad_norms = []
-        t0 = time.perf_counter()
         for index, minibatch in enumerate(minibatches):
             weight = 1.0 if minibatch else 0.0
             minibatch = minibatch or samples[:1]
@@ -172,13 +185,11 @@ class GRPOJob(TrainingJob):
             if num_samples == 0:
                 continue  # no rank has anything to learn from: no step (Adam would move on its momentum alone)
             # the worker's logprobs are the trainer's policy only before this batch's first optimizer step
-            measure = lag == 0 and index == 0
+            measure = lag == 0 and index == 0 and not measured
             self._minibatch_backward(minibatch, weight, tokens, num_samples, measure, sums)
             with timer("optimizer"):
-                grad_norms.append(self.clip_grad_norm())
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-        if not grad_norms and lag == 0:
+                grad_norms.append(self.optimizer_step())
+        if not grad_norms and lag == 0 and not measured:
             self._measure_mismatch(samples, sums)  # nothing trained: the drift is still worth its row
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
@@ -227,7 +238,26 @@ class GRPOJob(TrainingJob):
             m["entropy"] = total["entropy"] / tokens
         if mismatch_tokens > 0:
             m["logprob_mismatch"] = total["mismatch"] / mismatch_tokens
+        m.update(self.batch_metrics(total, trained))
         return m
+
+    # ------------------------------------------------------------------ what PPO changes (PPOJob)
+
+    def prepare_batch(self, samples: list[Sample], kept: list[Sample], *, measure: bool, sums: _StepSums) -> bool:
+        """Work on the whole batch before its first optimizer step; True when it measured the logprob mismatch of
+        `samples` into `sums` (asked when `measure`). GRPO's advantages came with the rollouts: nothing to do."""
+        return False
+
+    def batch_metrics(self, total: dict[str, torch.Tensor], trained: float) -> dict[str, Any]:
+        """The algorithm's own figures of the step, from the all-reduced sums (`trained`: tokens learnt from)."""
+        return {}
+
+    def optimizer_step(self) -> torch.Tensor:
+        """Clip, step and zero the gradients; the gradient norm before clipping (a device tensor)."""
+        norm = self.clip_grad_norm()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
 
     def _measure_mismatch(self, samples: list[Sample], sums: _StepSums) -> None:
         """Add the worker/trainer logprob mismatch of `samples` to `sums` with a forward pass alone: for an
@@ -254,31 +284,46 @@ class GRPOJob(TrainingJob):
         for i, chunk in enumerate(chunks):
             with parallel.grad_sync(self.model, enabled=i == len(chunks) - 1), self._autocast():
                 with timer("forward"):
-                    new_logp, mask, entropy = completion_logprobs(
-                        self.model, chunk, dist.device, rl.temperature, pad_id, entropy=True
-                    )
-                    old = _worker_logprobs(chunk, new_logp)
+                    scores = score_completions(
+                        self.model, chunk, dist.device, rl.temperature, pad_id, entropy=True,
+                        value_head=self.value_head,
+                    )  # fmt: skip
+                    old = _worker_logprobs(chunk, scores.logp)
                     ref = self._reference_logprobs(chunk) if rl.kl_coef > 0 else None
                     if measure:  # the worker sampled with the weights the trainer holds: any difference is numerical
                         with torch.no_grad():
-                            sums.add_mismatch(((new_logp - old).abs() * mask).sum(), chunk)
-                    adv = torch.tensor([s.advantage for s in chunk], device=dist.device)
-                    weights = token_weights(
-                        mask, rl.loss_norm, tokens=tokens, samples=num_samples, max_tokens=rl.max_tokens
+                            sums.add_mismatch(((scores.logp - old).abs() * scores.mask).sum(), chunk)
+                    weights = weight * token_weights(
+                        scores.mask, rl.loss_norm, tokens=tokens, samples=num_samples, max_tokens=rl.max_tokens
                     )
                     loss, kl, clipped = grpo_loss(
-                        new_logp, old, mask, adv, rl.clip_eps, ref, rl.kl_coef,
-                        clip_eps_high=rl.clip_eps_high, weights=weights * weight,
+                        scores.logp, old, scores.mask, self.token_advantages(chunk, scores.mask), rl.clip_eps, ref,
+                        rl.kl_coef, clip_eps_high=rl.clip_eps_high, weights=weights,
                     )  # fmt: skip
+                    figures = {"kl": kl, "clipped": clipped, "entropy": (scores.entropy * scores.mask).sum()}
+                    loss = loss + self.value_loss(chunk, scores, weights, figures)
                 with timer("backward"):
                     # DDP and FSDP average gradients over ranks; the weights already divide by the whole batch
                     (loss * dist.world_size).backward()
             sums.add("loss", loss)
             if weight:
-                sums.add("kl", kl)
-                sums.add("clipped", clipped)
-                sums.add("entropy", (entropy * mask).sum())
+                for name, value in figures.items():
+                    sums.add(name, value)
                 sums.tokens += _completion_tokens(chunk)
+
+    # the value head PPOJob trains beside the policy; GRPO has none
+    value_head: torch.nn.Module | None = None
+
+    def token_advantages(self, chunk: list[Sample], mask: torch.Tensor) -> torch.Tensor:
+        """The advantage of each of `chunk`'s samples [B] (GRPO: one per completion, from its group), or of each
+        completion token [B, T] (PPO)."""
+        return torch.tensor([s.advantage for s in chunk], device=mask.device)
+
+    def value_loss(
+        self, chunk: list[Sample], scores: CompletionScores, weights: torch.Tensor, figures: dict[str, torch.Tensor]
+    ) -> torch.Tensor | float:
+        """The value loss added to the chunk's policy loss, its figures added to `figures` (GRPO: none)."""
+        return 0.0
 
     def _reference_logprobs(self, chunk: list[Sample]) -> torch.Tensor:
         """The KL reference's logprobs of `chunk`'s completions: the copy made at start, or with LoRA the policy with
@@ -385,10 +430,11 @@ class GRPOJob(TrainingJob):
 
 
 def loss_samples(samples: list[Sample], rl: RLConfig) -> list[Sample]:
-    """The samples the loss learns from: rl.drop_zero_variance_groups and rl.mask_truncated leave some out."""
+    """The samples the loss learns from: rl.drop_zero_variance_groups (GRPO only: under PPO a group that all scored
+    alike still has advantages, against the values) and rl.mask_truncated leave some out."""
+    drop_alike = rl.drop_zero_variance_groups and rl.algorithm == "grpo"
     return [
-        s for s in samples
-        if not (rl.drop_zero_variance_groups and s.group_std == 0.0) and not (rl.mask_truncated and s.truncated)
+        s for s in samples if not (drop_alike and s.group_std == 0.0) and not (rl.mask_truncated and s.truncated)
     ]  # fmt: skip
 
 
@@ -409,7 +455,7 @@ class _StepSums:
     of each gave before, without a sync each time), the token counts on the host (a mask's ones are its samples'
     completion tokens)."""
 
-    DEVICE = ("loss", "kl", "clipped", "entropy", "mismatch")
+    DEVICE = ("loss", "kl", "clipped", "entropy", "mismatch", "value_loss", "value_clipped")
 
     def __init__(self, device: torch.device):
         self._sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in self.DEVICE}
@@ -442,5 +488,181 @@ def _worker_logprobs(chunk: list[Sample], like: torch.Tensor) -> torch.Tensor:
     return old
 
 
+class PPOJob(GRPOJob):
+    """PPO (rl.algorithm = "ppo"): GRPO's job, workers and loop, with a learned baseline instead of the group's.
+
+    The value head (rl/ppo.py ValueHead, a Linear(hidden, 1) on the policy's final hidden states: one shared trunk,
+    no second model) gives each completion token a value in the same forward as its logprob. Before a rollout
+    batch's first optimizer step a no-grad pass records every token's old value (as the worker recorded its old
+    logprob), and with them GAE's advantages (rl.gamma, rl.gae_lambda; the reward on the last token) and returns,
+    the advantages whitened over the batch's tokens (every rank's). Each optimizer step's loss is the clipped ratio
+    loss of the token advantages (rl.clip_eps, rl.clip_eps_high, rl.loss_norm), the KL term to the reference as GRPO
+    has it (rl.kl_coef), and rl.vf_coef times the clipped value loss (rl.value_clip), under the same token weights.
+
+    The head trains in full (with LoRA too, beside the adapters) with its own AdamW at the policy's learning rate of
+    the step, its gradient averaged over ranks; it is saved and resumed with the checkpoint (PPOTrainState) and
+    never exported: final/ and the workers' weights/step-N hold the policy alone. Logged beside GRPO's figures:
+    `value_loss` (per token, before rl.vf_coef), `value_clip_fraction`, `explained_variance` (of the returns by
+    the old values, before the step's updates) and `value_mean`.
+    """
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        train = cfg.train
+        self.value_head = ValueHead(self.hf_config.hidden_size, device=self.dist.device)
+        self.value_optimizer = torch.optim.AdamW(
+            param_groups(self.value_head, train.weight_decay), lr=train.lr, betas=(train.beta1, train.beta2),
+            eps=train.eps,
+        )  # fmt: skip
+        self.state = PPOTrainState(
+            self.model, self.optimizer, self.scheduler, self.batches, rank=self.dist.rank,
+            adapter_only=cfg.lora.enabled, value_head=self.value_head, value_optimizer=self.value_optimizer,
+        )  # fmt: skip
+        self._targets: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._batch: dict[str, torch.Tensor] = {}
+        logger.info(
+            "PPO: value head Linear(%d, 1) on the policy's final hidden states, trained in full (gamma %g, "
+            "gae_lambda %g, value_clip %s, vf_coef %g)",
+            self.hf_config.hidden_size, cfg.rl.gamma, cfg.rl.gae_lambda, cfg.rl.value_clip, cfg.rl.vf_coef,
+        )  # fmt: skip
+
+    def prepare_batch(self, samples: list[Sample], kept: list[Sample], *, measure: bool, sums: _StepSums) -> bool:
+        """The old values of every token of the batch (no gradient), GAE's advantages and returns, and the batch's
+        sums for whitening and the explained variance; the worker/trainer mismatch on the way when `measure`."""
+        cfg, dist, rl = self.cfg, self.dist, self.cfg.rl
+        device, mbs, pad_id = dist.device, cfg.train.micro_batch_size, self.tokenizer.pad_token_id
+        learn = {id(s) for s in kept}
+        self._targets = {}
+        # over the tokens learnt from: advantage sum and sum of squares, then n, sum R, sum R^2, sum (R-V), ^2, sum V
+        stats = torch.zeros(8, dtype=torch.float64, device=device)
+        with torch.no_grad(), self._autocast(), self.timer("forward"):
+            for i in range(0, len(samples), mbs):
+                chunk = samples[i : i + mbs]
+                scores = score_completions(
+                    self.model, chunk, device, rl.temperature, pad_id, value_head=self.value_head
+                )
+                mask = scores.mask
+                if measure:
+                    sums.add_mismatch(((scores.logp - _worker_logprobs(chunk, scores.logp)).abs() * mask).sum(), chunk)
+                rewards = torch.tensor([s.reward for s in chunk], device=device)
+                values = scores.values * mask
+                adv, ret = gae(values, mask, rewards, rl.gamma, rl.gae_lambda)
+                on = mask * torch.tensor([id(s) in learn for s in chunk], device=device, dtype=mask.dtype)[:, None]
+                d = ret - values
+                parts = (adv, adv * adv, on, ret, ret * ret, d, d * d, values)
+                stats += torch.stack([(x * on).sum() for x in parts]).double()
+                for row, s in enumerate(chunk):
+                    n = len(s.completion_ids)
+                    self._targets[id(s)] = (adv[row, :n], ret[row, :n], values[row, :n])
+        stats = parallel.all_reduce_(stats, dist)
+        self._batch = {
+            "adv_sums": stats[:3].float(),
+            "explained_variance": explained_variance_from_sums(stats[2:7]),
+            "value_mean": stats[7] / stats[2].clamp(min=1.0),
+        }
+        return measure
+
+    def _padded(self, chunk: list[Sample], which: int, mask: torch.Tensor) -> torch.Tensor:
+        """One of the recorded per-token tensors (0 advantages, 1 returns, 2 old values) of `chunk`, as [B, T]."""
+        out = torch.zeros_like(mask)
+        for row, s in enumerate(chunk):
+            part = self._targets[id(s)][which]
+            out[row, : part.numel()] = part
+        return out
+
+    def token_advantages(self, chunk: list[Sample], mask: torch.Tensor) -> torch.Tensor:
+        return whiten(self._padded(chunk, 0, mask), mask, *self._batch["adv_sums"])
+
+    def value_loss(
+        self, chunk: list[Sample], scores: CompletionScores, weights: torch.Tensor, figures: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        per_token, clipped = clipped_value_loss(
+            scores.values, self._padded(chunk, 2, scores.mask), self._padded(chunk, 1, scores.mask), scores.mask,
+            self.cfg.rl.value_clip,
+        )  # fmt: skip
+        figures["value_loss"] = per_token.sum()
+        figures["value_clipped"] = clipped.sum()
+        # the policy loss's token weights (rl.loss_norm): the two losses average over the same tokens
+        return self.cfg.rl.vf_coef * (per_token * weights).sum()
+
+    def batch_metrics(self, total: dict[str, torch.Tensor], trained: float) -> dict[str, Any]:
+        return {
+            "value_loss": total["value_loss"] / trained,
+            "value_clip_fraction": total["value_clipped"] / trained,
+            "explained_variance": self._batch["explained_variance"],
+            "value_mean": self._batch["value_mean"],
+        }
+
+    def optimizer_step(self) -> torch.Tensor:
+        """The policy's step, then the value head's: its gradient summed over ranks as DDP/FSDP sum the trunk's
+        (each rank's loss is scaled by the world size, their average is the sum), clipped to train.grad_clip, at the
+        learning rate the schedule gives the policy now."""
+        norm = super().optimizer_step()
+        params = [p for p in self.value_head.parameters() if p.grad is not None]
+        if params:
+            world = self.dist.world_size
+            for p in params:
+                parallel.all_reduce_(p.grad, self.dist).div_(world)
+            if self.cfg.train.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip)
+            lr = self.optimizer.param_groups[0]["lr"]
+            for group in self.value_optimizer.param_groups:
+                group["lr"] = lr
+            self.value_optimizer.step()
+        self.value_optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def log_fields(self, m: dict) -> list[str]:
+        fields = super().log_fields(m)
+        fields.insert(4, f"value loss {float(m['value_loss']):.4f} ev {float(m['explained_variance']):.3f}")
+        return fields
+
+
+class PPOTrainState(TrainState):
+    """TrainState with PPO's value head and its optimizer: the head's weights as tensors (`value_head.*`), the
+    optimizer's state as one blob (`value_optim`, as the scheduler's). A checkpoint without them (a GRPO run's)
+    loads with a fresh head; the checkpointer says which keys it did not find."""
+
+    def __init__(self, *args, value_head: torch.nn.Module, value_optimizer: torch.optim.Optimizer, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.value_head = value_head
+        self.value_optimizer = value_optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["value_head"] = self.value_head.state_dict()
+        sd["value_optim"] = _blob(self.value_optimizer.state_dict())
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if "value_head" in state_dict:
+            self.value_head.load_state_dict(state_dict["value_head"])
+        if "value_optim" in state_dict:
+            self.value_optimizer.load_state_dict(torch.load(io.BytesIO(state_dict["value_optim"]), weights_only=True))
+
+
+def _blob(state: Any) -> bytes:
+    """`state` (tensors moved to the CPU) as torch.save's bytes, read back with torch.load(weights_only=True)."""
+    buf = io.BytesIO()
+    torch.save(_on_cpu(state), buf)
+    return buf.getvalue()
+
+
+def _on_cpu(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, dict):
+        return {k: _on_cpu(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(_on_cpu(v) for v in x)
+    return x
+
+
+def rl_job(cfg: Config) -> GRPOJob:
+    """The job rl.algorithm names: GRPOJob ("grpo"), or PPOJob ("ppo")."""
+    return PPOJob(cfg) if cfg.rl.algorithm == "ppo" else GRPOJob(cfg)
+
+
 if __name__ == "__main__":
-    main(GRPOJob)
+    main(rl_job)
