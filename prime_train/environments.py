@@ -1,11 +1,15 @@
 """RL environments: a dataset of prompts and a reward function, behind one small protocol.
 
-Three sources, chosen by `rl.environment`:
+Four sources, chosen by `rl.environment`:
 - a built-in generated task (reverse-text, arithmetic, sorting), no download;
+- "reward-model": a built-in task's prompts, rewarded by a learned reward model (RewardModelEnvironment);
 - a user module, "pkg.module:load_environment", called with `rl.env_args`;
 - a `verifiers` environment, "verifiers:<env id>", adapted to the protocol (see VerifiersEnvironment).
 
-Torch-free: lint loads environments to tokenise their prompts.
+Rewards are asked for a whole batch at once through `score_batch`: an environment with a `reward_batch` method
+scores the batch in one call (the reward model, in padded batches), the others one completion at a time.
+
+Torch-free: lint loads environments to tokenise their prompts (the reward model loads only when it first scores).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from prime_train import tasks
+from prime_train.reward_scorer import DEVICES, RewardModelError, RewardScorer, check_reward_model
 
 SPLITS = ("train", "eval")
 # Fraction of a built-in task's prompt space (by content) that only ever appears in the eval split.
@@ -56,8 +61,37 @@ class Environment(Protocol):
         ...
 
     def reward(self, prompt: Prompt, completion: str) -> float:
-        """The completion's reward, in [0, 1]."""
+        """The completion's reward, in [0, 1] (a reward model's score is unbounded)."""
         ...
+
+
+def score_batch(env: Environment, prompts: list[Prompt], completions: list[str]) -> list[float]:
+    """The reward of each completion of its prompt: `env.reward_batch` where the environment has one (one call for
+    the batch), else `env.reward` one by one."""
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
+    batch = getattr(env, "reward_batch", None)
+    if callable(batch):
+        rewards = [float(r) for r in batch(prompts, completions)]
+        if len(rewards) != len(completions):
+            raise ValueError(f"{env.name}: reward_batch gave {len(rewards)} rewards for {len(completions)} completions")
+        return rewards
+    return [env.reward(p, c) for p, c in zip(prompts, completions, strict=True)]
+
+
+def passes(env: Environment, prompt: Prompt, completion: str, reward: float) -> bool:
+    """Whether a completion counts towards the pass rate: `env.passed` where the environment has one (a reward
+    model's score says nothing of right or wrong: the task's exact match does), else a reward of 1 or more."""
+    passed = getattr(env, "passed", None)
+    return bool(passed(prompt, completion)) if callable(passed) else reward >= 1.0
+
+
+def prepare(env: Environment) -> None:
+    """Load what scoring needs before the first rollout (`env.prepare`, where the environment has one): a reward
+    model that does not load is then a configuration error before training starts, not a failed step."""
+    ready = getattr(env, "prepare", None)
+    if callable(ready):
+        ready()
 
 
 # ---------------------------------------------------------------- rewards of the built-ins
@@ -126,6 +160,10 @@ _TASK_CLASSES: dict[str, type[tasks.Task]] = {
     "reverse-text": tasks.ReverseTextTask,
     "sorting": tasks.SortingTask,
 }
+
+
+# what `rl.environment` may name without a module: the tasks, and the reward model over a task's prompts
+BUILTIN_ENVIRONMENTS = (*sorted(_TASK_CLASSES), "reward-model")
 
 
 def _in_eval_split(text: str, eval_fraction: float) -> bool:
@@ -207,6 +245,102 @@ class BuiltinEnvironment:
         if prompt.answer is None:
             raise ValueError(f"prompt {prompt.text!r} of environment {self.name!r} has no answer to score against")
         return self._reward(prompt.answer, completion)
+
+
+# ---------------------------------------------------------------- a learned reward
+
+
+def _number(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise EnvironmentLoadError(f"rl.env_args.{key} must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+class RewardModelEnvironment:
+    """A built-in task's prompts, rewarded by a reward model: model_weight · score + rule_weight · the task's reward.
+
+    `path`: the reward model's directory (a reward run's final/; reward_scorer.py says what it must hold), checked
+    when the environment is built, loaded by `prepare` or the first score, then kept in the trainer's process on
+    `device` ("auto": this rank's GPU when CUDA is available, else the CPU). `task`: the built-in task whose prompts
+    (and held-out eval prompts) are used, with its own rl.env_args (min_letters, partial_credit, ...). The pass rate
+    is the task's exact match, whatever the weights.
+    """
+
+    uses_tools = False
+    name = "reward-model"
+
+    def __init__(
+        self,
+        path: str | None = None,
+        task: str = "reverse-text",
+        model_weight: float = 1.0,
+        rule_weight: float = 0.0,
+        device: str = "auto",
+        batch_size: int = 64,
+        **task_args: Any,
+    ) -> None:
+        if not isinstance(path, str) or not path:
+            raise EnvironmentLoadError(
+                "rl.environment = 'reward-model' needs rl.env_args.path: the reward model's directory (a reward "
+                "run's final/)"
+            )
+        if task not in _TASK_CLASSES:
+            raise EnvironmentLoadError(
+                f"rl.env_args.task = {task!r} is not a built-in task ({', '.join(sorted(_TASK_CLASSES))})"
+            )
+        self.model_weight = _number("model_weight", model_weight)
+        self.rule_weight = _number("rule_weight", rule_weight)
+        if self.model_weight == 0 and self.rule_weight == 0:
+            raise EnvironmentLoadError("rl.env_args.model_weight and rule_weight are both 0: every reward would be 0")
+        if device not in DEVICES:
+            raise EnvironmentLoadError(f"rl.env_args.device must be one of {', '.join(DEVICES)}, got {device!r}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise EnvironmentLoadError(f"rl.env_args.batch_size must be a whole number >= 1, got {batch_size!r}")
+        accepted = [p for p in inspect.signature(_TASK_CLASSES[task].__init__).parameters if p != "self"]
+        accepted += ["eval_fraction", "partial_credit"]
+        unknown = sorted(set(task_args) - set(accepted))
+        if unknown:
+            raise EnvironmentLoadError(
+                f"rl.env_args {unknown} not accepted by the reward-model environment; it takes: path, task, "
+                f"model_weight, rule_weight, device, batch_size, and the {task} task's {', '.join(accepted)}"
+            )
+        self.rule = BuiltinEnvironment(task, **task_args)
+        try:
+            check_reward_model(path)
+        except RewardModelError as exc:
+            raise EnvironmentLoadError(f"rl.env_args.path = {path!r} {exc}") from None
+        self.path = path
+        self.scorer = RewardScorer(path, device=device, batch_size=batch_size)
+
+    def prompts(self, split: str, n: int, seed: int) -> list[Prompt]:
+        """The task's prompts: the same train and eval splits as `rl.environment = <task>` gives."""
+        return self.rule.prompts(split, n, seed)
+
+    def prepare(self) -> None:
+        """Load the reward model now (the trainer calls this before its first rollout)."""
+        try:
+            self.scorer.load()
+        except RewardModelError as exc:
+            raise EnvironmentLoadError(f"rl.env_args.path = {self.path!r} {exc}") from None
+
+    def reward_batch(self, prompts: list[Prompt], completions: list[str]) -> list[float]:
+        """model_weight · the reward model's score + rule_weight · the task's reward, for the batch in one pass."""
+        scores = [0.0] * len(completions)
+        if self.model_weight:
+            self.prepare()
+            scores = self.scorer.score([(p.text, c) for p, c in zip(prompts, completions, strict=True)])
+        rules = [0.0] * len(completions)
+        if self.rule_weight:
+            rules = [self.rule.reward(p, c) for p, c in zip(prompts, completions, strict=True)]
+        return [self.model_weight * s + self.rule_weight * r for s, r in zip(scores, rules, strict=True)]
+
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        """One completion's reward (reward_batch of one)."""
+        return self.reward_batch([prompt], [completion])[0]
+
+    def passed(self, prompt: Prompt, completion: str) -> bool:
+        """The task's exact match: the pass rate means the same as the rule environment's."""
+        return tasks.extract_answer(completion) == prompt.answer
 
 
 # ---------------------------------------------------------------- user modules
@@ -398,11 +532,13 @@ def load_environment(name: str, env_args: dict | None = None) -> Environment:
     env_args = dict(env_args or {})
     if name in _TASK_CLASSES:
         return BuiltinEnvironment(name, **env_args)
+    if name == RewardModelEnvironment.name:
+        return RewardModelEnvironment(**env_args)
     if name.startswith("verifiers:"):
         return _load_verifiers_environment(name.removeprefix("verifiers:"), env_args)
     if ":" in name:
         return _load_user_environment(name, env_args)
     raise EnvironmentLoadError(
-        f"rl.environment = {name!r} is not a built-in environment ({', '.join(sorted(_TASK_CLASSES))}), "
+        f"rl.environment = {name!r} is not a built-in environment ({', '.join(BUILTIN_ENVIRONMENTS)}), "
         "a user module 'pkg.module:load_environment' or 'verifiers:<env id>'"
     )

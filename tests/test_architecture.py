@@ -40,6 +40,7 @@ TORCH_FREE_TOP = (
 )
 RL_TORCH_FREE = (
     "prime_train.environments",
+    "prime_train.reward_scorer",
     "prime_train.rl.budget",
     "prime_train.rl.workers",
     "prime_train.rl.client",
@@ -235,7 +236,7 @@ def test_importing_every_supervisor_side_module_loads_no_torch():
 # prime_train's direct children, bottom first (docs/architecture.md "The layers"). A package imports only from
 # layers below its own; the modules of the bottom layer may also import each other.
 LAYERS = (
-    ("contract", "retention", "tasks", "vocab", "environments"),
+    ("contract", "retention", "tasks", "vocab", "environments", "reward_scorer"),
     ("config",),
     ("kit",),
     ("engine",),

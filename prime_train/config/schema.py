@@ -583,8 +583,8 @@ class InferenceConfig(Section):
 class RLConfig(Section):
     environment: str = Field(
         "reverse-text",
-        description="A built-in environment (reverse-text, arithmetic, sorting), 'pkg.module:load_environment', "
-        "or 'verifiers:<env id>'.",
+        description="A built-in environment (reverse-text, arithmetic, sorting; 'reward-model': a task's prompts "
+        "scored by the reward model at rl.env_args.path), 'pkg.module:load_environment', or 'verifiers:<env id>'.",
     )
     env_args: dict[str, str | int | float | bool] = Field(
         default_factory=dict, description="Keyword arguments for the environment's loader."

@@ -139,7 +139,8 @@ def check_token_budget(cfg: Config, tokenizer: Any = None, *, pending_ok: bool =
         env = load_environment(cfg.rl.environment, cfg.rl.env_args)
         prompts = env.prompts("train", SAMPLE_PROMPTS, cfg.run.seed)
     except EnvironmentLoadError as exc:
-        return [("error", str(exc), "rl.environment")]
+        # at the line of the key the message names: an argument's, or the environment's
+        return [("error", str(exc), "rl.env_args" if str(exc).startswith("rl.env_args") else "rl.environment")]
     if tokenizer is not None:
         count, described = _as_counter(tokenizer), "the given tokenizer"
     else:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prime_train.config.schema import Config
-from prime_train.environments import Environment, Prompt
+from prime_train.environments import Environment, Prompt, passes, score_batch
 from prime_train.rl.client import ContextLengthError, RolloutPool, WorkerUnavailable
 
 logger = logging.getLogger("prime_train.rl")
@@ -40,6 +40,12 @@ class Sample:
     advantage: float = 0.0
     truncated: bool = False  # stopped by rl.max_tokens (or the context) before the model ended it
     group_std: float = 0.0  # the std of the rewards of this prompt's group: 0 when every completion scored the same
+    passed: bool | None = None  # counts towards the pass rate (environments.passes); None: a reward of 1 or more
+
+
+def sample_passed(sample: Sample) -> bool:
+    """Whether `sample` counts towards the pass rate: as its environment said, else a reward of 1 or more."""
+    return sample.reward >= 1.0 if sample.passed is None else sample.passed
 
 
 @dataclass
@@ -174,18 +180,22 @@ class RolloutSource:
             [p.text for p in prompts], n=rl.group_size, max_tokens=rl.max_tokens, temperature=rl.temperature,
             top_p=rl.top_p, seed=seed,
         )  # fmt: skip
+        # vLLM 0.30+ (and the embedded worker) clamp max_tokens to the room the prompt leaves: count it
+        clamped = sum(c.finish_reason == "length" and len(c.token_ids) < rl.max_tokens for g in groups for c in g)
+        # the whole batch scored in one call (a reward model scores it in padded batches); empty completions dropped
+        kept = [[c for c in completions if c.token_ids] for completions in groups]
+        scored = [(p, c) for p, completions in zip(prompts, kept, strict=True) for c in completions]
+        scores = iter(score_batch(self.env, [p for p, _ in scored], [c.text for _, c in scored]))
         samples = []
-        clamped = 0
-        for prompt, completions in zip(prompts, groups, strict=True):
+        for prompt, completions in zip(prompts, kept, strict=True):
             group = []
             for c in completions:
-                # vLLM 0.30+ (and the embedded worker) clamp max_tokens to the room the prompt leaves: count it
-                clamped += c.finish_reason == "length" and len(c.token_ids) < rl.max_tokens
-                if c.token_ids:
-                    reward = self.env.reward(prompt, c.text)
-                    ids, logprobs = list(c.token_ids), list(c.logprobs)
-                    truncated = c.finish_reason == "length"
-                    group.append(Sample(list(c.prompt_token_ids), ids, logprobs, reward, truncated=truncated))
+                reward = next(scores)
+                ids, logprobs = list(c.token_ids), list(c.logprobs)
+                truncated = c.finish_reason == "length"
+                sample = Sample(list(c.prompt_token_ids), ids, logprobs, reward, truncated=truncated)
+                sample.passed = passes(self.env, prompt, c.text, reward)
+                group.append(sample)
             if group:
                 # advantages within this prompt's own completions (an empty one dropped must not shift the groups)
                 rewards = [s.reward for s in group]

@@ -47,12 +47,12 @@ from prime_train.engine.loop import TrainingJob, main
 from prime_train.engine.lora import adapters_disabled
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.optim import param_groups
-from prime_train.environments import load_environment
+from prime_train.environments import load_environment, passes, prepare, score_batch
 from prime_train.rl.budget import group_size_problem
 from prime_train.rl.client import ContextLengthError, RolloutPool, WeightLoad, worker_url
 from prime_train.rl.grpo import CompletionScores, completion_logprobs, grpo_loss, score_completions, token_weights
 from prime_train.rl.ppo import ValueHead, clipped_value_loss, explained_variance_from_sums, gae, whiten
-from prime_train.rl.rollouts import RolloutBatch, RolloutSource, Sample
+from prime_train.rl.rollouts import RolloutBatch, RolloutSource, Sample, sample_passed
 from prime_train.rl.vllm_server import lora_adapter_plan
 from prime_train.rl.workers import resolve_backend
 
@@ -77,6 +77,7 @@ class GRPOJob(TrainingJob):
             raise EngineConfigError(problem)
         try:
             self.env = load_environment(cfg.rl.environment, dict(cfg.rl.env_args))
+            prepare(self.env)  # a reward model that does not load: exit 78 before anything starts
         except (ValueError, ImportError) as exc:
             raise EngineConfigError(f"rl.environment: {exc}") from None
         self.eval_prompts = self.env.prompts("eval", cfg.rl.eval_prompts, cfg.run.seed) if cfg.rl.eval_prompts else []
@@ -198,7 +199,7 @@ class GRPOJob(TrainingJob):
             total = sums.all_reduced(dist)  # on the device: enqueued, not waited for
             reduced = parallel.all_reduce_sum(
                 torch.tensor(
-                    [sums.tokens, sums.mismatch_tokens, sum(rewards), len(rewards), sum(r >= 1.0 for r in rewards),
+                    [sums.tokens, sums.mismatch_tokens, sum(rewards), len(rewards), sum(map(sample_passed, samples)),
                      sum(len(s.completion_ids) for s in samples), len(kept), sum(s.truncated for s in samples)],
                     dtype=torch.float64,
                 ),
@@ -399,18 +400,18 @@ class GRPOJob(TrainingJob):
     # ------------------------------------------------------------------ evaluation
 
     def evaluate(self) -> dict[str, float]:
-        """Mean reward and pass rate (reward 1) of greedy completions on held-out prompts, through the workers."""
+        """Mean reward and pass rate (environments.passes: a reward of 1, or the environment's own test) of greedy
+        completions on held-out prompts, through the workers."""
         if not self.eval_prompts or not self.dist.is_rank0:
             return {}
         with _context_length_is_a_config_error():
             groups = self.batches.complete(
                 [p.text for p in self.eval_prompts], n=1, max_tokens=self.cfg.rl.max_tokens, temperature=0.0, top_p=1.0
             )
-        rewards = [self.env.reward(p, g[0].text) for p, g in zip(self.eval_prompts, groups, strict=True)]
-        return {
-            "eval_reward": sum(rewards) / len(rewards),
-            "eval_pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards),
-        }
+        texts = [g[0].text for g in groups]
+        rewards = score_batch(self.env, self.eval_prompts, texts)
+        passed = [passes(self.env, p, t, r) for p, t, r in zip(self.eval_prompts, texts, rewards, strict=True)]
+        return {"eval_reward": sum(rewards) / len(rewards), "eval_pass_rate": sum(passed) / len(rewards)}
 
     # ------------------------------------------------------------------ profile and close
 

@@ -1,5 +1,5 @@
-"""Preflight's RL checks: the token budget, the RL gotchas, where the trainer and the workers go, and the
-vLLM environment the workers run from.
+"""Preflight's RL checks: the token budget, the RL gotchas, where the trainer and the workers go, the vLLM
+environment the workers run from, and the reward model of the reward-model environment.
 
 rl/budget.py works out the findings from what it is given; this module gives it what only this
 machine knows (its GPUs, real or replayed, and the model's size) and turns the findings into
@@ -8,9 +8,14 @@ preflight checks. Nothing here runs unless run.job == "rl" with the embedded eng
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from prime_train.config.schema import Config
+from prime_train.environments import EnvironmentLoadError, RewardModelEnvironment, load_environment
 from prime_train.kit.gpu import gpu_inventory, readings_of
 from prime_train.launch import gpu_devices
+from prime_train.reward_scorer import check_reward_model as reward_model_config
 from prime_train.rl.budget import Finding, check_gotchas, check_token_budget
 from prime_train.rl.vllm_server import CPU_MIN_HEAD_SIZE, no_environment_problem
 from prime_train.rl.workers import GpuPlan, gpu_plan, resolve_backend, vllm_environment
@@ -43,7 +48,29 @@ def rl_preflight_checks(cfg: Config) -> list[CheckResult]:
     # a backend that cannot resolve already failed "gpu placement", saying why
     if plan is not None and resolve_backend(cfg, len(plan.trainer)) == "vllm":
         checks.append(check_vllm_environment(cfg, hf, cpu=not plan.trainer))
+    if cfg.rl.environment == RewardModelEnvironment.name:
+        checks.append(check_reward_model(cfg, trainer_gpus=plan.trainer if plan is not None else devices))
     return checks
+
+
+def check_reward_model(cfg: Config, trainer_gpus: list[str]) -> CheckResult:
+    """rl.env_args.path is a reward model the trainer can load (checked from its files, nothing loaded), and where
+    it will score: the trainer's process, on its GPU or the CPU."""
+    try:
+        env = load_environment(cfg.rl.environment, cfg.rl.env_args)
+    except EnvironmentLoadError as exc:
+        return CheckResult("reward model", FAIL, str(exc), "rl.env_args.path: a reward run's final/")
+    assert isinstance(env, RewardModelEnvironment)
+    config = reward_model_config(env.path)
+    weights = sum(os.path.getsize(p) for p in Path(os.path.expanduser(env.path)).glob("*.safetensors"))
+    device = env.scorer.device_name
+    where = "the CPU" if device == "cpu" or (device == "auto" and not trainer_gpus) else "the trainer's GPU"
+    message = (
+        f"{env.path}: {', '.join(config['architectures'])}, one score, {weights / 2**20:.1f} MiB of safetensors; "
+        f"scored in the trainer's process on {where}, {env.scorer.batch_size} sequences a pass "
+        f"(reward = {env.model_weight:g} · model + {env.rule_weight:g} · {env.rule.name} rule)"
+    )
+    return CheckResult("reward model", PASS, message)
 
 
 def check_vllm_environment(cfg: Config, hf: dict | None, *, cpu: bool) -> CheckResult:
