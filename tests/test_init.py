@@ -77,8 +77,8 @@ def test_an_existing_file_is_not_overwritten_without_force(tmp_path):
 
 
 def test_bad_answers_are_named():
-    with pytest.raises(ValueError, match="job 'dpo'"):
-        build_config(Answers(job="dpo"))
+    with pytest.raises(ValueError, match="job 'kto': choose one of sft, pretrain, rl, ppo, dpo, reward"):
+        build_config(Answers(job="kto"))
     with pytest.raises(ValueError, match="count after ':'"):
         parse_hardware("H100:eight")
     with pytest.raises(ValueError, match="environment 'nope'"):

@@ -28,7 +28,9 @@ def init(
     output_path: Annotated[Path, typer.Option("--output", "-o", help="Where to write the config.")] = Path(
         "prime-train.toml"
     ),
-    job: Annotated[Optional[str], typer.Option(help="sft, pretrain or rl.")] = None,
+    job: Annotated[
+        Optional[str], typer.Option(help="sft, pretrain, rl (GRPO), ppo (rl with PPO), dpo or reward (a reward model).")
+    ] = None,
     model: Annotated[Optional[str], typer.Option(help="'tiny' (random-initialised, CPU), an HF id or a path.")] = None,
     hardware: Annotated[
         Optional[str], typer.Option(help="'cpu' or '<GPU>:<count>', e.g. H100:8 (whole GPUs: one process each).")
@@ -38,7 +40,9 @@ def init(
     seq_len: Annotated[Optional[int], typer.Option(min=8, help="Tokens per sequence.")] = None,
     max_steps: Annotated[Optional[int], typer.Option(min=1, help="Optimizer steps.")] = None,
     environment: Annotated[Optional[str], typer.Option(help="RL environment.")] = None,
-    dataset: Annotated[Optional[str], typer.Option(help="SFT/pretrain data: a local file, directory or glob.")] = None,
+    dataset: Annotated[
+        Optional[str], typer.Option(help="SFT/pretrain data or dpo/reward preference pairs: file, directory or glob.")
+    ] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Save without asking.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
     as_json: JsonFlag = False,
@@ -52,6 +56,8 @@ def init(
       prime-train init
 
       prime-train init --job rl --model Qwen/Qwen2.5-1.5B-Instruct --hardware H100:8 -o rl.toml --yes
+
+      prime-train init --job dpo --dataset data/pairs.jsonl -o dpo.toml
     """
     from prime_train.validator.wizard import build_config
 
@@ -96,7 +102,7 @@ def _answers(
     environment: str | None,
 ) -> Answers:
     """The wizard's answers: each flag as given, else the user's answer on a terminal, else the default."""
-    from prime_train.validator.wizard import Answers
+    from prime_train.validator.wizard import JOBS, RL_JOBS, Answers
 
     a = Answers()
 
@@ -107,11 +113,11 @@ def _answers(
             return default
         return typer.prompt(prompt, default=default, type=type(default))
 
-    a.job = ask(job, "Job (sft, pretrain, rl)", a.job)
+    a.job = ask(job, f"Job ({', '.join(JOBS)})", a.job)
     a.model = ask(model, "Model ('tiny', an HF id or a local path)", a.model)
     a.hardware = ask(hardware, "Hardware ('cpu' or GPU:count, e.g. H100:8)", a.hardware)
     a.nodes = ask(nodes, "Nodes", a.nodes)
-    if a.job == "rl":
+    if a.job in RL_JOBS:
         a.environment = ask(environment, "RL environment", a.environment)
     return a
 

@@ -21,7 +21,9 @@ models_app = typer.Typer(help="The tested-model registry shipped with prime-trai
 
 def verify_model(
     model: Annotated[str, typer.Argument(help="HF model id, HF cache entry or local directory with config.json.")],
-    job: Annotated[str, typer.Option(help="The job it is for: sft, pretrain or rl.")] = "rl",
+    job: Annotated[
+        str, typer.Option(help="The job it is for: sft, pretrain, rl, ppo (rl with PPO), dpo or reward.")
+    ] = "rl",
     gpu: Annotated[
         Optional[str], typer.Option(help="GPU type[:count] to train on, for the memory verdict; default: one H100.")
     ] = None,
@@ -40,6 +42,8 @@ def verify_model(
       prime-train verify-model runs/tiny-sft/final --job sft --json
 
       prime-train verify-model meta-llama/Llama-3.1-8B-Instruct --job sft --gpu A100-80GB
+
+      prime-train verify-model Qwen/Qwen2.5-7B-Instruct --job dpo --gpu H100:8
     """
     from prime_train.validator.models import render_report
     from prime_train.validator.models import verify_model as verify
@@ -90,6 +94,17 @@ def memory(
         Optional[int], typer.Option(min=0, help="LoRA: train adapters of this rank only, the base frozen (0: off).")
     ] = None,
     lora_quantize: Annotated[Optional[str], typer.Option(help="LoRA: none, or nf4 for a 4-bit base (QLoRA).")] = None,
+    job: Annotated[
+        Optional[str], typer.Option(help="sft, pretrain, rl, ppo (rl with PPO), dpo or reward; default: the config's.")
+    ] = None,
+    reference: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--reference/--no-reference",
+            help="dpo and rl: hold a frozen copy of the starting weights (dpo: yes unless dpo.precompute_reference; "
+            "rl: when rl.kl_coef > 0). LoRA never holds one.",
+        ),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Will it fit: per-GPU memory of the trainer (and vLLM), and a verdict for each common GPU.
@@ -98,7 +113,9 @@ def memory(
     activations by sequence length, micro-batch and checkpointing (Korthikanti et al. 2022); the
     KV cache of vLLM; a recommended split when both share one GPU. With LoRA ([lora], or
     --lora-rank) the base is frozen: only the adapters have gradients and optimizer states,
-    and with nf4 the base's linear weights take 4 bits.
+    and with nf4 the base's linear weights take 4 bits. dpo and reward hold two sequences (chosen
+    and rejected) for each pair of the micro-batch; dpo adds its frozen reference, ppo a value head,
+    reward a score head in place of lm_head.
 
     Examples:
 
@@ -109,8 +126,11 @@ def memory(
       prime-train memory configs/tiny-rl.toml --colocate --gpu H100 --json
 
       prime-train memory --model meta-llama/Llama-3.1-8B --seq-len 4096 --lora-rank 16 --gpu H100
+
+      prime-train memory --model Qwen/Qwen2.5-7B-Instruct --job dpo --checkpointing full --gpu H100
     """
     from prime_train.validator.memory import estimate, inputs_from_config, inputs_from_flags, render_memory
+    from prime_train.validator.memory_inputs import job_settings
 
     paths, overrides = split_overrides(files, ctx.args)
     flags = {
@@ -118,7 +138,8 @@ def memory(
         "strategy": strategy, "precision": precision, "optimizer": optimizer,
         "activation_checkpointing": checkpointing, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
         "gpu_memory_utilization": gpu_memory_utilization, "colocate": colocate, "gpus": gpu,
-        "lora_rank": lora_rank, "lora_quantize": lora_quantize,
+        "lora_rank": lora_rank, "lora_quantize": lora_quantize, "reference": reference,
+        **(job_settings(job) if job is not None else {}),
     }  # fmt: skip
     flags = {k: v for k, v in flags.items() if v is not None}
     if paths or overrides or model is None:  # a config (the tiny default when none), flags on top

@@ -11,6 +11,13 @@ the input embedding table; a tied lm_head still counts, as a matmul) plus 12 · 
 seq_len for attention. They are recomputed here from the HF config dict, so this module stays torch-free; a test
 holds the two equal.
 
+The preference jobs train on pairs: a step of global_batch_size pairs is twice as many sequences (chosen and
+rejected), each trained as an SFT sequence is, so a dpo or reward step does about twice the work of an SFT step of
+the same micro_batch_size. dpo adds its frozen reference's forward over both sequences (2 FLOPs a matmul weight plus
+attention's forward, a third of a trained token's), unless dpo.precompute_reference computed it once before
+training (that one pass is not counted); a reward model has no lm_head matmul (its score head is one vector). RL
+(GRPO and PPO alike) is priced from a measured step time only: rollout generation dominates it.
+
 Prices come from data/prices.json: approximate list prices in USD per GPU-hour, dated per provider. A user TOML
 or JSON file of the same form (`prices_file`) overrides it entry by entry and may add providers.
 """
@@ -64,6 +71,31 @@ def flops_per_token(hf: dict[str, Any], seq_len: int, adapters: int | None = Non
     matmul_params = count_parameters(hf) - (0 if tied else vocab * h)
     weights = 6.0 * matmul_params if adapters is None else 4.0 * matmul_params + 6.0 * adapters
     return weights + 12.0 * layers * heads * head_dim * seq_len
+
+
+def job_flops_per_token(
+    hf: dict[str, Any], seq_len: int, job: str, adapters: int | None = None, *, reference_forward: bool = False
+) -> float:
+    """FLOPs per token a job computes: `flops_per_token`'s training work, less lm_head's matmul for a reward model
+    (its score head, hidden wide, trains in full), plus a forward of the frozen reference (`reference_forward`,
+    DPO's without precomputed log-probs): 2 FLOPs a matmul weight and a third of attention's, forward only."""
+    flops = flops_per_token(hf, seq_len, adapters)
+    if "hidden_size" not in hf and isinstance(hf.get("text_config"), dict):
+        hf = hf["text_config"]
+    h, vocab = hf["hidden_size"], hf["vocab_size"]
+    if job == "reward":
+        flops += 6.0 * h - (6.0 if adapters is None else 4.0) * vocab * h
+    if reference_forward:
+        heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+        head_dim = hf.get("head_dim") or h // heads
+        matmul_params = count_parameters(hf) - (0 if hf.get("tie_word_embeddings", True) else vocab * h)
+        flops += 2.0 * matmul_params + 4.0 * layers * heads * head_dim * seq_len
+    return flops
+
+
+def sequences_per_sample(job: str) -> int:
+    """Sequences one unit of train.global_batch_size is: 2 for a preference pair (dpo, reward), else 1."""
+    return 2 if job in ("dpo", "reward") else 1
 
 
 def total_sequences(train: TrainConfig, seq_len: int, world_size: int, steps: int | None = None) -> int:
@@ -258,6 +290,7 @@ class CostReport:
     prices_note: str
     price_files: list[str]
     notes: list[str] = field(default_factory=list)
+    job: str = "sft"  # run.job: dpo and reward count two sequences a pair
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -364,6 +397,8 @@ def estimate_cost(
     _require_measured_step(cfg, step_time_s)
 
     run = _run_size(cfg, model, steps, num_gpus)
+    if step_time_s is None:
+        notes.extend(_job_notes(cfg))
     if cfg.lora.enabled and step_time_s is None:
         notes.append(
             f"LoRA (rank {cfg.lora.rank}): the frozen base computes no weight gradients, 4N + 6 × adapters FLOPs per "
@@ -392,7 +427,34 @@ def estimate_cost(
         prices_note=prices.note,
         price_files=list(prices.files),
         notes=notes,
+        job=cfg.run.job,
     )
+
+
+def _job_notes(cfg: Config) -> list[str]:
+    """What the FLOPs estimate assumes of a preference job."""
+    job = cfg.run.job
+    if job not in ("dpo", "reward") or cfg.job.command:
+        return []
+    pairs = cfg.train.global_batch_size
+    notes = [
+        f"{job}: a step's {pairs} pairs are {2 * pairs} sequences (chosen and rejected), each trained forward and "
+        "backward as an SFT sequence: about twice the work of an SFT step of the same micro_batch_size"
+    ]
+    if job == "reward":
+        notes.append("reward: a Linear(hidden, 1) score head in place of lm_head, whose matmul is not computed")
+    elif cfg.dpo.precompute_reference:
+        notes.append(
+            "dpo.precompute_reference: no reference forward in the steps; its one pass over the training pairs "
+            "before step 1 is not counted"
+        )
+    else:
+        whose = "the base with the adapters switched off (LoRA)" if cfg.lora.enabled else "the frozen reference"
+        notes.append(
+            f"dpo: plus {whose}'s forward over both sequences, 2 FLOPs a matmul weight and a third of attention's "
+            "(a third of a trained token), at the same MFU"
+        )
+    return notes
 
 
 def _check_arguments(mfu: float, step_time_s: float | None, num_gpus: int | None) -> None:
@@ -507,14 +569,21 @@ def _run_size(cfg: Config, model: dict[str, Any] | str | None, steps: int | None
     if run_steps < 1:
         raise CostInputError(f"steps = {run_steps!r}: must be ≥ 1")
     sequences = total_sequences(cfg.train, seq_len, num_gpus, run_steps)
+    job = cfg.run.job if not cfg.job.command else "sft"  # an external command's work is only known as measured
+    per = sequences_per_sample(job)  # global_batch_size counts pairs in the preference jobs
+    reference = job == "dpo" and not cfg.dpo.precompute_reference
+    try:
+        flops = job_flops_per_token(hf, seq_len, job, _adapters(cfg, hf), reference_forward=reference)
+    except (KeyError, TypeError) as exc:
+        raise CostInputError(f"the model's config lacks {exc}: FLOPs per token not counted") from None
     return _RunSize(
         hf=hf,
         source=source,
         steps=run_steps,
         seq_len=seq_len,
-        total_tokens=sequences * seq_len,
-        full_step_tokens=cfg.train.global_batch_size * seq_len,
-        flops_per_token=flops_per_token(hf, seq_len, _adapters(cfg, hf)),
+        total_tokens=sequences * per * seq_len,
+        full_step_tokens=cfg.train.global_batch_size * per * seq_len,
+        flops_per_token=flops,
     )
 
 
@@ -671,7 +740,8 @@ def render_cost(report: CostReport, console: Console) -> None:
     console.print(
         f"[bold]{escape(str(report.model_source))}[/]: {report.num_params / 1e9:,.3f}B params, "
         f"{report.flops_per_token / 1e9:,.2f} GFLOP/token; {report.steps:,} steps, {report.total_tokens:,} tokens "
-        f"(seq {report.seq_len}), {report.num_gpus} GPU(s)"
+        f"(seq {report.seq_len}{', 2 sequences a pair' if sequences_per_sample(report.job) == 2 else ''}), "
+        f"{report.num_gpus} GPU(s)"
     )
     if not report.rows:
         console.print("[yellow]no GPU type with both a price and a way to time it[/]")

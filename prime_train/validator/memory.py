@@ -82,6 +82,12 @@ def inputs_from_config(cfg: Config, **overrides: Any) -> MemoryInputs:
         "lora_quantize": cfg.lora.quantize,
         "lora_dropout": cfg.lora.dropout,
     }
+    # the job as the config runs it ([dpo], rl.algorithm and rl.kl_coef), or as `overrides` name it
+    job = values["job"] = overrides.get("job", cfg.run.job)
+    if job == "dpo":
+        values["reference"] = not cfg.dpo.precompute_reference
+    elif job == "rl":
+        values.update(rl_algorithm=cfg.rl.algorithm, reference=cfg.rl.kl_coef > 0)
     if cfg.run.job == "rl" and not cfg.job.command:
         inf = cfg.inference
         values.update(
@@ -254,7 +260,7 @@ def estimate(params: MemoryInputs, *, gpu_table: GpuTable | None = None) -> Memo
             f"hsdp_shard_size = {params.shard_group} does not divide the {params.world_size} GPUs of the job"
         )
     table = gpu_table or load_gpus()
-    notes = lora_notes(params)
+    notes = lora_notes(params) + job_notes(params)
     trainer = trainer_memory(params, shape)
     inf = inference_memory(params, shape)
     if params.strategy in ZERO_FAMILY and params.precision == "bf16":
@@ -308,6 +314,32 @@ def lora_notes(params: MemoryInputs) -> list[str]:
     return notes
 
 
+def job_notes(params: MemoryInputs) -> list[str]:
+    """What the estimate assumes of the job: pairs, a reference model, the heads it adds."""
+    notes = []
+    if params.sequences_per_sample == 2:
+        notes.append(
+            f"{params.job}: micro_batch counts preference pairs, each a chosen and a rejected sequence: activations "
+            f"are those of {2 * params.micro_batch} sequences"
+        )
+    if params.job == "dpo":
+        if params.holds_reference:
+            notes.append(
+                "dpo: the frozen reference (a copy of the starting weights) is counted; dpo.precompute_reference = "
+                "true or LoRA hold none"
+            )
+        else:
+            why = "LoRA: the base with the adapters switched off" if params.lora_rank else "precomputed log-probs"
+            notes.append(f"dpo: no reference model held ({why})")
+    if params.job == "reward":
+        notes.append("reward: a Linear(hidden, 1) score head in place of lm_head; no vocabulary logits")
+    if params.job == "rl" and params.holds_reference:
+        notes.append("rl.kl_coef > 0: the KL anchor, a frozen copy of the starting weights, is counted")
+    if params.value_head:
+        notes.append("ppo: the value head shares the policy's trunk; only its Linear(hidden, 1) is added")
+    return notes
+
+
 # ---------------------------------------------------------------- rendering
 
 
@@ -326,11 +358,13 @@ def render_memory(report: MemoryReport, console: Console) -> None:
         f"[bold]{escape(str(p.model_source))}[/]: {m.num_params / 1e9:,.3f}B params, {m.layers} layers, "
         f"hidden {m.hidden}, {m.heads} heads ({m.kv_heads} kv), vocab {m.vocab:,}"
     )
+    job = f"{p.job}, {p.rl_algorithm}" if p.job == "rl" else p.job
+    pairs = " pair(s)" if p.sequences_per_sample == 2 else ""
+    loss = "from a score head" if p.job == "reward" else "chunked" if p.chunked_loss else "on whole logits"
     console.print(
-        f"training: {p.strategy} over {p.world_size} GPU(s) ({p.gpus_per_node}/node × {p.num_nodes}), "
-        f"{p.precision}, {p.optimizer}, micro-batch {p.micro_batch} × seq {p.seq_len}, "
-        f"checkpointing {p.activation_checkpointing}, attention {p.attention}, "
-        f"loss {'chunked' if p.chunked_loss else 'on whole logits'}"
+        f"training ({job}): {p.strategy} over {p.world_size} GPU(s) ({p.gpus_per_node}/node × {p.num_nodes}), "
+        f"{p.precision}, {p.optimizer}, micro-batch {p.micro_batch}{pairs} × seq {p.seq_len}, "
+        f"checkpointing {p.activation_checkpointing}, attention {p.attention}, loss {loss}"
     )
     if (ad := p.adapters) is not None:
         t = report.trainer

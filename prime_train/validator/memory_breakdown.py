@@ -56,6 +56,24 @@ adapted layer reads too), plus A's r-wide output for each adapter (with ``lora.d
 CUDA, and its dropped input); selective checkpointing keeps every matmul output, so B's out-wide ones as well. The
 first layer keeps a little less again when its first adapter comes late (down_proj only): not modelled.
 
+Jobs (``run.job``)
+------------------
+sft and pretrain are the tables above. The others add to them:
+
+- ``dpo``: a micro-batch of ``micro_batch_size`` pairs is twice as many sequences, the chosen and the rejected
+  answer of each pair, so activations and logits are those of 2 × micro_batch_size sequences; the log-prob of each
+  sequence is summed from the whole logits (never the fused chunked loss, which sums over the batch). The reference
+  is a frozen copy of the starting weights, held as the run holds its weights (``reference weights``: the weight
+  bytes once more, whole on every GPU, since it is copied before the model is wrapped or sharded; no gradients, no
+  optimizer states). ``dpo.precompute_reference`` holds none (its log-probs are computed in one pass before
+  training), nor does LoRA (the reference is the base with the adapters switched off). The reference's forward runs
+  without gradients before the policy's: what it allocates is freed before the policy's activations peak.
+- ``reward``: pairs as in dpo; the model's lm_head (when untied) is replaced by a ``score head``, Linear(hidden, 1)
+  without bias, trained in full (beside the adapters with LoRA); no vocabulary logits, one score per sequence.
+- ``rl``: with ``rl.kl_coef`` > 0 and no LoRA, the KL anchor is a frozen copy of the starting weights, counted as
+  dpo's reference; ``rl.algorithm = "ppo"`` adds a ``value head``, Linear(hidden, 1) with bias, in fp32 with its
+  gradient and AdamW state (16 B a parameter), trained in full.
+
 Activations
 -----------
 After Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (section 4),
@@ -96,7 +114,7 @@ cache; at least one ``max_model_len`` sequence must fit or it refuses to start.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from prime_train.validator.memory_inputs import (
@@ -125,8 +143,11 @@ NF4_BYTES_PER_PARAM = (4 + 8 / 64 + 32 / (64 * 256)) / 8
 # The parts that are the parameters' own (what preflight calls the states), the rest being activations and runtime
 STATE_PARTS = (
     "weights", "adapter weights", "gradients", "adapter gradients", "optimizer states", "adapter optimizer states",
-    "bf16 weight copy", "DDP gradient buckets", "gathered units",
+    "bf16 weight copy", "DDP gradient buckets", "gathered units", "reference weights", "value head", "score head",
 )  # fmt: skip
+# PPO's value head (rl/ppo.py ValueHead): a Linear(hidden, 1) with its bias, in fp32 whatever the run's precision, with
+# its gradient and its own AdamW's two moments
+VALUE_HEAD_BYTES_PER_PARAM = 4 + 4 + 8
 
 
 # ---------------------------------------------------------------- the trainer
@@ -311,7 +332,8 @@ def _lora_state_parts(inputs: MemoryInputs, m: ModelShape, per: dict[str, float]
         # autocast caches the casts of weights that train (the adapters) until backward; a frozen weight's cast is
         # made at each use and kept only where backward needs it: every layer's without checkpointing, one layer's
         # at a time with it (recomputed); NF4 layers dequantize inside their matmul and keep only the 4-bit weight
-        lm_head = 0 if inputs.chunked_loss else m.vocab * m.hidden  # the fused loss keeps no cast of lm_head
+        # the fused loss keeps no cast of lm_head, and a reward model has none
+        lm_head = 0 if inputs.chunked_loss or inputs.job == "reward" else m.vocab * m.hidden
         if nf4:
             held, kept = lm_head + max((lin.fan_in * lin.fan_out for lin in ad.per_block), default=0), "one dequantized"
         elif inputs.activation_checkpointing == "none":
@@ -376,13 +398,17 @@ def _lora_activations(inputs: MemoryInputs, m: ModelShape, ad: AdapterCount | No
 def trainer_memory(inputs: MemoryInputs, m: ModelShape, *, micro_batch: int | None = None) -> TrainerMemory:
     """Per-GPU bytes of a training process, part by part (see the module docstring for every rule)."""
     mb = micro_batch if micro_batch is not None else inputs.micro_batch
+    m = job_shape(inputs, m)
     per = bytes_per_param(inputs.strategy, inputs.precision, inputs.optimizer)
     ad = inputs.adapters
     parts = _state_parts(inputs, m, per) if ad is None else _lora_state_parts(inputs, m, per, ad)
+    parts += _job_parts(inputs, m, per)
+    heads = sum(_head_params(inputs, m).values())
 
     act = _activation_bytes_per_token(inputs, m)
     lora = _lora_activations(inputs, m, ad)
-    tokens = mb * inputs.seq_len
+    seqs = inputs.sequences_per_sample
+    tokens = mb * seqs * inputs.seq_len
     layer = act["norms"] + act["attention"] + act["scores"] + act["mlp"] + lora.layer
     ckpt = inputs.activation_checkpointing
     if ckpt == "full":
@@ -401,7 +427,7 @@ def trainer_memory(inputs: MemoryInputs, m: ModelShape, *, micro_batch: int | No
         Part(
             "activations",
             int(tokens * per_token),
-            f"{mb} × {inputs.seq_len} tokens × {per_token / 1024:,.1f} KiB; {how}",
+            f"{_sequences(mb, seqs)} × {inputs.seq_len} tokens × {per_token / 1024:,.1f} KiB; {how}",
         )
     )
     loss_part, per_token_loss = _loss_part(inputs, m, act, tokens)
@@ -411,14 +437,72 @@ def trainer_memory(inputs: MemoryInputs, m: ModelShape, *, micro_batch: int | No
         parts=parts,
         bytes_per_param={k: float(v) for k, v in per.items()},
         shard_group=inputs.shard_group,
-        per_micro_batch_bytes=int(inputs.seq_len * (per_token + per_token_loss)),
-        trainable_params=ad.trainable if ad else m.num_params,
-        total_params=m.num_params + (ad.trainable if ad else 0),
+        per_micro_batch_bytes=int(seqs * inputs.seq_len * (per_token + per_token_loss)),
+        trainable_params=(ad.trainable if ad else m.num_params) + heads,
+        total_params=m.num_params + (ad.trainable if ad else 0) + heads,
     )
+
+
+def _sequences(mb: int, seqs: int) -> str:
+    """The micro-batch in sequences: '4', or for preference pairs '4 pairs × 2 (chosen and rejected)'."""
+    return f"{mb} pair{'s' if mb != 1 else ''} × 2 (chosen and rejected)" if seqs == 2 else str(mb)
+
+
+def job_shape(inputs: MemoryInputs, m: ModelShape) -> ModelShape:
+    """The model the job trains: a reward model drops an untied lm_head (its score head takes the place; a tied one
+    is the embedding table, which stays)."""
+    if inputs.job != "reward" or m.tied:
+        return m
+    lm_head = m.vocab * m.hidden
+    return replace(m, num_params=m.num_params - lm_head, root_params=m.root_params - lm_head)
+
+
+def _head_params(inputs: MemoryInputs, m: ModelShape) -> dict[str, int]:
+    """The heads a job adds beside the decoder, trained in full with or without LoRA: PPO's value head (weight and
+    bias) and a reward model's score head (weight only, as transformers' *ForSequenceClassification)."""
+    heads = {}
+    if inputs.value_head:
+        heads["value head"] = m.hidden + 1
+    if inputs.job == "reward":
+        heads["score head"] = m.hidden
+    return heads
+
+
+def _job_parts(inputs: MemoryInputs, m: ModelShape, per: dict[str, float]) -> list[Part]:
+    """What a job holds beside the model it trains: DPO's (or RL's KL) frozen reference, PPO's value head, a reward
+    model's score head."""
+    parts = []
+    if inputs.holds_reference:
+        why = "DPO's reference" if inputs.job == "dpo" else "the KL anchor, rl.kl_coef > 0"
+        parts.append(Part(
+            "reference weights", math.ceil(m.num_params * per["weights"]),
+            f"{why}: a frozen copy of the starting weights, {m.num_params:,} params × {per['weights']} B, whole on "
+            "every GPU (copied before wrapping); no gradients or optimizer states",
+        ))  # fmt: skip
+    heads = _head_params(inputs, m)
+    if "value head" in heads:
+        n = heads["value head"]
+        parts.append(Part(
+            "value head", n * VALUE_HEAD_BYTES_PER_PARAM,
+            f"PPO: Linear({m.hidden}, 1), {n:,} params in fp32 × (4 weight + 4 gradient + 8 AdamW) B",
+        ))  # fmt: skip
+    if "score head" in heads:
+        n, b = heads["score head"], per["weights"] + per["gradients"] + per["optimizer states"]
+        parts.append(Part(
+            "score head", math.ceil(n * b),
+            f"Linear({m.hidden}, 1) in place of lm_head, trained in full: {n:,} params × {b:g} B",
+        ))  # fmt: skip
+    return parts
 
 
 def _loss_part(inputs: MemoryInputs, m: ModelShape, act: dict[str, float], tokens: int) -> tuple[Part, float]:
     """The logits and the loss, and what one more token adds to them."""
+    if inputs.job == "reward":
+        # a score per sequence, read at its last token: no logits; backward starts from the final hidden states'
+        # gradient (zero but at the scored tokens, yet a whole tensor)
+        a = 2 if inputs.precision == "bf16" else 4
+        how = "no vocabulary logits: one score per sequence; the final hidden states' gradient"
+        return Part("score and loss", int(tokens * m.hidden * a), how), m.hidden * a
     if inputs.chunked_loss:
         # engine/loss.py: a chunk's fp32 logits and gradient at a time, the hidden states' gradient kept for
         # backward, the lm_head's gradient summed in fp32 and kept in the weight's dtype (a frozen lm_head's too).

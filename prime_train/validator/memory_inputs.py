@@ -34,6 +34,13 @@ KV_CACHE_DTYPES = {"auto": None, "bf16": 2, "fp16": 2, "fp8": 1, "fp8_e4m3": 1, 
 INFERENCE_DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 ZERO_FAMILY = ("zero1", "zero2", "zero3")
+# run.job, and rl.algorithm for the rl job; dpo and reward train on preference pairs, two sequences (chosen and
+# rejected) for each pair micro_batch_size counts
+JOBS = ("sft", "pretrain", "rl", "dpo", "reward")
+PAIR_JOBS = ("dpo", "reward")
+RL_ALGORITHMS = ("grpo", "ppo")
+# the jobs that can hold a frozen copy of the starting weights: DPO's reference, RL's KL anchor (rl.kl_coef > 0)
+REFERENCE_JOBS = ("dpo", "rl")
 # lora.quantize: the frozen base as the run holds it, or its decoder blocks' linear weights in 4-bit NormalFloat
 LORA_QUANTIZE = ("none", "nf4")
 
@@ -186,6 +193,12 @@ class MemoryInputs:
     lora_targets: str | list[str] = ALL_LINEAR
     lora_quantize: str = "none"
     lora_dropout: float = 0.0
+    # the job ([run].job): dpo and reward hold two sequences a pair; rl's PPO trains a value head; `reference` is a
+    # frozen copy of the starting weights (None: the job's default, dpo's reference; dpo.precompute_reference and
+    # an rl run without rl.kl_coef hold none; with LoRA no job does: the base with its adapters off is the reference)
+    job: str = "sft"
+    rl_algorithm: str = "grpo"
+    reference: bool | None = None
 
     def __post_init__(self) -> None:
         choices = {
@@ -198,6 +211,8 @@ class MemoryInputs:
             "kv_cache_dtype": tuple(KV_CACHE_DTYPES),
             "inference_dtype": tuple(INFERENCE_DTYPES),
             "lora_quantize": LORA_QUANTIZE,
+            "job": JOBS,
+            "rl_algorithm": RL_ALGORITHMS,
         }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
@@ -211,6 +226,10 @@ class MemoryInputs:
         if self.hsdp_shard_size is not None and self.hsdp_shard_size < 1:
             raise MemoryInputError(f"hsdp_shard_size = {self.hsdp_shard_size!r}: must be ≥ 1")
         self._check_lora()
+        if self.rl_algorithm != "grpo" and self.job != "rl":
+            raise MemoryInputError(f"rl_algorithm = {self.rl_algorithm!r} is for job 'rl', not {self.job!r}")
+        if self.reference and self.job not in REFERENCE_JOBS:
+            raise MemoryInputError(f"reference: job {self.job!r} holds no reference model (only dpo and rl do)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise MemoryInputError(
                 f"gpu_memory_utilization = {self.gpu_memory_utilization!r}: must be in (0, 1], a fraction of the GPU"
@@ -242,8 +261,28 @@ class MemoryInputs:
             raise MemoryInputError(f"LoRA adapters not counted: {self.model_source} lacks {exc}") from None
 
     @property
+    def holds_reference(self) -> bool:
+        """Whether the trainer holds a frozen copy of the starting weights beside the model it trains."""
+        wanted = self.reference if self.reference is not None else self.job == "dpo"
+        return bool(wanted) and self.job in REFERENCE_JOBS and not self.lora_rank
+
+    @property
+    def sequences_per_sample(self) -> int:
+        """Sequences one unit of micro_batch is: 2 for a preference pair (chosen and rejected), else 1."""
+        return 2 if self.job in PAIR_JOBS else 1
+
+    @property
+    def value_head(self) -> bool:
+        """Whether a value head trains beside the model (PPO)."""
+        return self.job == "rl" and self.rl_algorithm == "ppo"
+
+    @property
     def chunked_loss(self) -> bool:
         """Whether the trainer computes the loss in chunks of tokens (the native model) or on whole logits."""
+        if self.job in PAIR_JOBS:
+            # DPO needs one log-prob sum per sequence, which the fused loss (one sum over the batch) cannot give:
+            # engine/preference.py takes them from the whole logits; a reward model has no vocabulary logits at all
+            return False
         if self.loss != "auto":
             return self.loss == "chunked"
         hf = self.model.get("text_config") if "hidden_size" not in self.model else self.model
@@ -261,3 +300,12 @@ class MemoryInputs:
         if self.strategy in ("zero1", "zero2", "zero3", "fsdp"):
             return self.world_size
         return 1
+
+
+def job_settings(job: str) -> dict[str, str]:
+    """MemoryInputs' job fields for a job named as the CLI names them: run.job, or 'ppo' for rl with PPO."""
+    if job == "ppo":
+        return {"job": "rl", "rl_algorithm": "ppo"}
+    if job not in JOBS:
+        raise MemoryInputError(f"job {job!r}: must be one of {', '.join((*JOBS, 'ppo'))}")
+    return {"job": job}

@@ -32,8 +32,10 @@ from prime_train.validator.vllm_compat import (
     vllm_support,
 )
 
-Job = Literal["sft", "rl", "pretrain"]
-JOBS: tuple[str, ...] = ("sft", "rl", "pretrain")
+# run.job's values, and "ppo" for the rl job with rl.algorithm = "ppo"
+Job = Literal["sft", "rl", "pretrain", "ppo", "dpo", "reward"]
+JOBS: tuple[str, ...] = ("sft", "rl", "pretrain", "ppo", "dpo", "reward")
+RL_JOBS = ("rl", "ppo")  # rollouts from vLLM workers
 
 # Full fine-tuning with AdamW in mixed precision: bf16 weights (2) + bf16 gradients (2) + fp32 master weights (4)
 # + fp32 first and second moments (8). Activations, the KV cache and framework buffers come on top.
@@ -51,6 +53,17 @@ LORA_MEMORY_ASSUMPTION = (
     "gradients and AdamW states (16 bytes/parameter), before activations"
 )
 DEFAULT_TRAIN_GPU = "H100"
+# What the other jobs add to (or take from) the states above (validator/memory_breakdown.py counts them part by part)
+REFERENCE_BYTES_PER_PARAM = 4  # DPO's frozen reference: the starting weights copied as the engine holds them, fp32
+HEAD_BYTES_PER_PARAM = 16  # a head trained in full: weight, gradient, AdamW's two moments (fp32 master weights)
+JOB_MEMORY_ASSUMPTIONS = {
+    "dpo": "dpo: plus a frozen reference, a copy of the starting weights as the engine holds them (fp32, 4 bytes/"
+    "parameter), whole on every GPU: it is copied before the model is sharded; none with LoRA (the base with the "
+    "adapters off) or dpo.precompute_reference; each pair is two sequences, so activations double",
+    "reward": "reward: an untied lm_head is dropped for a Linear(hidden, 1) score head trained in full (with LoRA "
+    "too); each pair is two sequences, so activations double",
+    "ppo": "ppo: plus a Linear(hidden, 1) value head trained in full (16 bytes/parameter)",
+}
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1, "float8": 1}
 # MXFP4: 4-bit values plus one shared 8-bit exponent per block of 32.
@@ -97,6 +110,8 @@ class ModelReport:
     lora_train_memory_bytes: int | None = None
     qlora_train_memory_bytes: int | None = None
     train_gpu: dict[str, Any] | None = None  # the GPUs the training figures are held against, and the verdicts
+    # what the job adds to full fine-tuning's states (dpo's reference, a head) or takes away (a reward model's lm_head)
+    job_memory_parts: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -119,6 +134,7 @@ class ModelReport:
             "serve": SERVE_MEMORY_ASSUMPTION,
             "train": TRAIN_MEMORY_ASSUMPTION,
             "lora": LORA_MEMORY_ASSUMPTION,
+            **({"job": JOB_MEMORY_ASSUMPTIONS[self.job]} if self.job in JOB_MEMORY_ASSUMPTIONS else {}),
         }
         data["ok"] = self.ok
         return data
@@ -205,7 +221,8 @@ def verify_model(
     max_len, rope = _context(text, found)
     tested = lookup(files.model_id)
     _versions(tested, support, found)
-    lora = _training_fit(count, hf, train_gpus, found) if count is not None else {}
+    job_parts = job_memory(hf, count.total, job) if count is not None else {}
+    lora = _training_fit(count, hf, train_gpus, found, job_parts) if count is not None else {}
 
     return ModelReport(
         name=name_or_path,
@@ -230,14 +247,32 @@ def verify_model(
         dtype=dtype,
         serve_dtype=serve_dtype,
         serve_memory_bytes=serve_bytes,
-        train_memory_bytes=count.total * TRAIN_BYTES_PER_PARAM if count else None,
+        train_memory_bytes=count.total * TRAIN_BYTES_PER_PARAM + sum(job_parts.values()) if count else None,
         known_issues=list((tested or {}).get("known_issues") or []),
         tested=tested,
         problems=found.problems,
         warnings=found.warnings,
         notes=found.notes,
+        job_memory_parts=job_parts,
         **lora,
     )
+
+
+def job_memory(hf: dict[str, Any], num_params: int, job: str) -> dict[str, int]:
+    """Bytes the job adds to full fine-tuning's 16 B/param (negative: what it drops), by part (JOB_MEMORY_ASSUMPTIONS):
+    dpo's reference, a reward model's score head in place of an untied lm_head, PPO's value head."""
+    text = text_config(hf)
+    h = int(text["hidden_size"])
+    parts: dict[str, int] = {}
+    if job == "dpo":
+        parts["reference weights"] = num_params * REFERENCE_BYTES_PER_PARAM
+    elif job == "reward":
+        parts["score head"] = h * HEAD_BYTES_PER_PARAM
+        if not text.get("tie_word_embeddings", True):
+            parts["lm_head dropped"] = -int(text["vocab_size"]) * h * TRAIN_BYTES_PER_PARAM
+    elif job == "ppo":
+        parts["value head"] = (h + 1) * HEAD_BYTES_PER_PARAM
+    return parts
 
 
 def _train_gpus(gpu: str) -> tuple[Any, int]:
@@ -256,26 +291,32 @@ def _train_gpus(gpu: str) -> tuple[Any, int]:
         raise ValueError(f"--gpu {gpu!r}: {exc}") from None
 
 
-def _training_fit(count: ParameterCount, hf: dict[str, Any], gpus: tuple[Any, int], found: _Findings) -> dict[str, Any]:
+def _training_fit(
+    count: ParameterCount, hf: dict[str, Any], gpus: tuple[Any, int], found: _Findings, job_parts: dict[str, int]
+) -> dict[str, Any]:
     """The LoRA figures, and a warning offering LoRA when full fine-tuning's states (16 B/param, sharded over the
-    GPUs) do not fit one of the `gpus` (spec, count)."""
+    GPUs, plus what the job adds: `job_parts`, whole on every GPU) do not fit one of the `gpus` (spec, count). With
+    LoRA the job keeps its heads but holds no reference (the base with the adapters off is one)."""
     from prime_train.validator.memory_breakdown import NF4_BYTES_PER_PARAM
 
     spec, n = gpus
     ad = count_adapters(hf, LORA_RANK)
-    lora = count.total * 4 + ad.trainable * TRAIN_BYTES_PER_PARAM
+    heads = sum(v for k, v in job_parts.items() if k.endswith("head"))
+    lora = count.total * 4 + ad.trainable * TRAIN_BYTES_PER_PARAM + heads
     qlora = (count.total - ad.linear_params) * 4 + ad.linear_params * NF4_BYTES_PER_PARAM
-    qlora += ad.trainable * TRAIN_BYTES_PER_PARAM
-    full = count.total * TRAIN_BYTES_PER_PARAM / n
+    qlora += ad.trainable * TRAIN_BYTES_PER_PARAM + heads
+    dropped = job_parts.get("lm_head dropped", 0)
+    full = (count.total * TRAIN_BYTES_PER_PARAM + dropped) / n + sum(job_parts.values()) - dropped
     cap = spec.memory_bytes
     verdict = {"gpu": spec.name, "count": n, "memory_bytes": cap, "full_fits": full <= cap, "lora_fits": lora <= cap,
                "qlora_fits": qlora <= cap}  # fmt: skip
     if full > cap:
         where = f"{n} × {spec.name}" if n > 1 else f"one {spec.name}"
         shard = f" sharded over {n} GPUs" if n > 1 else ""
+        extra = " and dpo's reference" if "reference weights" in job_parts else ""
         offer = (
-            f"full fine-tuning needs about {human_bytes(full)} a GPU before activations (16 B/param{shard}), more "
-            f"than the {human_bytes(cap)} of {where}. LoRA trains adapters only: --lora.rank {LORA_RANK} "
+            f"full fine-tuning needs about {human_bytes(full)} a GPU before activations (16 B/param{shard}{extra}), "
+            f"more than the {human_bytes(cap)} of {where}. LoRA trains adapters only: --lora.rank {LORA_RANK} "
             f"({ad.trainable:,} trainable) needs about {human_bytes(lora)} on one GPU"
         )
         if lora <= cap:
@@ -315,7 +356,7 @@ def _vllm_serving(architecture: str | None, job: str, found: _Findings) -> VllmS
     support = vllm_support(architecture, installed=installed_vllm_archs())
     if support.detail and support.supported is not False:
         found.notes.append(f"vLLM: {support.detail}")
-    if job == "rl":
+    if job in RL_JOBS:
         if support.supported is False:
             found.problems.append(
                 f"vLLM does not serve {architecture} ({support.source}): {support.detail}; RL rollouts need a model "
@@ -351,7 +392,7 @@ def _tool_calling(files: ModelFiles, job: str, found: _Findings) -> tuple[bool, 
         found.notes.append(f"tool calling: {parser_note}")
     if files.tokenizer_config is None:
         found.warnings.append("no tokenizer_config.json found: the chat template could not be checked")
-    elif job == "rl":
+    elif job in RL_JOBS:
         if files.chat_template is None:
             found.warnings.append("the tokenizer has no chat template: chat environments cannot format prompts")
         elif not template_tools:
@@ -464,9 +505,14 @@ def render_report(report: ModelReport, console: Any) -> None:
     table.add_row("dtype", escape(f"{report.dtype or 'not set'} (served as {report.serve_dtype})"))
     serve, train = report.serve_memory_bytes, report.train_memory_bytes
     table.add_row("memory to serve", escape(human_bytes(serve) + (" (weights only)" if serve is not None else "")))
-    table.add_row(
-        "memory to train", escape(human_bytes(train) + (" (16 B/param, full AdamW)" if train is not None else ""))
+    how = (
+        " (16 B/param, full AdamW"
+        + "".join(
+            f"; {name} {'-' if b < 0 else '+'}{human_bytes(abs(b))}" for name, b in report.job_memory_parts.items()
+        )
+        + ")"
     )
+    table.add_row("memory to train", escape(human_bytes(train) + (how if train is not None else "")))
     if report.lora_train_memory_bytes is not None and report.num_parameters:
         share = 100 * (report.lora_trainable_parameters or 0) / report.num_parameters
         table.add_row(

@@ -597,7 +597,8 @@ def estimate_memory(cfg: Config, hf: dict[str, Any], *, on_gpu: bool) -> dict[st
     )  # fmt: skip
     trainer = report.trainer
     states = sum(trainer.get(name) for name in STATE_PARTS)
-    activations, logits = trainer.get("activations"), trainer.get("logits and loss")
+    activations = trainer.get("activations")
+    logits = trainer.total - states - activations - trainer.get("runtime")  # logits and loss, or a score head's
     overhead = GPU_OVERHEAD_BYTES if on_gpu else CPU_OVERHEAD_BYTES
     return {
         "num_params": report.shape.num_params,
@@ -611,6 +612,10 @@ def estimate_memory(cfg: Config, hf: dict[str, Any], *, on_gpu: bool) -> dict[st
         "ranks_per_node": nproc,
         "trainable_params": trainer.trainable_params,
         "trainable_fraction": round(trainer.trainable_fraction, 6),
+        "job": cfg.run.job,
+        "sequences_per_micro_batch": cfg.train.micro_batch_size * report.inputs.sequences_per_sample,
+        "reference_bytes": trainer.get("reference weights"),
+        "head_bytes": trainer.get("value head") + trainer.get("score head"),
     }
 
 
@@ -639,12 +644,15 @@ def check_memory_fit(
     trains = f", LoRA: {est['trainable_params'] / 1e6:,.1f}M trainable" if cfg.lora.enabled else ""
     message = (
         f"about {_human(need)} needed: {fraction:.0%} of {_human(capacity)} ({where}; "
-        f"{est['num_params'] / 1e6:,.1f}M params{trains}, strategy {est['strategy']}, {source})"
+        f"{est['num_params'] / 1e6:,.1f}M params{trains}, strategy {est['strategy']}{_job_words(est)}, {source})"
     )
     fix = (
         f"lower train.micro_batch_size (now {cfg.train.micro_batch_size}) or data.seq_len (now {cfg.data.seq_len}), "
         "set model.activation_checkpointing = true, or shard the states with distributed.strategy = 'fsdp'"
     )
+    if est["reference_bytes"] and cfg.run.job == "dpo":
+        less = _human(est["reference_bytes"])
+        fix += f", or set dpo.precompute_reference = true (no reference model held: {less} less)"
     if fraction > MEMORY_WARN_FRACTION and not cfg.lora.enabled and cfg.model.path is not None:
         fix += _lora_offer(cfg, hf, gpu_run, need / est["per_rank_bytes"])
     if fraction > 1.0:
@@ -652,6 +660,16 @@ def check_memory_fit(
     if fraction > MEMORY_WARN_FRACTION:
         return CheckResult("memory_fit", WARN, message, fix, est)
     return CheckResult("memory_fit", PASS, message, None, est)
+
+
+def _job_words(est: dict[str, Any]) -> str:
+    """What the job adds to the estimate, for the memory_fit message: pairs' sequences, a reference copy."""
+    words = []
+    if est["job"] in ("dpo", "reward"):
+        words.append(f"{est['sequences_per_micro_batch']} sequences a micro-batch (pairs)")
+    if est["reference_bytes"]:
+        words.append(f"reference copy {_human(est['reference_bytes'])}")
+    return f", {est['job']}: " + ", ".join(words) if words else ""
 
 
 LORA_OFFER_RANK = 16

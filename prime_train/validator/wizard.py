@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-JOBS = ("sft", "pretrain", "rl")
+# what init offers: run.job's values, and "ppo" for the rl job with rl.algorithm = "ppo"
+JOBS = ("sft", "pretrain", "rl", "ppo", "dpo", "reward")
+RL_JOBS = ("rl", "ppo")
+PAIR_JOBS = ("dpo", "reward")  # trained on preference pairs: batch sizes count pairs, two sequences each
 ENVIRONMENTS = ("reverse-text", "arithmetic", "sorting")
 TINY = "tiny"
 
@@ -31,7 +34,7 @@ class Answers:
     seq_len: int | None = None
     max_steps: int | None = None
     environment: str = "reverse-text"
-    dataset: str | None = None  # local file/dir/glob for sft/pretrain; unset: a built-in task
+    dataset: str | None = None  # local file/dir/glob for sft/pretrain/dpo/reward; unset: a built-in task
     notes: list[str] = field(default_factory=list)
 
 
@@ -85,6 +88,11 @@ def _model_shape(model: str) -> tuple[dict[str, Any] | None, int | None]:
         return hf, count_parameters(hf)
     except (KeyError, TypeError, ValueError):
         return hf, None
+
+
+def run_job(job: str) -> str:
+    """run.job of an init job: 'ppo' is the rl job with rl.algorithm = "ppo"."""
+    return "rl" if job == "ppo" else job
 
 
 # completions per RL prompt: a step trains on rl.prompts_per_step × this many
@@ -143,6 +151,7 @@ def build_config(a: Answers) -> str:
         _run_lines,
         _model_lines,
         _lora_lines,
+        _dpo_lines,
         _data_lines,
         _train_lines,
         _distributed_lines,
@@ -162,11 +171,13 @@ def _plan(a: Answers) -> _Plan:
     hw = parse_hardware(a.hardware)
     if a.model == TINY and hw.is_gpu:
         a.notes.append("the tiny model on a GPU is a smoke test; name a real model for a real run")
-    if a.job == "rl" and a.model == TINY:
-        a.notes.append("RL starts from the tiny SFT run's model: run `prime-train run` (the tiny SFT default) first")
+    if a.job != "sft" and a.job != "pretrain" and a.model == TINY:
+        a.notes.append(
+            f"{a.job} starts from the tiny SFT run's model: run `prime-train run` (the tiny SFT default) first"
+        )
     hf, params = _model_shape(a.model)
     # RL on several GPUs: a quarter of a node's GPUs serve rollouts (one vLLM worker each), the rest train
-    inference_gpus = max(1, hw.count // 4) if a.job == "rl" and hw.is_gpu and hw.count > 1 else 0
+    inference_gpus = max(1, hw.count // 4) if a.job in RL_JOBS and hw.is_gpu and hw.count > 1 else 0
     trainer_gpus = hw.count - inference_gpus
     world = trainer_gpus * a.nodes
     name = a.name or (f"tiny-{a.job}" if a.model == TINY else f"{a.model.rstrip('/').split('/')[-1].lower()}-{a.job}")
@@ -224,12 +235,15 @@ def _lora_choice(
 
     if a.model == TINY or hf is None or not hw.is_gpu or hw.memory_gib is None:
         return None
-    capacity = hw.memory_gib * 2**30 * (_COLOCATED_TRAINER_SHARE if a.job == "rl" and world == 1 else 1.0)
+    from prime_train.validator.memory_inputs import job_settings
+
+    capacity = hw.memory_gib * 2**30 * (_COLOCATED_TRAINER_SHARE if a.job in RL_JOBS and world == 1 else 1.0)
     try:
+        # the job as written: dpo holds its reference (precompute_reference = false), ppo its value head
         inputs = MemoryInputs(
             model=hf, seq_len=seq_len, micro_batch=micro, gpus_per_node=world // a.nodes, num_nodes=a.nodes,
             strategy=strategy, precision="bf16" if hw.bf16 else "fp32",
-            activation_checkpointing="full" if big else "none", gpus=[],
+            activation_checkpointing="full" if big else "none", gpus=[], **job_settings(a.job),
         )  # fmt: skip
         shape = ModelShape.from_hf(hf)
         full = trainer_memory(inputs, shape).total
@@ -246,11 +260,12 @@ def _lora_choice(
 
 def _batch_sizes(job: str, hw: Hardware, big: bool, world: int) -> tuple[int, int]:
     """The micro-batch of one process and the global batch: about 64 sequences, whole micro-batches on every
-    process, and for RL whole groups of completions."""
-    micro = 16 if not hw.is_gpu else (4 if big else 8)
+    process, for RL whole groups of completions, and for the preference jobs pairs (two sequences each)."""
+    per_sample = 2 if job in PAIR_JOBS else 1
+    micro = (16 if not hw.is_gpu else (4 if big else 8)) // per_sample
     per_step = micro * world
-    global_batch = per_step * max(1, math.ceil(64 / per_step))
-    if job == "rl":  # one step trains on prompts_per_step × group_size completions
+    global_batch = per_step * max(1, math.ceil(64 / per_sample / per_step))
+    if job in RL_JOBS:  # one step trains on prompts_per_step × group_size completions
         while global_batch % _GROUP_SIZE:
             global_batch += per_step
     return micro, global_batch
@@ -266,7 +281,7 @@ def _run_lines(p: _Plan) -> list[str]:
         f'name = "{p.name}"',
         'output_dir = "runs"',
         "seed = 1234",
-        f'job = "{p.a.job}"',
+        f'job = "{run_job(p.a.job)}"',
         "",
     ]
 
@@ -275,9 +290,13 @@ def _model_lines(p: _Plan) -> list[str]:
     """[model]: the tiny model (for RL, the tiny SFT run's), or the named one with its size."""
     a = p.a
     lines = ["[model]"]
-    if a.model == TINY and a.job == "rl":
+    if a.model == TINY and a.job in RL_JOBS:
         lines += [
             'path = "runs/tiny-sft/final"   # the tiny SFT run\'s model: RL from a random model has no reward to learn',
+        ]
+    elif a.model == TINY and a.job in PAIR_JOBS:
+        lines += [
+            'path = "runs/tiny-sft/final"   # the tiny SFT run\'s model: preferences refine a model that answers',
         ]
     elif a.model == TINY:
         lines += ["# a random-initialised Llama-shaped model with the built-in byte tokenizer: no download"]
@@ -300,7 +319,7 @@ def _lora_lines(p: _Plan) -> list[str]:
     if c is None:
         return []
     gib = 2**30
-    shared = p.a.job == "rl" and p.world == 1  # vLLM takes the rest of the one GPU
+    shared = p.a.job in RL_JOBS and p.world == 1  # vLLM takes the rest of the one GPU
     where = f"the {c.capacity / gib:.0f} GiB {f'one {c.gpu} leaves the trainer' if shared else f'of one {c.gpu}'}"
     if not c.fits(c.lora) and not c.quantize:
         p.a.notes.append(
@@ -332,12 +351,24 @@ def _lora_lines(p: _Plan) -> list[str]:
 
 
 def _data_lines(p: _Plan) -> list[str]:
-    """[data]: the sequence length, and for SFT and pretraining the dataset (a built-in task when none is given)."""
+    """[data]: the sequence length, and for the jobs that train on a dataset the dataset (a built-in task when none
+    is given; for dpo and reward its preference pairs)."""
     a = p.a
     lines = ["", "[data]", f"seq_len = {p.seq_len}"]
-    if a.job != "rl":
+    pairs = a.job in PAIR_JOBS
+    if a.job not in RL_JOBS:
         if a.dataset:
             lines += ["[[data.datasets]]", f'path = "{a.dataset}"']
+            if pairs:
+                lines.append('format = "preference"   # records {prompt, chosen, rejected}: strings or chat messages')
+        elif pairs:
+            lines += [
+                "# a built-in task's preference pairs so the config runs as is (chosen: the right answer, rejected:",
+                "# a corrupted one); replace with your {prompt, chosen, rejected} records:",
+                '# [[data.datasets]]  path = "data/pairs.jsonl"  format = "preference"',
+                "[[data.datasets]]",
+                'task = "reverse-text"',
+            ]
         else:
             lines += [
                 "# a built-in generated task so the config runs as is; replace with your data:",
@@ -348,25 +379,49 @@ def _data_lines(p: _Plan) -> list[str]:
     return lines
 
 
+# learning rates: the tiny model's, and a pretrained model's per job (full fine-tuning; LoRA takes 10×)
+_TINY_LR = {"dpo": 1e-3, "reward": 1e-3}
+_PRETRAINED_LR = {"rl": 1e-6, "ppo": 1e-6, "dpo": 5e-7}
+
+
+def _dpo_lines(p: _Plan) -> list[str]:
+    """[dpo] for a DPO job: beta, the loss, and where the reference comes from."""
+    if p.a.job != "dpo":
+        return []
+    if _writes_lora(p):
+        ref = "# with LoRA the reference is the base with the adapters switched off: no second copy either way"
+    else:
+        ref = "# the reference is a frozen copy of the starting weights, held beside the model (`prime-train memory`)"
+    return [
+        "",
+        "[dpo]",
+        "beta = 0.1   # how far the policy may move from the reference: higher keeps it closer",
+        'loss_type = "sigmoid"   # DPO\'s loss; "ipo" and "hinge" are the others',
+        ref,
+        "precompute_reference = false   # true: its log-probs of every pair computed once before training, none held",
+    ]
+
+
 def _train_lines(p: _Plan) -> list[str]:
     """[train]: steps, batch sizes, learning rate and precision."""
     a = p.a
     max_steps = a.max_steps or (300 if a.model == TINY else 1000)
     precision = "bf16" if p.hw.bf16 else "fp32"
-    lr = 3e-3 if a.model == TINY else (1e-6 if a.job == "rl" else 1e-5)
+    lr = _TINY_LR.get(a.job, 3e-3) if a.model == TINY else _PRETRAINED_LR.get(a.job, 1e-5)
     lr_why = "tiny models learn fast" if a.model == TINY else "fine-tuning a pretrained model"
     if _writes_lora(p):
         lr, lr_why = lr * 10, "LoRA's adapters take about 10× the full fine-tuning rate"
+    unit = "preference pairs (2 sequences each)" if a.job in PAIR_JOBS else "sequences"
     lines = [
         "",
         "[train]",
         f"max_steps = {max_steps}",
-        f"global_batch_size = {p.global_batch}   # sequences per optimizer step, over all {p.world} process(es)",
+        f"global_batch_size = {p.global_batch}   # {unit} per optimizer step, over all {p.world} process(es)",
         f"micro_batch_size = {p.micro}   # per forward/backward; lower it first if memory runs out",
         f"lr = {lr:g}   # {lr_why}",
         f'precision = "{precision}"   # {_precision_why(p.hw)}',
     ]
-    if a.job == "rl":
+    if a.job in RL_JOBS:
         lines += ['scheduler = "constant"', "warmup_steps = 0"]
     lines += ["eval_interval = 100" if a.model != TINY else "eval_interval = 50"]
     return lines
@@ -405,7 +460,7 @@ def _ckpt_lines(p: _Plan) -> list[str]:
 def _rl_lines(p: _Plan) -> list[str]:
     """[rl] and [inference] for an RL job (none for the others): the environment, the groups, the rollout workers."""
     a, hw = p.a, p.hw
-    if a.job != "rl":
+    if a.job not in RL_JOBS:
         return []
     if a.environment not in ENVIRONMENTS and ":" not in a.environment:
         raise ValueError(
@@ -418,12 +473,15 @@ def _rl_lines(p: _Plan) -> list[str]:
         "[rl]",
         f'environment = "{a.environment}"',
         f"prompts_per_step = {p.global_batch // _GROUP_SIZE}   # × group_size = train.global_batch_size",
-        f"group_size = {_GROUP_SIZE}   # completions per prompt; advantages are normalised within each group",
+        f"group_size = {_GROUP_SIZE}   # completions per prompt; "
+        + ("PPO's advantages come from its value head" if a.job == "ppo" else
+           "advantages are normalised within each group"),
         f"max_tokens = {16 if a.model == TINY else 1024}",
         "max_async_level = 1   # rollouts at most one step off-policy",
+        *_ppo_lines(p),
         "",
         "[inference]",
-    ]
+    ]  # fmt: skip
     if not hw.is_gpu:
         lines += ['backend = "embedded"   # the CPU worker: same OpenAI-compatible HTTP as vLLM']
     elif p.world == 1:
@@ -441,6 +499,21 @@ def _rl_lines(p: _Plan) -> list[str]:
         ]
     lines += [f"max_model_len = {model_len}   # prompt + max_tokens must fit: lint checks the token budget"]
     return lines
+
+
+def _ppo_lines(p: _Plan) -> list[str]:
+    """rl's PPO keys: the algorithm, GAE and the value loss; the KL penalty offered in a comment with what it holds."""
+    if p.a.job != "ppo":
+        return []
+    held = "the base with the adapters off" if _writes_lora(p) else "a frozen copy of the starting weights, held"
+    return [
+        'algorithm = "ppo"   # a value head on the policy\'s trunk; GAE advantages per token',
+        "gamma = 1.0   # no discount within a completion",
+        "gae_lambda = 0.95   # 1: Monte Carlo returns, 0: one-step TD",
+        "value_clip = 0.2",
+        "vf_coef = 0.1   # the value loss's weight beside the policy loss",
+        f"# kl_coef = 0.05   # a KL penalty to the starting model ({held})",
+    ]
 
 
 def _supervisor_lines(p: _Plan) -> list[str]:
