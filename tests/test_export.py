@@ -18,7 +18,7 @@ from enginetools import tiny_llama as _tiny_llama
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from prime_train.engine.export import dcp_to_hf, export_hf, unwrap_model
+from prime_train.engine.export import ExportRefused, dcp_to_hf, export_hf, unwrap_model
 
 THIS_FILE = Path(__file__).resolve()
 pytestmark = [
@@ -131,6 +131,25 @@ def test_export_recovers_the_previous_export_after_a_crash_between_the_renames(t
     with pytest.raises(OSError):
         export_hf(tiny_llama(1, tie=True), BrokenTokenizer(), final, rank=0)
     assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(final).eval()), logits(first))
+
+
+def test_an_export_killed_while_writing_its_marker_is_replaced_by_the_next(tmp_path):
+    # kill -9 between mkdir final.tmp and the marker's rename (as a prime-train writing the marker through a temporary
+    # name left it): the next export must know the directory as its own, not refuse it as someone else's
+    final = tmp_path / "final"
+    (tmp_path / "final.tmp").mkdir()
+    (tmp_path / "final.tmp" / "..prime-train-export.json.0a1b2c3d4e5f.tmp").write_text('{"made_by": "prime')
+    model = tiny_llama(0, tie=True)
+    export_hf(model, tiny_tokenizer(), final, rank=0)
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(final).eval()), logits(model))
+    assert sorted(os.listdir(tmp_path)) == ["final"]
+    # anything else beside such a temporary file is still not the export's to delete
+    (tmp_path / "final.tmp").mkdir()
+    (tmp_path / "final.tmp" / "..prime-train-export.json.0a1b2c3d4e5f.tmp").write_text("{}")
+    (tmp_path / "final.tmp" / "notes.txt").write_text("mine")
+    with pytest.raises(ExportRefused, match="not an export of prime-train"):
+        export_hf(model, tiny_tokenizer(), final, rank=0)
+    assert (tmp_path / "final.tmp" / "notes.txt").read_text() == "mine"
 
 
 def test_unwrap_model_peels_torch_compile():

@@ -31,6 +31,7 @@ checkpoint (`check_export_target`); <dir>.tmp and <dir>.old are cleared only whe
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -41,7 +42,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from prime_train.contract import QUARANTINE_RE, STEP_RE, TMP_RE, RunDir, fsync_dir, write_json_atomic
+from prime_train.contract import QUARANTINE_RE, STEP_RE, TMP_RE, RunDir, fsync_dir
 from prime_train.engine import safe_dcp  # never torch's reader: it unpickles .metadata and bytes items unrestricted
 from prime_train.engine.checkpoint import (
     DCP_METADATA_FILE,
@@ -162,6 +163,20 @@ def _has_marker(path: Path) -> bool:
     return marker.is_file() and not marker.is_symlink()
 
 
+def _marker_cut_short(path: Path) -> bool:
+    """A directory that holds nothing but the temporary file of an EXPORT_MARKER being written: an export killed in
+    its first write (prime-train before the marker was written in place left these)."""
+    prefix = f".{EXPORT_MARKER}."
+    try:
+        with os.scandir(path) as it:
+            entries = list(it)
+    except OSError:
+        return False
+    return bool(entries) and all(
+        e.name.startswith(prefix) and e.name.endswith(".tmp") and e.is_file(follow_symlinks=False) for e in entries
+    )
+
+
 def _older_export(path: Path) -> bool:
     """An HF export a prime-train before EXPORT_MARKER wrote: only files, config.json or safetensors among them."""
     try:
@@ -181,7 +196,7 @@ def _replaceable(path: Path, *, own_run: bool) -> bool:
         return own_run
     if not path.is_dir():
         return False
-    if _has_marker(path) or _empty(path):
+    if _has_marker(path) or _empty(path) or _marker_cut_short(path):
         return True
     return own_run and _older_export(path)
 
@@ -280,8 +295,11 @@ def _write_hf_dir(
             )
         _remove(leftover)
     tmp.mkdir(parents=True)
-    # first: a crash from here on leaves a .tmp the next export knows as its own
-    write_json_atomic(tmp / EXPORT_MARKER, {"made_by": "prime-train", "kind": "hf-export", "source": source})
+    # first, in place (the directory is new and ours; being there is the proof, not its content): a crash from here on
+    # leaves a .tmp that is empty or holds the marker, which the next export knows as its own
+    fd = os.open(tmp / EXPORT_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"made_by": "prime-train", "kind": "hf-export", "source": source}, f)
 
     if tokenizer is not None and write_model:
         align_special_tokens(model, tokenizer)
