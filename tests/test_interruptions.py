@@ -192,6 +192,12 @@ def test_two_quick_ctrl_c_kill_the_job_now_and_leave_a_stopped_run_with_exit_75(
             assert time.time() < deadline and proc.poll() is None, "the job was never started"
             time.sleep(0.2)
         [started] = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "process_started"]
+        # the job ignores SIGTERM once it prints its first step; on a loaded machine Python's start-up can take
+        # longer than the supervisor's, and a SIGTERM before the handler ends the job at once (no second press)
+        log = run_dir / "logs" / "attempt-1" / "job.log"
+        while not (log.is_file() and "step 1" in log.read_text()):
+            assert time.time() < deadline and proc.poll() is None, "the job never printed its first step"
+            time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
         time.sleep(0.7)  # a person's second press; two signals at once would be delivered as one
         pressed = time.time()
