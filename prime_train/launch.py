@@ -27,7 +27,13 @@ if TYPE_CHECKING:
     from prime_train.kit.redact import MaskedConfig
 
 # The module each job runs as (`python -m MODULE --config RUN/config.toml`, under torchrun for several processes).
-JOB_MODULES = {"sft": "prime_train.engine.train", "pretrain": "prime_train.engine.train", "rl": "prime_train.rl.train"}
+JOB_MODULES = {
+    "sft": "prime_train.engine.train",
+    "pretrain": "prime_train.engine.train",
+    "rl": "prime_train.rl.train",
+    "reward": "prime_train.engine.reward",
+    "dpo": "prime_train.engine.dpo",
+}
 
 
 def gpu_devices() -> list[str]:

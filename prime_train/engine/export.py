@@ -377,7 +377,11 @@ def export_hf(
 
         state_dict = merged_state_dict(state_dict, identity) if merge else {}
     write_model = merge or not lora
-    if is_native(hf_model) and write_model:
+    if write_model and hasattr(hf_model, "export_model"):
+        # a model of the engine's own that transformers writes as another class (engine/reward.py's native reward
+        # model: a *ForSequenceClassification) gives the transformers model holding the gathered tensors
+        hf_model = hf_model.export_model(state_dict)
+    elif is_native(hf_model) and write_model:
         # the native decoder has HF's parameter names: a transformers model holding the gathered tensors writes
         # them with HF's own save_pretrained (config, generation config, sharding, tied weights written once)
         hf_model = to_hf(hf_model, state_dict)
@@ -429,7 +433,7 @@ def dcp_to_hf(
     merged model on the base the run's config.toml builds (`config_path`, else the run directory's above
     checkpoints/), out_dir/adapter/ the adapter in PEFT's format; `adapter_only` writes the adapter alone.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     check_export_target(out_dir, overwrite=overwrite)
     step_dir = Path(step_dir)
@@ -462,7 +466,10 @@ def dcp_to_hf(
             f"cannot convert {step_dir} with --adapter-only: it is not a LoRA run's checkpoint (it holds no adapter)"
         )
     config = AutoConfig.from_pretrained(hf_dir)
-    model = AutoModelForCausalLM.from_config(config, dtype=_checkpoint_dtype(metadata))
+    # a reward model's checkpoint names transformers' *ForSequenceClassification (engine/reward.py)
+    classifier = any(name.endswith("ForSequenceClassification") for name in config.architectures or ())
+    auto_class = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
+    model = auto_class.from_config(config, dtype=_checkpoint_dtype(metadata))
     model.eval()
     # the same key scheme TrainState saved; only "model" is read, so optimizer shards, other
     # ranks' states and the saving world size do not matter

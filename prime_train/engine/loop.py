@@ -139,12 +139,16 @@ class TrainingJob:
             self._autocast = lambda: parallel.autocast(cfg.train.precision, self.dist.device)
 
         self.tokenizer, model = load_model_and_tokenizer(cfg)
+        model = self.model_to_train(model)
         self.hf_config = model.config
         self.prepare_model(model)
         self.lora_identity: dict[str, Any] | None = None
         if cfg.lora.enabled:
             # adapters into the bare model, before it moves and is wrapped or sharded; only they train from here
-            model = apply_lora(model, cfg.lora, device=self.dist.device, strategy=self.strategy)
+            # (and the job's trained_in_full modules, outside peft)
+            model = apply_lora(
+                model, cfg.lora, device=self.dist.device, strategy=self.strategy, train_in_full=self.trained_in_full
+            )
             self.lora_identity = adapter_identity(model)
         model.to(self.dist.device)
         self.model = parallel.parallelize(model, cfg, self.dist)
@@ -285,6 +289,15 @@ class TrainingJob:
     def configure(self) -> None:
         """Called first, before the process group and the model: the job's own parts that need neither (RL: the
         environment and the workers' pool), so that a bad setting is a configuration error before any model loads."""
+
+    # modules (by name in the model) that train in full beside LoRA's adapters, kept outside peft: the reward job's
+    # score head; a checkpoint of a LoRA run holds them with the adapters
+    trained_in_full: tuple[str, ...] = ()
+
+    def model_to_train(self, model):
+        """The module the job trains, made from the loaded causal LM before anything else sees it (the reward job:
+        its decoder under a scalar head); the causal LM itself by default."""
+        return model
 
     def prepare_model(self, model) -> None:
         """Called with the loaded model before it moves to the device and is wrapped (RL copies its reference)."""
@@ -432,17 +445,22 @@ class TrainingJob:
             self.save(final=True)
         if cfg.ckpt.export_final:
             self.heartbeat(Phase.EXPORT)
-            from prime_train.engine.export import export_hf
-
-            lora = cfg.lora.enabled  # final/ the merged model (unless merge_on_export is off), final/adapter/ PEFT's
-            export_hf(
-                self.model, self.tokenizer, self.run_dir.final_dir, rank=self.dist.rank,
-                adapter=lora, merge=cfg.lora.merge_on_export or not lora, base_model=cfg.model.path,
-            )  # fmt: skip
+            self.export_final()
         self.heartbeat(Phase.DONE, loss=self.buffer.last_loss)
         return ExitCode.OK
 
     # ------------------------------------------------------------------ the loop's ends and parts
+
+    def export_final(self) -> None:
+        """final/ in HF format (every rank calls it): with LoRA the merged model (unless lora.merge_on_export is off)
+        and final/adapter/ in PEFT's format."""
+        from prime_train.engine.export import export_hf
+
+        lora = self.cfg.lora.enabled
+        export_hf(
+            self.model, self.tokenizer, self.run_dir.final_dir, rank=self.dist.rank,
+            adapter=lora, merge=self.cfg.lora.merge_on_export or not lora, base_model=self.cfg.model.path,
+        )  # fmt: skip
 
     def resume(self) -> None:
         # resolves, verifies and loads; one that verifies but does not load is set aside and the one before it used

@@ -148,7 +148,7 @@ def resolve_targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
     return list(cfg.target_modules)
 
 
-def _peft_config(cfg: LoraConfig, targets: list[str], *, fan_in_fan_out: bool = False):
+def _peft_config(cfg: LoraConfig, targets: list[str], *, fan_in_fan_out: bool = False, lm_head: bool = True):
     from peft import LoraConfig as PeftLoraConfig
 
     # the adapters go into the decoder blocks only: lm_head is the native model's loss weight (engine/loss.py reads
@@ -158,7 +158,7 @@ def _peft_config(cfg: LoraConfig, targets: list[str], *, fan_in_fan_out: bool = 
         lora_alpha=cfg.scale_alpha,
         lora_dropout=cfg.dropout,
         target_modules=targets,
-        exclude_modules=["lm_head"],
+        exclude_modules=["lm_head"] if lm_head else None,  # a reward model has none (peft warns of a no-op)
         fan_in_fan_out=fan_in_fan_out,
         bias="none",
         task_type="CAUSAL_LM",
@@ -166,9 +166,16 @@ def _peft_config(cfg: LoraConfig, targets: list[str], *, fan_in_fan_out: bool = 
 
 
 def apply_lora(
-    model: nn.Module, cfg: LoraConfig, *, device: torch.device | str | None = None, strategy: str = "none"
+    model: nn.Module,
+    cfg: LoraConfig,
+    *,
+    device: torch.device | str | None = None,
+    strategy: str = "none",
+    train_in_full: tuple[str, ...] = (),
 ) -> nn.Module:
-    """Put LoRA adapters into `model` (in place, returned) and freeze everything else.
+    """Put LoRA adapters into `model` (in place, returned) and freeze everything else but the modules
+    `train_in_full` names (the reward job's score head: it trains whole, outside peft, as peft's modules_to_save
+    would have it).
 
     Call it on every rank, after build_model and before parallel.parallelize. `device` (where the model will train)
     and `strategy` (parallel.resolve_strategy's) matter for lora.quantize = 'nf4' only: the base is quantized as it
@@ -196,10 +203,11 @@ def apply_lora(
     # transformers' Conv1D (GPT-2 style) stores its weight as in x out: peft's fan_in_fan_out
     conv1d = [t for t in _linear_types() if t is not nn.Linear]
     fan_in_fan_out = any(isinstance(m, tuple(conv1d)) for layer in decoder_layers(model) for m in layer.modules())
-    peft_config = _peft_config(cfg, targets, fan_in_fan_out=fan_in_fan_out and bool(conv1d))
+    lm_head = any(name.rsplit(".", 1)[-1] == "lm_head" for name, _ in model.named_modules())
+    peft_config = _peft_config(cfg, targets, fan_in_fan_out=fan_in_fan_out and bool(conv1d), lm_head=lm_head)
     inject_adapter_in_model(peft_config, model, adapter_name=ADAPTER_NAME)
     for name, param in model.named_parameters():
-        param.requires_grad_(is_adapter_key(name))
+        param.requires_grad_(is_adapter_key(name) or any(name.startswith(m + ".") for m in train_in_full))
     trainable, total = trainable_parameters(model)
     logger.info(
         "LoRA rank %d, alpha %g on %s: %d trainable parameters of %d (%.3f%%)%s",
@@ -297,11 +305,13 @@ def comparable_identity(identity: dict[str, Any] | None) -> tuple | None:
 
 
 def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-    """TrainState's ("model", "optim") entries for a LoRA run: the adapters, sharded as the model is, and their
-    optimizer state; nothing of the frozen base. (ignore_frozen_params alone keeps a tied lm_head: torch drops a
-    frozen parameter under its first name only, and a tied embedding is the whole vocabulary table.)"""
+    """TrainState's ("model", "optim") entries for a LoRA run: the adapters (and any module apply_lora left to train
+    in full), sharded as the model is, and their optimizer state; nothing of the frozen base. (ignore_frozen_params
+    alone keeps a tied lm_head: torch drops a frozen parameter under its first name only, and a tied embedding is the
+    whole vocabulary table.)"""
     model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
-    return {name: t for name, t in model_state.items() if is_adapter_key(name)}, optim_state
+    trained = {_clean(name) for name, p in _unwrap(model).named_parameters() if p.requires_grad}
+    return {name: t for name, t in model_state.items() if is_adapter_key(name) or name in trained}, optim_state
 
 
 def load_checkpoint_state(

@@ -1,7 +1,8 @@
 """Where the training text comes from: records read from a built-in task, local files or the hub, as contents.
 
 A record is one row of a dataset (a JSON line, a parquet row, a paragraph of a .txt file, a task
-example), with where it came from for error messages. Its format (text, prompt_completion or chat)
+example), with where it came from for error messages. Its format (text, prompt_completion or chat; preference
+records are engine/preference.py's)
 is detected from its fields and its contents extracted and validated here; whether it is held out
 for eval is a hash of those contents and the seed, so duplicates land on the same side and every
 reader (the in-memory loader in data.py, the streaming one in streaming.py) splits alike.
@@ -301,6 +302,8 @@ def detect_format(ds: DatasetConfig, index: int, record: Record) -> str:
     if ds.format != "auto":
         return ds.format
     keys = record.fields.keys()
+    if ds.chosen_field in keys and ds.rejected_field in keys:
+        return "preference"
     if ds.messages_field in keys:
         return "chat"
     if ds.prompt_field in keys and ds.completion_field in keys:
@@ -309,7 +312,7 @@ def detect_format(ds: DatasetConfig, index: int, record: Record) -> str:
         return "text"
     raise EngineConfigError(
         f"{record.where}: cannot tell the record format from its fields {sorted(keys)}; set "
-        f"{dataset_key(index, 'format')} (text, prompt_completion or chat) and the matching *_field key"
+        f"{dataset_key(index, 'format')} (text, prompt_completion, chat or preference) and the matching *_field key"
     )
 
 
@@ -326,7 +329,14 @@ def _string_field(record: Record, field: str, key: str, fmt: str) -> str:
 
 
 def extract(ds: DatasetConfig, index: int, fmt: str, record: Record) -> Any:
-    """The parts of a record its format uses, validated: a str, a (prompt, completion) pair, or messages."""
+    """The parts of a record its format uses, validated: a str, a (prompt, completion) pair, or messages.
+
+    Preference records are the dpo and reward jobs' (engine/preference.py extract_pair), not this job's."""
+    if fmt == "preference":
+        raise EngineConfigError(
+            f"{record.where}: {dataset_key(index, 'format')}: preference records ({ds.chosen_field!r} and "
+            f"{ds.rejected_field!r}) train run.job 'dpo' or 'reward'; this job reads text, prompt_completion or chat"
+        )
     if fmt == "text":
         return _string_field(record, ds.text_field, dataset_key(index, "text_field"), fmt)
     if fmt == "prompt_completion":

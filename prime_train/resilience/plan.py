@@ -364,7 +364,9 @@ class RLPlan(EnginePlan):
 
 
 # the embedded engine's jobs, by run.job
-ENGINE_PLANS: dict[str, type[EnginePlan]] = {"sft": EnginePlan, "pretrain": EnginePlan, "rl": RLPlan}
+ENGINE_PLANS: dict[str, type[EnginePlan]] = {
+    "sft": EnginePlan, "pretrain": EnginePlan, "rl": RLPlan, "reward": EnginePlan, "dpo": EnginePlan,
+}  # fmt: skip
 
 
 def plan_for(cfg: Config, *, redactor: Redactor | None = None, extra_env: Mapping[str, str] | None = None) -> JobPlan:

@@ -135,6 +135,7 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
         _inference_port_problems,
         _job_progress_problems,
         _vllm_model_problems,
+        _preference_problems,
         token_budget_problems,
     )
     problems = [problem for rule in rules for problem in rule(cfg, sources)]
@@ -266,8 +267,9 @@ def _data_problems(cfg: Config, sources: Sources) -> list[Problem]:
             message = shown(f"data.datasets[{i}].path {why}")
             problems.append(sources.problem(("data", "datasets", i, "path"), "error", message))
         found = None
-        if ds.task is not None:  # a built-in task's records: their fields are fixed
-            found = data_fields.format_problem(ds, dict.fromkeys(TASK_FIELDS, ""), f"task {ds.task!r}'s records")
+        if ds.task is not None:  # a built-in task's records: their fields are fixed (a preference job pairs them)
+            if cfg.run.job not in data_fields.PREFERENCE_JOBS:
+                found = data_fields.format_problem(ds, dict.fromkeys(TASK_FIELDS, ""), f"task {ds.task!r}'s records")
         elif ds.path is not None and not why and (first := data_fields.first_data_file(_resolve(ds.path))):
             record = data_fields.first_record(first, ds.text_field)  # None: the engine names what is wrong there
             found = record and data_fields.format_problem(ds, record[1], record[0])
@@ -278,6 +280,46 @@ def _data_problems(cfg: Config, sources: Sources) -> list[Problem]:
     if cfg.train.mc_eval_path is not None and not os.path.isfile(_resolve(cfg.train.mc_eval_path)):
         message = shown(f"train.mc_eval_path {cfg.train.mc_eval_path!r} is not a file")
         problems.append(sources.problem(("train", "mc_eval_path"), "error", message))
+    return problems
+
+
+def _preference_problems(cfg: Config, sources: Sources) -> list[Problem]:
+    """Preference records go with the dpo and reward jobs and those jobs with them (or a built-in task, which gives
+    pairs); every pair of a preference .jsonl is whole and prefers something (file:line of the first that is not)."""
+    if cfg.job.command:
+        return []
+    job, problems = cfg.run.job, []
+    shown = _masking(cfg)
+    for i, ds in enumerate(cfg.data.datasets):
+        if ds.task is not None:
+            continue
+        fmt = ds.format
+        first = data_fields.first_data_file(_resolve(ds.path)) if ds.path is not None else None
+        if fmt == "auto" and first is not None and (record := data_fields.first_record(first, ds.text_field)):
+            fmt = data_fields.record_format(ds, record[1]) or "auto"
+        key = ("data", "datasets", i, "format")
+        if fmt == "preference" and job not in data_fields.PREFERENCE_JOBS:
+            why = "holds preference records" if ds.format == "auto" else "= 'preference'"
+            message = (
+                f"data.datasets[{i}] {why}, which train run.job 'dpo' or 'reward', not run.job {job!r}; set run.job, "
+                "or give the records this job reads"
+            )
+            problems.append(sources.problem(key, "error", shown(message)))
+        elif job in data_fields.PREFERENCE_JOBS and fmt not in ("preference", "auto"):
+            message = (
+                f"data.datasets[{i}].format reads {fmt!r} records, but run.job {job!r} trains on preference pairs: "
+                f"give {{{ds.prompt_field}, {ds.chosen_field}, {ds.rejected_field}}} records (format 'preference' or "
+                "'auto') or a built-in task (data.datasets[].task)"
+            )
+            problems.append(sources.problem(key, "error", shown(message)))
+        elif (
+            job in data_fields.PREFERENCE_JOBS
+            and first is not None
+            and (found := data_fields.preference_problem(ds, _resolve(ds.path or "")))
+        ):
+            name, why = found
+            message = shown(f"data.datasets[{i}].{name} {why}")
+            problems.append(sources.problem(("data", "datasets", i, name), "error", message))
     return problems
 
 
