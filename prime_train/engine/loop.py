@@ -1,4 +1,4 @@
-"""One training loop for every embedded job: SFT, pretraining and GRPO.
+"""One training loop for every embedded job: SFT, pretraining, DPO, the reward model, GRPO and PPO.
 
 A job is a `TrainingJob` subclass that supplies its batch source (`build_batch_source`), one
 optimizer step (`train_step`) and its evaluation (`evaluate`), and declares its console and heartbeat fields.
