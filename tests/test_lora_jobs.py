@@ -372,3 +372,15 @@ def test_to_hf_of_a_lora_step_on_model_path_gives_the_adapter_peft_loads_on_that
     assert not list(only.glob("*.safetensors")) and not (only / "config.json").exists()
     again = load_file(str(only / "adapter" / "adapter_model.safetensors"))
     assert all(torch.equal(again[k], ours[k]) for k in ours)
+
+
+def test_to_hf_refuses_a_lora_reward_model_step_naming_the_job(tmp_path):
+    # a LoRA reward run's step holds the score head beside the adapters; rebuilding a causal LM would drop it
+    from prime_train.engine.lora_to_hf import lora_checkpoint_to_hf
+
+    step = tmp_path / "run" / "checkpoints" / "step-10"
+    step.mkdir(parents=True)
+    (tmp_path / "run" / "config.toml").write_text('[run]\njob = "reward"\n[lora]\nrank = 8\n')
+    with pytest.raises(ValueError, match=r"reward model's \(run.job = 'reward'\) trained with LoRA") as err:
+        lora_checkpoint_to_hf(step, tmp_path / "out", None, write=lambda *a, **k: pytest.fail("wrote"))
+    assert "final/" in str(err.value) and not (tmp_path / "out").exists()

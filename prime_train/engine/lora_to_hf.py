@@ -49,6 +49,14 @@ def _run_config(step_dir: Path, config_path: str | os.PathLike[str] | None):
         raise _refuse(step_dir, f"the run's config {path} does not load:\n{exc}") from None
     if not cfg.lora.enabled:
         raise _refuse(step_dir, f"the run's config {path} has no [lora] (lora.rank = 0), yet the checkpoint holds one")
+    if cfg.run.job == "reward":
+        # its checkpoint holds the score head beside the adapters, and its base is a classifier, not a causal LM
+        raise _refuse(
+            step_dir,
+            f"the run's config {path} is a reward model's (run.job = 'reward') trained with LoRA, which this "
+            "conversion does not build yet; the run's own final/ is the merged classifier (or resume the run with "
+            "train.max_steps at this step to export it)",
+        )
     return cfg, path
 
 
