@@ -177,7 +177,8 @@ class RewardJob(TrainingJob):
     train.global_batch_size and micro_batch_size count pairs (two sequences each)."""
 
     job_name = "reward"
-    heartbeat_keys = (*TrainingJob.heartbeat_keys, "reward")
+    # the mean score is logged as "mean_score", never "reward": `reward` in metrics.jsonl and the heartbeat is RL's
+    # sampled reward, which the run summary and status read as an RL curve
     eval_keys = ("eval_preference_accuracy", "eval_preference_margin")
     trained_in_full = (SCORE,)
 
@@ -253,7 +254,7 @@ class RewardJob(TrainingJob):
             "loss": mean[0],
             "accuracy": mean[1],
             "margin": mean[2],
-            "reward": mean[3],
+            "mean_score": mean[3],
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens": self.state.tokens_seen,
@@ -268,7 +269,7 @@ class RewardJob(TrainingJob):
             f"loss {m['loss']:.4f}",
             f"acc {m['accuracy']:.3f}",
             f"margin {m['margin']:.3f}",
-            f"reward {m['reward']:.3f}",
+            f"score {m['mean_score']:.3f}",
             f"lr {m['lr']:.2e}",
             f"grad {m['grad_norm']:.3f}",
         ]
