@@ -3,12 +3,15 @@
 #
 #   bash .gpu/run.sh bash scripts/gpu-check.sh        # on the GPU machine, after ../shared/gpu/prepare here
 #
-# Writes under $OUT (default /tmp/gpu-check): device.txt (the card, driver, torch), bench.log
+# Writes under $OUT (default /tmp/gpu-check): device.txt (the card, driver, torch), lora.log and lora.json
+# (scripts/gpu_lora_peak.py: LoRA and QLoRA on a Llama-3-8B-shaped decoder, measured peak memory beside the
+# calculator's), bench.log
 # (bench/vs_nanogpt.py at GPT-2-124M shape, all its sides: the engine, the native model with the chunked and with
 # the plain loss, a GPT-2-architecture model; ms/step, tokens/s, MFU, ratios, host syncs), pytest.log (`-m gpu`),
 # runs.tgz (every test run directory's small files: events, gpu.jsonl NVML readings, logs; no weights).
 # GPU_CHECK_BUDGET_S bounds the whole (default 540 s); the bench gets at most GPU_CHECK_BENCH_S (default 330 s:
-# four models to compile, 40-60 s each), the tests what it leaves.
+# four models to compile, 40-60 s each), the tests what it leaves. GPU_CHECK_PARTS picks the parts (default
+# "lora bench tests"; a session that measured one already can leave it out).
 set -u
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
@@ -23,11 +26,24 @@ left() { echo $((budget - ($(date +%s) - t0))); }
   nproc
 } 2>&1 | tee "$OUT/device.txt"
 
-echo "== bench/vs_nanogpt.py --shape gpt2 ($(left) s left)"
-bench_s=${GPU_CHECK_BENCH_S:-330}
-((bench_s > $(left) - 15)) && bench_s=$(($(left) - 15))  # never past the budget (the tests then get nothing)
-timeout -k 15 "$((bench_s > 1 ? bench_s : 1))" python3 bench/vs_nanogpt.py --shape gpt2 --rounds 5 --steps 20 2>&1 | tee "$OUT/bench.log"
-echo "bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
+parts=" ${GPU_CHECK_PARTS:-lora bench tests} "
+
+if [[ $parts == *" lora "* ]]; then
+  echo "== scripts/gpu_lora_peak.py ($(left) s left)"
+  lora_s=${GPU_CHECK_LORA_S:-300}
+  timeout -k 15 "$lora_s" python3 scripts/gpu_lora_peak.py --out /tmp/pt-lora --timeout-s $((lora_s / 2 - 10)) 2>&1 \
+    | tee "$OUT/lora.log"
+  echo "lora exit: ${PIPESTATUS[0]}" | tee -a "$OUT/lora.log"
+  cp /tmp/pt-lora/lora.json "$OUT/" 2>/dev/null
+fi
+
+if [[ $parts == *" bench "* ]]; then
+  echo "== bench/vs_nanogpt.py --shape gpt2 ($(left) s left)"
+  bench_s=${GPU_CHECK_BENCH_S:-330}
+  ((bench_s > $(left) - 15)) && bench_s=$(($(left) - 15))  # never past the budget (the tests then get nothing)
+  timeout -k 15 "$((bench_s > 1 ? bench_s : 1))" python3 bench/vs_nanogpt.py --shape gpt2 --rounds 5 --steps 20 2>&1 | tee "$OUT/bench.log"
+  echo "bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
+fi
 
 echo "== pytest -m gpu ($(left) s left)"
 # the bench above is the no-host-sync test's body; the rest run three at a time where pytest-xdist is installed
@@ -35,9 +51,11 @@ echo "== pytest -m gpu ($(left) s left)"
 parallel=()
 python3 -c "import xdist" 2>/dev/null && parallel=(-n 3)
 tests_s=$(($(left) - 15))
-if ((tests_s >= 30)); then  # `timeout 0` would mean no limit at all
+if [[ $parts != *" tests "* ]]; then
+  echo "pytest not asked for (GPU_CHECK_PARTS)" | tee "$OUT/pytest.log"
+elif ((tests_s >= 30)); then  # `timeout 0` would mean no limit at all
   timeout "$tests_s" python3 -m pytest -m gpu -v -rA --durations=0 -p no:cacheprovider --basetemp /tmp/pt \
-    --timeout 240 "${parallel[@]}" tests/test_gpu.py tests/test_cli_commands.py \
+    --timeout 240 "${parallel[@]}" tests/test_lora.py tests/test_gpu.py tests/test_cli_commands.py \
     --deselect tests/test_gpu.py::test_engine_steps_at_gpt2_shape_make_no_host_sync_between_logging_steps \
     2>&1 | tee "$OUT/pytest.log"
   echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.log"
@@ -45,6 +63,7 @@ else
   echo "pytest skipped: $tests_s s left of the budget" | tee "$OUT/pytest.log"
 fi
 
+cp /tmp/pt-lora/*.log "$OUT/" 2>/dev/null  # the two LoRA runs' output (lora-8b-none.log, lora-8b-nf4.log)
 tar czf "$OUT/runs.tgz" -C /tmp/pt --exclude='*.safetensors' --exclude='*.distcp' --exclude='*.bin' \
   --exclude='*.pt' --exclude='__pycache__' . 2>/dev/null
 ls -la "$OUT"
