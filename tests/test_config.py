@@ -159,6 +159,20 @@ def test_none_unsets_an_optional_field(tmp_path):
     assert cfg.train.grad_clip is None
 
 
+def test_none_names_the_choice_of_a_field_that_cannot_be_unset(tmp_path):
+    # `--lora.quantize none` was read as unset and refused with "got None"
+    path = write(
+        tmp_path, "qlora.toml", '[lora]\nrank = 8\nquantize = "nf4"\n[model]\nactivation_checkpointing = "full"\n'
+    )
+    cfg = load_config([path], ["--lora.quantize", "none", "--model.activation_checkpointing", "None"])
+    assert cfg.lora.quantize == "none"
+    assert cfg.model.activation_checkpointing == "none"
+    with pytest.raises(ConfigError) as exc:
+        load_config([], ["--train.scheduler", "null"])
+    [(key, message)] = problems_of(exc)
+    assert key == "train.scheduler" and "'null'" in message
+
+
 def test_text_fields_keep_what_was_typed_even_when_it_looks_like_a_number():
     cfg = load_config([], ["--run.name", "2024", "--ckpt.resume", "never", "--model.tokenizer", "true"])
     assert cfg.run.name == "2024"

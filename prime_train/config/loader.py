@@ -355,8 +355,10 @@ def coerce(raw: str) -> Any:
 def coerce_for(path: KeyPath, raw: str) -> Any:
     """Read an override the way its field wants it: text fields keep the text as typed (`--run.name 2024`)."""
     annotation = leaf_annotation(path)
-    if raw.lower() in ("none", "null") and _accepts_none(annotation):
-        return None
+    if raw.lower() in ("none", "null"):
+        # unset where the field can be unset; else the word itself, which a choice field may name
+        # (--lora.quantize none, --model.activation_checkpointing none)
+        return None if _accepts_none(annotation) else raw.lower()
     if _unwrap(annotation) is str:
         return raw
     return coerce(raw)
