@@ -38,10 +38,24 @@ class DistInfo:
     local_world_size: int
     device: torch.device
     backend: str
+    # Where this process sits among the data-parallel replicas: ranks that share a tensor- or pipeline-parallel
+    # group see the same batches. Unset (no model parallelism): every rank is its own replica.
+    data_rank: int | None = None
+    data_world: int | None = None
 
     @property
     def is_rank0(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's index among the data-parallel replicas: which slice of each global batch it reads."""
+        return self.rank if self.data_rank is None else self.data_rank
+
+    @property
+    def dp_size(self) -> int:
+        """How many data-parallel replicas the job has: the global batch is split this many ways."""
+        return self.world_size if self.data_world is None else self.data_world
 
 
 # ---------------------------------------------------------------- process group
