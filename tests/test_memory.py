@@ -644,3 +644,67 @@ def test_memory_command_takes_lora_flags_and_shows_the_adapters(tmp_path):
     assert "adapter optimizer states" in text and "NF4 base: 0.516 B a weight" in text
     refused = CliRunner().invoke(app, [*args, "--lora-quantize", "nf4"], env=wide)
     assert refused.exit_code == 78 and "set a LoRA rank" in refused.output
+
+
+# ---------------------------------------------------------------- ZeRO stages, offload, fp16 and float8 (issue 30)
+
+
+def test_zero_stages_of_llama31_8b_on_8_gpus_follow_what_each_stage_shards():
+    settings = dict(gpus_per_node=8, seq_len=4096, activation_checkpointing="full")
+    m = ModelShape.from_hf(resolve_model(LLAMA31_8B_CONFIG)[0])
+    report = estimate(inputs_from_flags(LLAMA31_8B_CONFIG, strategy="fsdp", **settings))
+    rows = {r["stage"]: r for r in report.stages}
+    assert list(rows) == ["0", "1", "2", "3", "3 + cpu offload"]
+
+    def total(**kw) -> int:
+        return estimate(inputs_from_flags(LLAMA31_8B_CONFIG, **settings, **kw)).trainer.total
+
+    # the engine's stage 3 is plain FSDP2; the DeepSpeed column is the zero1/2/3 strategies' accounting
+    assert rows["3"]["engine_bytes"] == total(strategy="fsdp") == report.trainer.total
+    assert [rows[s]["deepspeed_bytes"] for s in ("1", "2", "3")] == [total(strategy=f"zero{s}") for s in "123"]
+    assert rows["0"]["engine_bytes"] == rows["0"]["deepspeed_bytes"] == total(strategy="ddp")
+    # stage 2 keeps every layer gathered in bf16 through backward, where stage 3 holds the root and two layers;
+    # FSDP2 has no optimizer-only stage, so 1 is 2
+    kept_gathered = m.num_params - m.root_params - 2 * m.layer_params
+    assert rows["2"]["engine_bytes"] - rows["3"]["engine_bytes"] == 2 * kept_gathered
+    assert rows["1"]["engine_bytes"] == rows["2"]["engine_bytes"]
+    # offload: fp32 weights, gradients and AdamW's two moments, sharded over 8, leave the GPU for the host
+    shards = sum(math.ceil(m.num_params * b / 8) for b in (4, 4, 8))
+    assert rows["3"]["engine_bytes"] - rows["3 + cpu offload"]["engine_bytes"] == shards
+    assert rows["3 + cpu offload"]["engine_host_gib"] == round(shards / GIB, 2)
+    # each stage shards more: none of them holds more than the one before (DDP holds the most)
+    engine = [rows[s]["engine_bytes"] for s in rows]
+    assert engine == sorted(engine, reverse=True)
+
+
+def test_memory_prints_the_stages_side_by_side_and_in_json():
+    from typer.testing import CliRunner
+
+    from prime_train.cli import app
+
+    wide = {"COLUMNS": "200", "NO_COLOR": "1"}
+    args = ["memory", "--model", LLAMA31_8B_CONFIG, "--gpus-per-node", "8", "--strategy", "fsdp", "--gpu", "H100"]
+    text = CliRunner().invoke(app, [*args, "--zero-stage", "2"], env=wide).stdout
+    assert "ZeRO stages per GPU over 8 GPU(s), bf16" in text
+    assert "ZeRO stage 2: the whole model unsharded through backward" in text
+    lines = [line for line in text.splitlines() if line.startswith("│ 3 + cpu offload")]
+    assert len(lines) == 1 and len(lines[0].split("│")) == 7  # stage, shards, engine, host, DeepSpeed
+    data = json.loads(CliRunner().invoke(app, [*args, "--cpu-offload", "--json"], env=wide).stdout)
+    assert [r["stage"] for r in data["zero_stages"]] == ["0", "1", "2", "3", "3 + cpu offload"]
+    assert data["trainer"]["host_bytes"] > 0
+    assert data["trainer"]["total_bytes"] == data["zero_stages"][-1]["engine_bytes"]
+    refused = CliRunner().invoke(app, [*args[:-2], "--strategy", "ddp", "--zero-stage", "2"], env=wide)
+    assert refused.exit_code == 78 and "zero_stage = 2" in refused.output
+
+
+def test_config_zero_stage_fp16_and_float8_reach_the_estimate():
+    cfg = Config.model_validate({"distributed": {"zero_stage": 2, "cpu_offload": True, "nproc_per_node": 4},
+                                 "train": {"precision": "fp16", "float8": True}})  # fmt: skip
+    inputs = inputs_from_config(cfg)
+    assert (inputs.strategy, inputs.zero_stage, inputs.cpu_offload, inputs.precision) == ("fsdp", 2, True, "fp16")
+    fp16, bf16 = estimate(inputs), estimate(replace(inputs, precision="bf16", float8=False))
+    assert fp16.trainer.total == bf16.trainer.total  # 2-byte compute either way; float8 changes no line
+    assert any(n.startswith("fp16: the bytes of bf16") for n in fp16.notes)
+    assert any(n.startswith("float8 (torchao): the same bytes") for n in fp16.notes)
+    one = inputs_from_config(Config.model_validate({"distributed": {"zero_stage": 3}}))
+    assert (one.strategy, one.zero_stage) == ("none", None)  # one process: the engine trains unwrapped

@@ -80,7 +80,14 @@ def memory(
     gpus_per_node: Annotated[Optional[int], typer.Option(help="GPUs (trainer processes) per node.")] = None,
     nodes: Annotated[Optional[int], typer.Option(help="Nodes.")] = None,
     strategy: Annotated[Optional[str], typer.Option(help="none, ddp, zero1, zero2, zero3, fsdp or hsdp.")] = None,
-    precision: Annotated[Optional[str], typer.Option(help="bf16 or fp32.")] = None,
+    precision: Annotated[Optional[str], typer.Option(help="bf16, fp16 or fp32.")] = None,
+    zero_stage: Annotated[
+        Optional[int], typer.Option(help="The engine's ZeRO stage on FSDP2 (1, 2 or 3; with --strategy fsdp or hsdp).")
+    ] = None,
+    cpu_offload: Annotated[
+        Optional[bool], typer.Option(help="FSDP2 CPU offload: sharded states in host memory (fsdp, hsdp, zero3).")
+    ] = None,
+    float8: Annotated[Optional[bool], typer.Option(help="torchao float8 linear layers (train.float8).")] = None,
     optimizer: Annotated[Optional[str], typer.Option(help="adamw, adamw8bit or sgd.")] = None,
     checkpointing: Annotated[
         Optional[str], typer.Option(help="Activation checkpointing: none, selective, full.")
@@ -115,13 +122,17 @@ def memory(
     --lora-rank) the base is frozen: only the adapters have gradients and optimizer states,
     and with nf4 the base's linear weights take 4 bits. dpo and reward hold two sequences (chosen
     and rejected) for each pair of the micro-batch; dpo adds its frozen reference, ppo a value head,
-    reward a score head in place of lm_head.
+    reward a score head in place of lm_head. Every estimate ends with the ZeRO stages side by side
+    (0 to 3, and 3 with CPU offload): per GPU as this engine runs them on FSDP2, and as DeepSpeed
+    accounts them.
 
     Examples:
 
       prime-train memory configs/tiny-sft.toml
 
       prime-train memory --model Qwen/Qwen2.5-7B-Instruct --seq-len 4096 --gpus-per-node 8 --strategy fsdp
+
+      prime-train memory --model meta-llama/Llama-3.1-8B --gpus-per-node 8 --strategy fsdp --zero-stage 2
 
       prime-train memory configs/tiny-rl.toml --colocate --gpu H100 --json
 
@@ -135,7 +146,8 @@ def memory(
     paths, overrides = split_overrides(files, ctx.args)
     flags = {
         "seq_len": seq_len, "micro_batch": micro_batch, "gpus_per_node": gpus_per_node, "num_nodes": nodes,
-        "strategy": strategy, "precision": precision, "optimizer": optimizer,
+        "strategy": strategy, "precision": precision, "optimizer": optimizer, "zero_stage": zero_stage,
+        "cpu_offload": cpu_offload, "float8": float8,
         "activation_checkpointing": checkpointing, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
         "gpu_memory_utilization": gpu_memory_utilization, "colocate": colocate, "gpus": gpu,
         "lora_rank": lora_rank, "lora_quantize": lora_quantize, "reference": reference,

@@ -366,8 +366,15 @@ class TrainConfig(Section):
     beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this; unset: no clip.")
-    precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="'auto': bf16 autocast on capable GPUs, fp32 on CPU."
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto",
+        description="'auto': bf16 autocast on capable GPUs, fp32 on CPU. 'fp16': float16 autocast with dynamic loss "
+        "scaling (sft and pretrain jobs); a step whose gradients overflow is skipped and counted.",
+    )
+    float8: bool = Field(
+        False,
+        description="Train the decoder's linear layers in float8 (torchao): CUDA GPUs of compute capability 8.9+ "
+        "(Ada, Hopper and newer) only; lm_head and layers whose dims are not multiples of 16 stay as they are.",
     )
     compile: bool = Field(False, description="torch.compile each decoder layer.")
     eval_interval: int = Field(100, ge=1, description="Steps between evaluations.")
@@ -415,8 +422,28 @@ class DistributedConfig(Section):
         None, description="host:port of the rendezvous; unset: first of SKYPILOT_NODE_IPS, or localhost."
     )
     master_port: int = Field(29500, ge=1, le=65535, description="Port of the rendezvous when not in rdzv_endpoint.")
-    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="'auto': NCCL on GPU, gloo on CPU.")
+    backend: Literal["auto", "gloo", "nccl", "mpi"] = Field(
+        "auto", description="'auto': NCCL on GPU, gloo on CPU; 'mpi' needs a torch built with MPI."
+    )
     bucket_cap_mb: int = Field(25, ge=1, description="DDP gradient bucket size.")
+    zero_stage: Literal[1, 2, 3] | None = Field(
+        None,
+        description="ZeRO stage on FSDP2 (implies strategy 'fsdp'): 3 shards parameters, gradients and optimizer "
+        "states and frees gathered parameters after forward; 2 keeps them gathered until backward; 1 runs as 2 "
+        "(FSDP2 has no stage that shards the optimizer states alone). Unset: the strategy's own behaviour.",
+    )
+    cpu_offload: bool = Field(
+        False,
+        description="FSDP2's CPUOffloadPolicy: sharded parameters, gradients and optimizer states live in host memory "
+        "and the optimizer steps on the CPU (fsdp/hsdp or zero_stage only).",
+    )
+    grad_compression: Literal["none", "powersgd", "bf16"] = Field(
+        "none", description="DDP communication hook: PowerSGD low-rank gradients, or gradients all-reduced in bf16."
+    )
+    powersgd_rank: int = Field(1, ge=1, le=64, description="PowerSGD's matrix approximation rank.")
+    powersgd_warmup_steps: int = Field(
+        10, ge=2, description="Optimizer steps of plain all-reduce before PowerSGD compresses (torch needs ≥ 2)."
+    )
     hsdp_shard_size: int | None = Field(
         None, ge=1, description="HSDP: ranks one FSDP group shards over; unset: nproc_per_node."
     )

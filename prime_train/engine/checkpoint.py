@@ -151,6 +151,7 @@ class TrainState(Stateful):
         self.rank = rank
         self.step = 0
         self.tokens_seen = 0
+        self.scaler = None  # fp16's loss scaler (engine/precision.py): its scale resumes with the run
 
     @property
     def dataloader_key(self) -> str:
@@ -176,6 +177,8 @@ class TrainState(Stateful):
             sd[self.dataloader_key] = json.dumps(self.dataloader.state_dict())
         # ranks draw different dropout masks and data, so each keeps its own RNG under its own key
         sd[self.rng_key] = _pack(_rng_state())
+        if self.scaler is not None and self.scaler.enabled:
+            sd["loss_scaler"] = _pack(self.scaler.state_dict())
         sd["step"] = self.step
         sd["tokens_seen"] = self.tokens_seen
         return sd
@@ -199,6 +202,8 @@ class TrainState(Stateful):
             self.dataloader.load_state_dict(json.loads(state_dict[self.dataloader_key]))
         if self.rng_key in state_dict:
             _set_rng_state(_unpack(state_dict[self.rng_key]))
+        if self.scaler is not None and "loss_scaler" in state_dict:
+            self.scaler.load_state_dict(_unpack(state_dict["loss_scaler"]))
         self.step = int(state_dict.get("step", self.step))
         self.tokens_seen = int(state_dict.get("tokens_seen", self.tokens_seen))
 

@@ -65,6 +65,7 @@ from prime_train.engine.lora import adapter_identity, apply_lora, trainable_para
 from prime_train.engine.metrics import Divergence, EngineConfigError, HeartbeatWriter, MetricsBuffer, MetricsLogger
 from prime_train.engine.model import load_model_and_tokenizer
 from prime_train.engine.optim import build_optimizer
+from prime_train.engine.precision import LossScaler
 from prime_train.engine.profiling import NullProfile, ProfileSession, profile_request
 from prime_train.engine.records import shown_path
 from prime_train.engine.schedule import build_scheduler
@@ -109,6 +110,8 @@ class TrainingJob:
     heartbeat_keys: tuple[str, ...] = ("loss", "tokens_per_s", "step_time_s")
     # the evaluation's metrics the console line shows, when the evaluation returned them
     eval_keys: tuple[str, ...] = ("eval_loss",)
+    # whether the job's step scales its loss through self.scaler (train.precision = "fp16" needs it)
+    loss_scaling = False
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -154,10 +157,12 @@ class TrainingJob:
         self.model = parallel.parallelize(model, cfg, self.dist)
         self.optimizer = build_optimizer(self.model, cfg.train, self.dist.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
+        self.scaler = self._loss_scaler()
         self.batches = self.build_batch_source()
         self.state = TrainState(
             self.model, self.optimizer, self.scheduler, self.batches, rank=self.dist.rank, adapter_only=cfg.lora.enabled
         )
+        self.state.scaler = self.scaler
         self.checkpointer = Checkpointer(self.run_dir, cfg.ckpt, rank=self.dist.rank, world_size=self.dist.world_size)
         self.checkpointer.set_hf_assets(self.hf_config, self.tokenizer)
         self.checkpointer.lora_identity = self.lora_identity
@@ -194,6 +199,15 @@ class TrainingJob:
                 if self.cfg.model.path
                 else f"built from run.seed {self.cfg.run.seed}",
             )
+
+    def _loss_scaler(self) -> LossScaler:
+        """fp16's dynamic loss scaler (a pass-through in other precisions); only jobs whose step uses it allow fp16."""
+        if self.cfg.train.precision == "fp16" and not self.loss_scaling:
+            raise EngineConfigError(
+                f"train.precision = 'fp16' needs loss scaling, which the {self.job_name} job does not do; "
+                "use 'bf16' (or 'fp32' on GPUs without bf16)"
+            )
+        return LossScaler.for_run(self.cfg.train.precision, self.strategy, self.dist.device)
 
     @property
     def trainable_fraction(self) -> float:

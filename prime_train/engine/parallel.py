@@ -61,8 +61,62 @@ class DistInfo:
 # ---------------------------------------------------------------- process group
 
 
+# Where mpirun (Open MPI; MPICH and Intel MPI through PMI) and srun put a process's place in the job, as torchrun's
+# names: (rank, world size, local rank, local world size); a launcher that has no local size leaves it None
+LAUNCHER_VARS = {
+    "Open MPI": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                 "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    "PMI": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    "Slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+}  # fmt: skip
+
+
+def adopt_launcher_environment(cfg: DistributedConfig, environ: dict[str, str] | None = None) -> str | None:
+    """Under mpirun or srun (no torchrun), set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT from the launcher's own variables, so the rest of the job reads one set of names; returns the
+    launcher's name, or None when torchrun's variables are already there or no launcher is found.
+
+    The rendezvous address is MASTER_ADDR, else distributed.rdzv_endpoint's host; the port MASTER_PORT, else the
+    endpoint's port, else distributed.master_port. Neither launcher says where rank 0 runs, so one of the two
+    addresses must be set (Slurm: `export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -1)`).
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return None
+    found = next(((n, v) for n, v in LAUNCHER_VARS.items() if v[0] in env and v[1] in env), None)
+    if found is None:
+        return None
+    name, (rank, size, local_rank, local_size) = found
+    host, _, port = (cfg.rdzv_endpoint or "").rpartition(":")
+    addr = env.get("MASTER_ADDR") or host
+    if not addr:
+        raise EngineConfigError(
+            f"started by {name} ({rank}={env[rank]}, {size}={env[size]}) without torchrun, and the address of rank "
+            "0 is unknown: export MASTER_ADDR (the first node's host name) or set distributed.rdzv_endpoint = "
+            "'host:port'"
+        )
+    world = int(env[size])
+    # SLURM_NTASKS_PER_NODE reads like "4" or "4(x2)"; without a local size, assume one node
+    local_world = env.get(local_size, "").split("(")[0] or str(world)
+    env.update(
+        RANK=env[rank], WORLD_SIZE=str(world), LOCAL_RANK=env.get(local_rank, env[rank]),
+        LOCAL_WORLD_SIZE=local_world, MASTER_ADDR=addr,
+        MASTER_PORT=env.get("MASTER_PORT") or port or str(cfg.master_port),
+    )  # fmt: skip
+    return name
+
+
+def _mpi_backend(cfg: DistributedConfig) -> None:
+    if cfg.backend == "mpi" and not torch_dist.is_mpi_available():
+        raise EngineConfigError(
+            f"distributed.backend = 'mpi', but this torch ({torch.__version__}) was built without MPI "
+            "(torch.distributed.is_mpi_available() is False); set distributed.backend = 'auto' (NCCL on GPU, gloo on "
+            "CPU), which works under mpirun and srun too, or build torch from source with MPI"
+        )
+
+
 def init_distributed(cfg: DistributedConfig) -> DistInfo:
-    """Join the process group torchrun describes in RANK/WORLD_SIZE; without them, one process and no group."""
+    """Join the process group torchrun (or mpirun, or srun) describes; without one, one process and no group."""
     use_cuda = torch.cuda.is_available()
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
     if backend == "nccl" and not use_cuda:
@@ -70,6 +124,9 @@ def init_distributed(cfg: DistributedConfig) -> DistInfo:
             "distributed.backend = 'nccl' needs CUDA GPUs and none is usable here; set distributed.backend = "
             "'auto' (gloo on CPU)"
         )
+    _mpi_backend(cfg)
+    if launcher := adopt_launcher_environment(cfg):
+        logger.info("started by %s: rank and world size from its environment", launcher)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -189,6 +246,8 @@ def barrier(dist: DistInfo) -> None:
 
 def resolve_strategy(cfg: DistributedConfig, world_size: int) -> str:
     """The data-parallel strategy to use: 'none', 'ddp', 'fsdp' or 'hsdp'."""
+    if cfg.zero_stage is not None or cfg.cpu_offload:
+        return _sharded_strategy(cfg, world_size)
     if cfg.strategy == "auto":
         return "ddp" if world_size > 1 else "none"
     if cfg.strategy == "none" and world_size > 1:
@@ -200,6 +259,41 @@ def resolve_strategy(cfg: DistributedConfig, world_size: int) -> str:
         logger.info("distributed.strategy = %r has nothing to split over one process; training unwrapped", cfg.strategy)
         return "none"
     return cfg.strategy
+
+
+def _sharded_strategy(cfg: DistributedConfig, world_size: int) -> str:
+    """distributed.zero_stage and cpu_offload are FSDP2's options: they imply 'fsdp' and refuse DDP or none."""
+    key = f"distributed.zero_stage = {cfg.zero_stage}" if cfg.zero_stage is not None else "distributed.cpu_offload"
+    if cfg.strategy in ("ddp", "none"):
+        raise EngineConfigError(
+            f"{key} shards the model with FSDP2, which distributed.strategy = {cfg.strategy!r} does not; "
+            "set distributed.strategy = 'fsdp' (or 'auto'), or unset the sharding option"
+        )
+    if world_size == 1:
+        logger.info("%s has nothing to shard over one process; training unwrapped", key)
+        return "none"
+    return "fsdp" if cfg.strategy == "auto" else cfg.strategy
+
+
+def reshard_after_forward(cfg: DistributedConfig) -> bool:
+    """FSDP2's reshard_after_forward for distributed.zero_stage: free gathered parameters after forward only at 3.
+
+    Stage 3 shards parameters, gradients and optimizer states and gathers each layer's parameters again in
+    backward. Stage 2 keeps them gathered from forward to backward (one all-gather a step, not two, for a whole
+    unsharded copy of the weights held through backward). FSDP2 shards gradients whenever it shards the optimizer
+    states, so stage 1 (optimizer states alone) runs as stage 2, its nearest. Unset: stage 3.
+    """
+    if cfg.zero_stage == 1:
+        _note_zero1()
+    return cfg.zero_stage in (None, 3)
+
+
+@functools.cache
+def _note_zero1() -> None:
+    logger.info(
+        "distributed.zero_stage = 1 runs as stage 2: FSDP2 shards gradients along with the optimizer states, "
+        "and keeps parameters gathered from forward to backward"
+    )
 
 
 def hsdp_shard_size(dist: DistInfo, hsdp_shard_size: int | None) -> int:
@@ -241,7 +335,7 @@ def build_mesh(strategy: str, dist: DistInfo, hsdp_shard_size_: int | None = Non
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """'bf16' or 'fp32': what train.precision means on `device`."""
+    """'bf16', 'fp16' or 'fp32': what train.precision means on `device`."""
     bf16_gpu = device.type == "cuda" and torch.cuda.is_bf16_supported()
     if precision == "auto":
         return "bf16" if bf16_gpu else "fp32"
@@ -253,31 +347,38 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return precision
 
 
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 @functools.cache
-def _warn_cpu_bf16() -> None:
+def _warn_cpu_half(precision: str) -> None:
     logger.warning(
-        "train.precision = 'bf16' on the CPU: autocast works but is usually slower than fp32 here; "
-        "use 'auto' unless you are checking bf16 numerics"
+        "train.precision = %r on the CPU: autocast works but is usually slower than fp32 here; "
+        "use 'auto' unless you are checking %s numerics",
+        precision,
+        precision,
     )
 
 
 def autocast(precision: str, device: torch.device):
-    """A context manager running the forward in bf16 autocast when that precision is in effect, else nothing."""
-    if resolve_precision(precision, device) != "bf16":
+    """A context manager running the forward in bf16 or fp16 autocast when that precision is in effect, else nothing."""
+    resolved = resolve_precision(precision, device)
+    if resolved not in HALF_DTYPES:
         return nullcontext()
     if device.type == "cpu":
-        _warn_cpu_bf16()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+        _warn_cpu_half(resolved)
+    return torch.autocast(device.type, dtype=HALF_DTYPES[resolved])
 
 
 def mixed_precision_policy(precision: str, device: torch.device):
-    """FSDP2 policy: bf16 parameters with fp32 gradient reduction when bf16 is in effect, else None."""
-    if resolve_precision(precision, device) != "bf16":
+    """FSDP2 policy: bf16 (or fp16) parameters with fp32 gradient reduction when that precision is in effect."""
+    resolved = resolve_precision(precision, device)
+    if resolved not in HALF_DTYPES:
         return None
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    # fp32 reduction: summing bf16 gradients over many ranks loses the low bits that small updates live in
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # fp32 reduction: summing half-precision gradients over many ranks loses the low bits small updates live in
+    return MixedPrecisionPolicy(param_dtype=HALF_DTYPES[resolved], reduce_dtype=torch.float32)
 
 
 def enable_tf32(device: torch.device) -> bool:
@@ -383,30 +484,82 @@ def apply_ddp(model: nn.Module, dist: DistInfo, bucket_cap_mb: int, compiled: bo
     )
 
 
-def apply_fsdp(model: nn.Module, mesh, mp_policy, reshard_after_forward: bool = True) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh, mp_policy, reshard_after_forward: bool = True, offload_policy=None) -> nn.Module:
     """FSDP2: fully_shard each decoder layer, then the root (embeddings, final norm, lm_head)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     policy = mp_policy or MixedPrecisionPolicy()
+    offload = offload_policy or OffloadPolicy()
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         # backward starts with the last layer: keeping it gathered after forward saves one all-gather
         last = i == len(layers) - 1
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward and not last)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward and not last,
+                    offload_policy=offload)  # fmt: skip
+    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
     return model
 
 
-def apply_hsdp(model: nn.Module, mesh, mp_policy, reshard_after_forward: bool = True) -> nn.Module:
+def apply_hsdp(model: nn.Module, mesh, mp_policy, reshard_after_forward: bool = True, offload_policy=None) -> nn.Module:
     """HSDP: FSDP2 over a 2-D mesh, sharded within each 'shard' group and replicated across 'replicate'."""
     if mesh.ndim != 2:
         raise ValueError(f"HSDP needs a 2-D ('replicate', 'shard') mesh, got {mesh.ndim} dimension(s)")
-    return apply_fsdp(model, mesh, mp_policy, reshard_after_forward)
+    return apply_fsdp(model, mesh, mp_policy, reshard_after_forward, offload_policy)
+
+
+def cpu_offload_policy(dist: DistInfo):
+    """FSDP2's CPUOffloadPolicy: sharded parameters, gradients and optimizer states in host memory.
+
+    Memory is pinned only when there is a GPU to copy to: on a CPU-only machine the parameters already live in
+    host memory, the policy then only keeps FSDP2's bookkeeping the same, and pinning needs CUDA.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=dist.device.type == "cuda")
+
+
+def _bf16_compress_hook(process_group, bucket):
+    """torch's bf16_compress_hook, for backends other than NCCL: the bucket cast to bf16, averaged, cast back."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
+
+
+def apply_grad_compression(model: nn.Module, cfg: DistributedConfig) -> str | None:
+    """Register distributed.grad_compression's DDP communication hook on a DDP model; returns what it registered.
+
+    'bf16' all-reduces each bucket in bfloat16 and casts back (half the bytes on the wire, 8 bits of mantissa);
+    'powersgd' sends rank-`powersgd_rank` factors of each gradient matrix with error feedback, after
+    `powersgd_warmup_steps` optimizer steps of plain all-reduce. PowerSGD's state (its error-feedback residuals and
+    warm-started factors) lives in the hook, not in checkpoints: a resumed run starts it afresh, with another
+    warm-up of plain all-reduce.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if cfg.grad_compression == "bf16":
+        # DDP accepts torch's bf16_compress_hook only over NCCL 2.10+ (it checks the hook's name); gloo sums bf16
+        # as well, so elsewhere the same compression goes through the hook's own body under another name
+        nccl = torch_dist.get_backend() == "nccl" or "cuda:nccl" in str(torch_dist.get_backend())
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook if nccl else _bf16_compress_hook)
+        return "bf16 all-reduce"
+    if cfg.grad_compression == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=cfg.powersgd_rank,
+            start_powerSGD_iter=cfg.powersgd_warmup_steps,
+        )
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return f"PowerSGD rank {cfg.powersgd_rank} after {cfg.powersgd_warmup_steps} steps of plain all-reduce"
+    return None
 
 
 def parallelize(model: nn.Module, cfg: Config, dist: DistInfo) -> nn.Module:
     """Apply activation checkpointing, compile and the data-parallel strategy, in that order."""
     strategy = resolve_strategy(cfg.distributed, dist.world_size)
+    if cfg.train.float8:
+        from prime_train.engine.precision import apply_float8
+
+        apply_float8(model, dist.device)  # first, as torchtitan does: the wrappers below see Float8Linear layers
     layers = decoder_layers(model)
     model.to(dist.device)
     if cfg.model.activation_checkpointing != "none":
@@ -427,21 +580,34 @@ def parallelize(model: nn.Module, cfg: Config, dist: DistInfo) -> nn.Module:
         else:
             logger.info("Applied torch.compile to %d decoder layers%s", len(layers), " (fullgraph)" * is_native(model))
     if strategy in ("fsdp", "hsdp"):
-        mesh = build_mesh(strategy, dist, cfg.distributed.hsdp_shard_size)
-        mp_policy = mixed_precision_policy(cfg.train.precision, dist.device)
-        if strategy == "fsdp":
-            model = apply_fsdp(model, mesh, mp_policy)
-        else:
-            model = apply_hsdp(model, mesh, mp_policy)
-        logger.info(
-            "Applied %s over mesh %s %s",
-            strategy.upper(),
-            dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)),
-            "with bf16 parameters, fp32 reduction" if mp_policy else "in fp32",
-        )
+        model = _apply_sharding(model, strategy, cfg, dist)
     elif strategy == "ddp":
         model = apply_ddp(model, dist, cfg.distributed.bucket_cap_mb, compiled=cfg.train.compile)
         logger.info("Applied DDP over %d processes (bucket %d MB)", dist.world_size, cfg.distributed.bucket_cap_mb)
+        if compression := apply_grad_compression(model, cfg.distributed):
+            logger.info("Applied gradient compression: %s", compression)
+    return model
+
+
+def _apply_sharding(model: nn.Module, strategy: str, cfg: Config, dist: DistInfo) -> nn.Module:
+    """FSDP or HSDP with the run's precision, ZeRO stage and offload; logs one line saying which."""
+    mesh = build_mesh(strategy, dist, cfg.distributed.hsdp_shard_size)
+    mp_policy = mixed_precision_policy(cfg.train.precision, dist.device)
+    reshard = reshard_after_forward(cfg.distributed)
+    offload = cpu_offload_policy(dist) if cfg.distributed.cpu_offload else None
+    apply = apply_fsdp if strategy == "fsdp" else apply_hsdp
+    model = apply(model, mesh, mp_policy, reshard, offload)
+    half = resolve_precision(cfg.train.precision, dist.device)
+    extras = [f"ZeRO stage {cfg.distributed.zero_stage}"] if cfg.distributed.zero_stage else []
+    extras += ["parameters kept gathered from forward to backward"] * (not reshard)
+    extras += ["CPU offload of parameters, gradients and optimizer states"] * bool(offload)
+    logger.info(
+        "Applied %s over mesh %s %s%s",
+        strategy.upper(),
+        dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)),
+        f"with {half} parameters, fp32 reduction" if mp_policy else "in fp32",
+        "".join(f"; {e}" for e in extras),
+    )
     return model
 
 

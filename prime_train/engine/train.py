@@ -28,6 +28,7 @@ class SFTJob(TrainingJob):
     """Supervised fine-tuning (loss on completions) and pretraining (loss on every token) over packed batches."""
 
     job_name = "sft"
+    loss_scaling = True
     eval_keys = ("eval_loss", "eval_exact_match", "eval_mc_accuracy", "eval_env_reward", "eval_env_pass_rate")
 
     def __init__(self, cfg: Config):
@@ -103,11 +104,13 @@ class SFTJob(TrainingJob):
                 with timer("forward"):
                     part, _ = token_losses(self.model, batch.input_ids, batch.position_ids, batch.labels)
                 with timer("backward"):
-                    (part * scale).backward()
+                    self.scaler.scale(part * scale).backward()
             loss_sum += part.detach().float()
         with timer("optimizer"):
+            self.scaler.unscale_(self.optimizer)  # fp16: clip and report the true gradients
             grad_norm = self.clip_grad_norm()
-            self.optimizer.step()
+            if not self.scaler.step(self.optimizer):
+                grad_norm = torch.zeros_like(grad_norm)  # an overflow skipped the step: nothing was applied
             self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
@@ -121,6 +124,7 @@ class SFTJob(TrainingJob):
             "grad_norm": grad_norm,
             "tokens": self.state.tokens_seen,
             "global_batch": accum * cfg.train.micro_batch_size * dist.world_size,
+            **self.scaler.metrics(),
         }
         if dist.device.type == "cuda":
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated(dist.device) / 2**30  # allocator stats: no sync

@@ -22,6 +22,7 @@ from prime_train.rl.budget import lint_problems as token_budget_problems
 from prime_train.validator import data_fields
 from prime_train.validator.data_fields import DATA_SUFFIXES, TASK_FIELDS
 from prime_train.validator.lora_checks import lora_problems
+from prime_train.validator.precision_checks import precision_problems
 
 
 def data_parallel_size(cfg: Config) -> int:
@@ -128,6 +129,7 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
         _context_problems,
         _output_dir_problems,
         _distributed_problems,
+        precision_problems,
         _checkpoint_dir_problems,
         _supervisor_problems,
         _job_command_problems,

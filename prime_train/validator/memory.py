@@ -8,7 +8,7 @@ part by part from memory_breakdown.py (whose docstring holds every formula), the
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from prime_train.validator.gpus import GpuSpec, GpuTable, load_gpus
@@ -61,8 +61,9 @@ def inputs_from_config(cfg: Config, **overrides: Any) -> MemoryInputs:
     gpus_per_node = overrides.get("gpus_per_node") or cfg.distributed.nproc_per_node or 1
     nodes = overrides.get("num_nodes") or cfg.distributed.nnodes
     strategy = cfg.distributed.strategy
+    sharded = cfg.distributed.zero_stage is not None or cfg.distributed.cpu_offload
     if strategy == "auto":
-        strategy = "ddp" if gpus_per_node * nodes > 1 else "none"
+        strategy = ("fsdp" if sharded else "ddp") if gpus_per_node * nodes > 1 else "none"
     attention = {"flash_attention_2": "flash"}.get(cfg.model.attn_implementation, cfg.model.attn_implementation)
     values: dict[str, Any] = {
         "model": hf,
@@ -72,11 +73,15 @@ def inputs_from_config(cfg: Config, **overrides: Any) -> MemoryInputs:
         "gpus_per_node": gpus_per_node,
         "num_nodes": nodes,
         "strategy": strategy,
-        "precision": "fp32" if cfg.train.precision == "fp32" else "bf16",
+        "precision": cfg.train.precision if cfg.train.precision in ("fp32", "fp16") else "bf16",
+        "float8": cfg.train.float8,
         "activation_checkpointing": cfg.model.activation_checkpointing,
         "attention": attention,
         "loss": {"native": "chunked", "hf": "full"}.get(cfg.model.implementation, "auto"),
         "hsdp_shard_size": cfg.distributed.hsdp_shard_size,
+        # the engine runs one process unwrapped: neither stage nor offload then applies
+        "zero_stage": cfg.distributed.zero_stage if strategy in ("fsdp", "hsdp") else None,
+        "cpu_offload": cfg.distributed.cpu_offload and strategy in ("fsdp", "hsdp"),
         "lora_rank": cfg.lora.rank,
         "lora_targets": cfg.lora.target_modules,
         "lora_quantize": cfg.lora.quantize,
@@ -227,6 +232,7 @@ class MemoryReport:
     gpus: list[GpuVerdict]
     gpu_table_checked: str
     notes: list[str] = field(default_factory=list)
+    stages: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         settings = {k: v for k, v in asdict(self.inputs).items() if k != "model"}
@@ -249,6 +255,7 @@ class MemoryReport:
             "gpus": [g.to_dict() for g in self.gpus],
             "gpu_table_checked": self.gpu_table_checked,
             "notes": self.notes,
+            "zero_stages": self.stages,
         }
 
 
@@ -263,10 +270,12 @@ def estimate(params: MemoryInputs, *, gpu_table: GpuTable | None = None) -> Memo
     notes = lora_notes(params) + job_notes(params)
     trainer = trainer_memory(params, shape)
     inf = inference_memory(params, shape)
-    if params.strategy in ZERO_FAMILY and params.precision == "bf16":
-        notes.append("ZeRO family: bf16 weights and gradients, fp32 master weights inside the optimizer states")
-    if params.strategy in ("none", "ddp") and params.precision == "bf16":
-        notes.append("none/ddp in bf16: fp32 weights under autocast, as the embedded engine runs them")
+    if params.strategy in ZERO_FAMILY and params.half:
+        notes.append(f"ZeRO family: {params.precision} weights and gradients, fp32 master weights inside the "
+                     "optimizer states")  # fmt: skip
+    if params.strategy in ("none", "ddp") and params.half:
+        notes.append(f"none/ddp in {params.precision}: fp32 weights under autocast, as the embedded engine runs them")
+    notes += precision_notes(params)
     if params.world_size == 1 and params.strategy not in ("none",):
         notes.append(f"strategy {params.strategy} on one GPU shards nothing")
     verdicts = gpu_verdicts(params, shape, trainer, inf, table)
@@ -288,7 +297,63 @@ def estimate(params: MemoryInputs, *, gpu_table: GpuTable | None = None) -> Memo
         gpus=verdicts,
         gpu_table_checked=table.checked,
         notes=notes,
+        stages=zero_stages(params, shape),
     )
+
+
+def precision_notes(params: MemoryInputs) -> list[str]:
+    """What fp16, float8, the engine's ZeRO stage and CPU offload change in the estimate."""
+    notes = []
+    if params.precision == "fp16":
+        notes.append("fp16: the bytes of bf16; dynamic loss scaling adds a few scalars and skips overflowing steps")
+    if params.float8:
+        notes.append("float8 (torchao): the same bytes as without it; Float8Linear keeps each linear layer's "
+                     "high-precision input and weight for backward, its float8 casts are transient")  # fmt: skip
+    if params.zero_stage == 1:
+        notes.append("zero_stage 1 runs as stage 2 on FSDP2 (gradients are sharded with the optimizer states)")
+    if params.cpu_offload:
+        notes.append("cpu_offload: the sharded weights, gradients and optimizer states live in host memory "
+                     "(trainer host_bytes, per process); the optimizer steps on the CPU")  # fmt: skip
+    return notes
+
+
+# the rows of the side-by-side table: (stage, the engine's settings on FSDP2, DeepSpeed's ZeRO accounting)
+STAGE_ROWS = (
+    ("0", {"strategy": "ddp"}, {"strategy": "ddp"}),
+    ("1", {"strategy": "fsdp", "zero_stage": 1}, {"strategy": "zero1"}),
+    ("2", {"strategy": "fsdp", "zero_stage": 2}, {"strategy": "zero2"}),
+    ("3", {"strategy": "fsdp", "zero_stage": 3}, {"strategy": "zero3"}),
+    ("3 + cpu offload", {"strategy": "fsdp", "zero_stage": 3, "cpu_offload": True},
+     {"strategy": "zero3", "cpu_offload": True}),
+)  # fmt: skip
+STAGE_SHARDS = {
+    "0": "nothing (DDP: every GPU holds everything)",
+    "1": "optimizer states (engine: + gradients, as stage 2)",
+    "2": "optimizer states, gradients",
+    "3": "optimizer states, gradients, parameters",
+    "3 + cpu offload": "as 3, the shards in host memory",
+}
+
+
+def zero_stages(params: MemoryInputs, shape: ModelShape) -> list[dict[str, Any]]:
+    """Per-GPU trainer memory at each ZeRO stage and with CPU offload, the rest of `params` as given: as the engine
+    runs each stage on FSDP2 (fp32 parameters), and as DeepSpeed's ZeRO accounts it (half-precision weights, fp32
+    master copy in the optimizer states). Empty for LoRA with NF4, which cannot be sharded."""
+    if params.lora_quantize == "nf4":
+        return []
+    rows = []
+    base = {"zero_stage": None, "cpu_offload": False, "hsdp_shard_size": None}
+    for stage, engine, zero in STAGE_ROWS:
+        ours = trainer_memory(replace(params, **{**base, **engine}), shape)
+        theirs = trainer_memory(replace(params, **{**base, **zero}), shape)
+        rows.append({
+            "stage": stage,
+            "shards": STAGE_SHARDS[stage],
+            "engine_bytes": ours.total, "engine_gib": round(ours.total / GIB, 2),
+            "engine_host_gib": round(ours.host_bytes / GIB, 2),
+            "deepspeed_bytes": theirs.total, "deepspeed_gib": round(theirs.total / GIB, 2),
+        })  # fmt: skip
+    return rows
 
 
 def lora_notes(params: MemoryInputs) -> list[str]:
@@ -424,5 +489,23 @@ def render_memory(report: MemoryReport, console: Console) -> None:
                     str(c["max_micro_batch_at_recommended"]),
                 )
             console.print(table)
+    _render_stages(report, console)
     for note in report.notes:
         console.print(f"[dim]note: {escape(note)}[/]")
+
+
+def _render_stages(report: MemoryReport, console: Console) -> None:
+    """The ZeRO stages side by side: per-GPU GiB as the engine runs them and as DeepSpeed accounts them."""
+    from rich.table import Table
+
+    if not report.stages:
+        return
+    p = report.inputs
+    table = Table(title=f"ZeRO stages per GPU over {p.world_size} GPU(s), {p.precision}", title_justify="left")
+    for col, justify in (("stage", "left"), ("shards", "left"), ("engine (FSDP2) GiB", "right"),
+                         ("host GiB", "right"), ("DeepSpeed accounting GiB", "right")):  # fmt: skip
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for row in report.stages:
+        host = f"{row['engine_host_gib']:,.2f}" if row["engine_host_gib"] else ""
+        table.add_row(row["stage"], row["shards"], f"{row['engine_gib']:,.2f}", host, f"{row['deepspeed_gib']:,.2f}")
+    console.print(table)

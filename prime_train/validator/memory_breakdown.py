@@ -40,6 +40,17 @@ use ``gradient_as_bucket_view``); ``zero1`` optimizer states / N; ``zero2`` + gr
 the current and the prefetched one) and one unit's unsharded gradient. ZeRO's communication buckets
 (DeepSpeed's ``reduce_bucket_size``) come on top and are not modelled.
 
+The engine's ZeRO stages (``distributed.zero_stage`` on FSDP2, strategy ``fsdp``/``hsdp``): stage 3 is ``fsdp`` as
+above. Stages 2 and 1 (FSDP2 has no optimizer-only sharding, so 1 runs as 2) shard the states the same way but keep
+every layer gathered from its forward to its backward: the gathered units become the whole model in the compute
+dtype. ``cpu_offload`` (FSDP2's CPUOffloadPolicy) moves the sharded weights, gradients and optimizer states to host
+memory (reported as ``host_bytes``); the gathered units, activations and logits stay on the GPU.
+
+fp16 takes the bytes bf16 takes (2-byte compute, fp32 parameters and reduction; the loss scaler is a few scalars).
+float8 (torchao's Float8Linear) changes no line: it keeps the parameters and optimizer states as they are, saves the
+high-precision input and weight of each linear layer for backward (its float8 casts are transient, one layer's at a
+time), so its gain is matmul speed, not memory.
+
 LoRA (``lora.rank`` > 0)
 ------------------------
 The base is frozen: its weights are held as the run holds every weight (fp32 in the engine, bf16 in the ZeRO
@@ -171,6 +182,7 @@ class TrainerMemory:
     bytes_per_param: dict[str, float]
     shard_group: int
     per_micro_batch_bytes: int  # how much one more sequence of micro-batch adds: the linear part
+    host_bytes: int = 0  # what CPU offload keeps in each process's host memory instead
     trainable_params: int = 0  # what trains: every parameter, or with LoRA the adapters only
     total_params: int = 0  # the model's parameters, adapters included
 
@@ -216,6 +228,8 @@ class TrainerMemory:
             "parts": [p.to_dict() for p in self.parts],
             "bytes_per_param": self.bytes_per_param,
             "shard_group": self.shard_group,
+            "host_bytes": self.host_bytes,
+            "host_gib": round(self.host_bytes / GIB, 3),
             "trainable_params": self.trainable_params,
             "total_params": self.total_params,
             "trainable_fraction": round(self.trainable_fraction, 6),
@@ -235,7 +249,7 @@ def bytes_per_param(strategy: str, precision: str, optimizer: str) -> dict[str, 
 
 def _activation_bytes_per_token(inputs: MemoryInputs, m: ModelShape) -> dict[str, float]:
     """Bytes one token leaves behind for backward: one decoder layer's, split into its terms, and the rest."""
-    bf16 = inputs.precision == "bf16"
+    bf16 = inputs.half
     a = 2 if bf16 else 4
     autocast = bf16 and inputs.strategy in ("none", "ddp")  # fp32 weights, bf16 matmuls
     h, s = m.hidden, inputs.seq_len
@@ -287,12 +301,16 @@ def _state_parts(inputs: MemoryInputs, m: ModelShape, per: dict[str, float]) -> 
     if strat == "ddp" and inputs.world_size > 1:
         parts.append(Part("DDP gradient buckets", p * per["gradients"], "a second copy of the gradients"))
     if strat in ("zero3", "fsdp", "hsdp"):
-        w = 2 if inputs.precision == "bf16" else 4
+        w = 2 if inputs.half else 4
         # FSDP2 keeps the root unit (embeddings, final norm, lm_head) gathered from forward to the end of backward,
         # gathers a decoder layer while prefetching the next, and holds one unit's unsharded gradient
         unit = max(m.layer_params, m.root_params)
         gathered = (m.root_params + 2 * m.layer_params + unit) * w
-        parts.append(Part("gathered units", gathered, "root unit + 2 decoder layers unsharded, one unit's gradient"))
+        how = "root unit + 2 decoder layers unsharded, one unit's gradient"
+        if inputs.params_kept_gathered:
+            gathered = (p + unit) * w
+            how = f"ZeRO stage {inputs.zero_stage}: the whole model unsharded through backward, one unit's gradient"
+        parts.append(Part("gathered units", gathered, how))
     return parts
 
 
@@ -344,8 +362,10 @@ def _lora_state_parts(inputs: MemoryInputs, m: ModelShape, per: dict[str, float]
     if strat == "ddp" and inputs.world_size > 1:
         parts.append(Part("DDP gradient buckets", a * per["gradients"], "a second copy of the adapters' gradients"))
     if strat in ("zero3", "fsdp", "hsdp"):
-        w = 2 if inputs.precision == "bf16" else 4
+        w = 2 if inputs.half else 4
         gathered = (m.root_params + 2 * m.layer_params) * w + math.ceil(a / max(1, m.layers)) * w
+        if inputs.params_kept_gathered:
+            gathered = (p + a) * w + math.ceil(a / max(1, m.layers)) * w
         parts.append(Part("gathered units", gathered, "root unit + 2 decoder layers unsharded, one layer's adapters' "
                                                       "gradient"))  # fmt: skip
     return parts
@@ -374,7 +394,7 @@ def _lora_activations(inputs: MemoryInputs, m: ModelShape, ad: AdapterCount | No
     its mask and its dropped input); selective checkpointing keeps every matmul output, B's out-wide one too."""
     if ad is None:
         return _LoraActivations(0.0, 0.0, 0.0)
-    bf16 = inputs.precision == "bf16"
+    bf16 = inputs.half
     a = 2 if bf16 else 4
     autocast = bf16 and inputs.strategy in ("none", "ddp")
     h = m.hidden
@@ -402,6 +422,9 @@ def trainer_memory(inputs: MemoryInputs, m: ModelShape, *, micro_batch: int | No
     per = bytes_per_param(inputs.strategy, inputs.precision, inputs.optimizer)
     ad = inputs.adapters
     parts = _state_parts(inputs, m, per) if ad is None else _lora_state_parts(inputs, m, per, ad)
+    host = 0
+    if inputs.cpu_offload:
+        parts, host = _offloaded(parts)
     parts += _job_parts(inputs, m, per)
     heads = sum(_head_params(inputs, m).values())
 
@@ -438,9 +461,28 @@ def trainer_memory(inputs: MemoryInputs, m: ModelShape, *, micro_batch: int | No
         bytes_per_param={k: float(v) for k, v in per.items()},
         shard_group=inputs.shard_group,
         per_micro_batch_bytes=int(seqs * inputs.seq_len * (per_token + per_token_loss)),
+        host_bytes=host,
         trainable_params=(ad.trainable if ad else m.num_params) + heads,
         total_params=m.num_params + (ad.trainable if ad else 0) + heads,
     )
+
+
+# What FSDP2's CPUOffloadPolicy moves to host memory: the sharded states (the gathered units stay on the GPU)
+OFFLOADED_PARTS = (
+    "weights", "gradients", "optimizer states", "adapter weights", "adapter gradients", "adapter optimizer states",
+)  # fmt: skip
+
+
+def _offloaded(parts: list[Part]) -> tuple[list[Part], int]:
+    """The parts with the sharded states moved to host memory, and those states' bytes."""
+    host = sum(p.bytes for p in parts if p.name in OFFLOADED_PARTS)
+    kept = [
+        Part(p.name, 0, f"in host memory (CPU offload): {p.bytes / GIB:,.2f} GiB; {p.how}")
+        if p.name in OFFLOADED_PARTS
+        else p
+        for p in parts
+    ]
+    return kept, host
 
 
 def _sequences(mb: int, seqs: int) -> str:
@@ -500,14 +542,14 @@ def _loss_part(inputs: MemoryInputs, m: ModelShape, act: dict[str, float], token
     if inputs.job == "reward":
         # a score per sequence, read at its last token: no logits; backward starts from the final hidden states'
         # gradient (zero but at the scored tokens, yet a whole tensor)
-        a = 2 if inputs.precision == "bf16" else 4
+        a = 2 if inputs.half else 4
         how = "no vocabulary logits: one score per sequence; the final hidden states' gradient"
         return Part("score and loss", int(tokens * m.hidden * a), how), m.hidden * a
     if inputs.chunked_loss:
         # engine/loss.py: a chunk's fp32 logits and gradient at a time, the hidden states' gradient kept for
         # backward, the lm_head's gradient summed in fp32 and kept in the weight's dtype (a frozen lm_head's too).
         # A whole chunk is counted even when the batch has fewer tokens, so memory stays linear in the micro-batch
-        a = 2 if inputs.precision == "bf16" else 4
+        a = 2 if inputs.half else 4
         chunk = LOSS_CHUNK_TOKENS * act["logits"]
         lm_head_grad = m.vocab * m.hidden * (4 + a)
         how = (

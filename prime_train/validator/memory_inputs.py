@@ -19,7 +19,7 @@ GIB = 1 << 30
 MIB = 1 << 20
 
 STRATEGIES = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
-PRECISIONS = ("bf16", "fp32")
+PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
 CHECKPOINTING = ("none", "selective", "full")
 ATTENTION = ("sdpa", "flash", "eager")
@@ -179,6 +179,13 @@ class MemoryInputs:
     attention: str = "sdpa"
     loss: str = "auto"
     hsdp_shard_size: int | None = None
+    # the engine's distributed.zero_stage on FSDP2 (strategy fsdp or hsdp): 1 and 2 keep the parameters gathered from
+    # forward to backward, 3 (or None) frees them after forward; cpu_offload: FSDP2's CPUOffloadPolicy (also with
+    # zero3): the sharded weights, gradients and optimizer states in host memory
+    zero_stage: int | None = None
+    cpu_offload: bool = False
+    # train.float8: torchao's float8 linear layers (compute only: see memory_breakdown's docstring)
+    float8: bool = False
     # inference (vLLM); off unless max_model_len is set
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -226,6 +233,7 @@ class MemoryInputs:
         if self.hsdp_shard_size is not None and self.hsdp_shard_size < 1:
             raise MemoryInputError(f"hsdp_shard_size = {self.hsdp_shard_size!r}: must be ≥ 1")
         self._check_lora()
+        self._check_sharding()
         if self.rl_algorithm != "grpo" and self.job != "rl":
             raise MemoryInputError(f"rl_algorithm = {self.rl_algorithm!r} is for job 'rl', not {self.job!r}")
         if self.reference and self.job not in REFERENCE_JOBS:
@@ -234,6 +242,29 @@ class MemoryInputs:
             raise MemoryInputError(
                 f"gpu_memory_utilization = {self.gpu_memory_utilization!r}: must be in (0, 1], a fraction of the GPU"
             )
+
+    def _check_sharding(self) -> None:
+        if self.zero_stage is not None and (self.zero_stage not in (1, 2, 3) or self.strategy not in ("fsdp", "hsdp")):
+            raise MemoryInputError(
+                f"zero_stage = {self.zero_stage!r}: the engine's ZeRO stages are 1, 2 or 3 on strategy fsdp or hsdp "
+                f"(not {self.strategy!r}); for DeepSpeed's accounting use strategy zero1, zero2 or zero3"
+            )
+        if self.cpu_offload and self.strategy not in ("fsdp", "hsdp", "zero3"):
+            raise MemoryInputError(
+                f"cpu_offload with strategy {self.strategy!r}: offload moves sharded states, so it needs fsdp, hsdp "
+                "or zero3"
+            )
+
+    @property
+    def half(self) -> bool:
+        """Whether the run computes in a 2-byte float (bf16 or fp16): both take the same bytes."""
+        return self.precision in ("bf16", "fp16")
+
+    @property
+    def params_kept_gathered(self) -> bool:
+        """FSDP2 with reshard_after_forward off (the engine's ZeRO stage 1 or 2): every layer stays unsharded from its
+        forward to its backward, so at the start of backward the whole model is gathered."""
+        return self.strategy in ("fsdp", "hsdp") and self.zero_stage in (1, 2)
 
     def _check_lora(self) -> None:
         if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 0:

@@ -37,6 +37,7 @@ from prime_train.validator.memory_breakdown import STATE_PARTS
 from prime_train.validator.memory_inputs import MemoryInputError
 from prime_train.validator.model_shape import model_shape
 from prime_train.validator.param_count import count_parameters
+from prime_train.validator.precision_checks import check_float8
 from prime_train.validator.rl_checks import rl_preflight_checks
 
 try:
@@ -167,7 +168,8 @@ try:
                 torch.cuda.synchronize(i)
                 props = torch.cuda.get_device_properties(i)
                 free, total = torch.cuda.mem_get_info(i)
-                dev.update(name=props.name, total_memory_mib=total / 2**20, free_memory_mib=free / 2**20, ok=True)
+                dev.update(name=props.name, total_memory_mib=total / 2**20, free_memory_mib=free / 2**20, ok=True,
+                           capability=[props.major, props.minor])
             except Exception as exc:
                 dev["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             out["devices"].append(dev)
@@ -210,6 +212,8 @@ def _gpu_requirements(cfg: Config) -> list[str]:
         needs.append("model.attn_implementation = 'flash_attention_2'")
     if cfg.distributed.backend == "nccl":
         needs.append("distributed.backend = 'nccl'")
+    if cfg.train.float8:
+        needs.append("train.float8 = true")
     return needs
 
 
@@ -709,11 +713,13 @@ def run_preflight(
     cuda = check_cuda(cfg, gpu_probe)
     gpu_run = bool(cuda.details.get("gpu_run"))
     lora = check_lora(cfg, cuda, _strategy(cfg, procs_per_node(cfg) * cfg.distributed.nnodes))
+    float8 = check_float8(cfg, cuda)
     return [
         check_open_files(*open_files_needed(cfg)),
         check_model_source(cfg),
         cuda,
         *([lora] if lora is not None else []),
+        *([float8] if float8 is not None else []),
         check_output_dir(cfg),
         check_disk(cfg, disk_usage),
         check_ports(cfg),
