@@ -6,6 +6,7 @@ torch.compile of each decoder layer, then exactly one of FSDP2, HSDP or DDP. Eac
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import logging
@@ -22,6 +23,7 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from prime_train.config.schema import Config, DistributedConfig
+from prime_train.engine import tensor_parallel
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.model import decoder_layers, is_native
 
@@ -89,6 +91,9 @@ def init_distributed(cfg: DistributedConfig) -> DistInfo:
             device_id=device if use_cuda else None,
         )
     info = DistInfo(rank, local_rank, world_size, local_world_size, device, backend)
+    if cfg.tp_size > 1:  # a tensor-parallel group is one data-parallel replica: its ranks read the same batches
+        data_rank, data_world = tensor_parallel.data_ranks(rank, world_size, local_world_size, cfg.tp_size)
+        info = dataclasses.replace(info, data_rank=data_rank, data_world=data_world)
     logger.info(
         "process %d of %d (local %d of %d) on %s, backend %s",
         rank,
@@ -159,6 +164,11 @@ def all_reduce_host_ints(values: list[int], dist: DistInfo) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
+def model_parallel_size(dist: DistInfo) -> int:
+    """Ranks that read the same batches (a tensor-parallel group): a sum over all ranks counts each batch this often."""
+    return dist.world_size // dist.dp_size
+
+
 def all_reduce_mean(x: float | torch.Tensor, dist: DistInfo) -> float:
     """Mean of a scalar over ranks."""
     t = torch.as_tensor(x, dtype=torch.float64).detach().reshape(1)
@@ -189,6 +199,8 @@ def barrier(dist: DistInfo) -> None:
 
 def resolve_strategy(cfg: DistributedConfig, world_size: int) -> str:
     """The data-parallel strategy to use: 'none', 'ddp', 'fsdp' or 'hsdp'."""
+    if cfg.tp_size > 1:  # over the tensor-parallel groups: FSDP2 on mesh["dp"], or nothing
+        return tensor_parallel.data_parallel_strategy(cfg, world_size)
     if cfg.strategy == "auto":
         return "ddp" if world_size > 1 else "none"
     if cfg.strategy == "none" and world_size > 1:
@@ -405,10 +417,16 @@ def apply_hsdp(model: nn.Module, mesh, mp_policy, reshard_after_forward: bool = 
 
 
 def parallelize(model: nn.Module, cfg: Config, dist: DistInfo) -> nn.Module:
-    """Apply activation checkpointing, compile and the data-parallel strategy, in that order."""
+    """Apply tensor parallelism, activation checkpointing, compile and the data-parallel strategy, in that order."""
     strategy = resolve_strategy(cfg.distributed, dist.world_size)
     layers = decoder_layers(model)
     model.to(dist.device)
+    mesh_2d = None
+    if cfg.distributed.tp_size > 1:
+        tensor_parallel.check_supported(model, cfg)
+        mesh_2d = tensor_parallel.build_mesh(dist.device.type, dist.world_size, cfg.distributed.tp_size)
+        tensor_parallel.apply_tp(model, mesh_2d["tp"], cfg.distributed.sequence_parallel)
+        tensor_parallel.log_applied(mesh_2d["tp"], cfg.distributed.sequence_parallel)
     if cfg.model.activation_checkpointing != "none":
         apply_ac(model, layers, cfg.model.activation_checkpointing)
         logger.info("Applied %s activation checkpointing to %d decoder layers", cfg.model.activation_checkpointing,
@@ -427,7 +445,7 @@ def parallelize(model: nn.Module, cfg: Config, dist: DistInfo) -> nn.Module:
         else:
             logger.info("Applied torch.compile to %d decoder layers%s", len(layers), " (fullgraph)" * is_native(model))
     if strategy in ("fsdp", "hsdp"):
-        mesh = build_mesh(strategy, dist, cfg.distributed.hsdp_shard_size)
+        mesh = mesh_2d["dp"] if mesh_2d is not None else build_mesh(strategy, dist, cfg.distributed.hsdp_shard_size)
         mp_policy = mixed_precision_policy(cfg.train.precision, dist.device)
         if strategy == "fsdp":
             model = apply_fsdp(model, mesh, mp_policy)
