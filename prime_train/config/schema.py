@@ -448,6 +448,19 @@ class DistributedConfig(Section):
         None, ge=1, description="HSDP: ranks one FSDP group shards over; unset: nproc_per_node."
     )
     timeout_s: int = Field(600, ge=10, le=int(YEAR_S), description="Collective timeout (NCCL watchdog) in seconds.")
+    tp_size: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Tensor-parallel degree: ranks (consecutive, within a node) that split every attention and MLP "
+        "matmul; the data-parallel strategy runs over the processes / tp_size groups. SFT and pretraining on the "
+        "native model (engine/tensor_parallel.py).",
+    )
+    sequence_parallel: bool = Field(
+        False,
+        description="With tp_size > 1: shard the norms' and residual activations over the sequence as well "
+        "(all-gather before, reduce-scatter after each block's matmuls instead of all-reduce).",
+    )
 
 
 class CkptConfig(Section):

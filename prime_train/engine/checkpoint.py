@@ -142,20 +142,26 @@ class TrainState(Stateful):
     `adapter_only` (a LoRA run): the model and optimizer entries hold the adapters and their optimizer state alone
     (engine/lora.py checkpoint_state); the frozen base is built again at every start, never saved."""
 
-    def __init__(self, model, optimizer, scheduler, dataloader, *, rank: int, adapter_only: bool = False):
+    def __init__(
+        self, model, optimizer, scheduler, dataloader, *, rank: int, data_rank: int | None = None,
+        adapter_only: bool = False,
+    ):  # fmt: skip
         self.model = model
         self.adapter_only = adapter_only and optimizer is not None
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.dataloader = dataloader
         self.rank = rank
+        # the loader's position is the data-parallel replica's (shared by a tensor-parallel group), so a resume at
+        # another tp_size finds the stream of the replica it continues under the same key
+        self.data_rank = rank if data_rank is None else data_rank
         self.step = 0
         self.tokens_seen = 0
         self.scaler = None  # fp16's loss scaler (engine/precision.py): its scale resumes with the run
 
     @property
     def dataloader_key(self) -> str:
-        return f"dataloader/rank{self.rank}"
+        return f"dataloader/rank{self.data_rank}"
 
     @property
     def rng_key(self) -> str:

@@ -105,9 +105,11 @@ def exact_match(
     model, tokenizer, examples, score, dist: DistInfo, autocast, *, batch_size: int = 32, max_new_tokens: int = 16
 ) -> tuple[float, list[tuple[str, str, str]]]:
     """Mean score of greedy answers on `examples` split over ranks; also a few (prompt, answer, output) samples."""
-    mine = list(examples)[dist.rank :: dist.world_size]
+    # split over data-parallel replicas: a tensor-parallel group answers the same prompts together (its sums then
+    # count each answer once per rank of the group, in the numerator and the denominator alike)
+    mine = list(examples)[dist.dp_rank :: dist.dp_size]
     # every rank runs the same number of batches so sharded models stay in lockstep
-    per_rank = math.ceil(len(examples) / dist.world_size)
+    per_rank = math.ceil(len(examples) / dist.dp_size)
     total = torch.zeros(2, dtype=torch.float64)
     samples: list[tuple[str, str, str]] = []
     for start in range(0, per_rank, batch_size):
@@ -148,8 +150,8 @@ def multiple_choice(model, tokenizer, path: str | Path, dist: DistInfo, autocast
             break
     was_training = model.training
     model.eval()
-    per_rank = math.ceil(len(items) / dist.world_size)
-    mine = items[dist.rank :: dist.world_size]
+    per_rank = math.ceil(len(items) / dist.dp_size)
+    mine = items[dist.dp_rank :: dist.dp_size]
     total = torch.zeros(2, dtype=torch.float64)
     for i in range(per_rank):
         context, endings, label = mine[i] if i < len(mine) else items[0]

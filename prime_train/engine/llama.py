@@ -29,6 +29,7 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from prime_train.engine.loss import chunked_cross_entropy
 
@@ -374,9 +375,14 @@ class NativeCausalLM(nn.Module):
             return CausalLMOutput(logits=self.lm_head(hidden), loss=None)
         # position t predicts label t + 1; the last position of each row has no target
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+        weight = self.lm_head.weight
+        if isinstance(weight, DTensor):
+            # tensor parallel replicates lm_head (engine/tensor_parallel.py): each rank computes the whole loss, and
+            # the weight's gradient comes back as the Replicate DTensor it is
+            weight = weight.to_local()
         loss = chunked_cross_entropy(
             hidden,
-            self.lm_head.weight,
+            weight,
             targets,
             num_items=num_items_in_batch,
             reduction=loss_reduction,

@@ -57,7 +57,7 @@ import torch
 from prime_train.config.loader import ConfigError, load_config
 from prime_train.config.schema import Config
 from prime_train.contract import ExitCode, Heartbeat, JobFailure, Phase, write_heartbeat
-from prime_train.engine import parallel
+from prime_train.engine import parallel, tensor_parallel
 from prime_train.engine.checkpoint import Checkpointer, StartOver, TrainState
 from prime_train.engine.evaluate import Evaluator
 from prime_train.engine.lifeline import PeerWatch, watch_peers, watch_supervisor
@@ -112,6 +112,9 @@ class TrainingJob:
     eval_keys: tuple[str, ...] = ("eval_loss",)
     # whether the job's step scales its loss through self.scaler (train.precision = "fp16" needs it)
     loss_scaling = False
+    # whether the job's step reads batches and reduces counts per data-parallel replica (DistInfo.dp_rank/dp_size),
+    # which distributed.tp_size > 1 needs: ranks of a tensor-parallel group share their batches
+    supports_tensor_parallel = False
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -124,6 +127,12 @@ class TrainingJob:
         self.configure()
         self.dist = parallel.init_distributed(cfg.distributed)
         setup_logging(cfg, self.dist.rank)
+        if cfg.distributed.tp_size > 1 and not self.supports_tensor_parallel:
+            raise EngineConfigError(
+                f"distributed.tp_size = {cfg.distributed.tp_size} is for run.job 'sft' and 'pretrain'; this "
+                f"{self.job_name} job has no tensor-parallel step: set distributed.tp_size = 1 and shard with "
+                "distributed.strategy = 'fsdp'"
+            )
         # every node's supervisor reads its own run directory: local rank 0 of each node keeps the heartbeat there
         # (global rank 0's, on node 0, also writes the metrics and the export)
         self.beats = HeartbeatWriter(self.run_dir, cfg.train.max_steps, enabled=self.dist.local_rank == 0)
@@ -160,8 +169,9 @@ class TrainingJob:
         self.scaler = self._loss_scaler()
         self.batches = self.build_batch_source()
         self.state = TrainState(
-            self.model, self.optimizer, self.scheduler, self.batches, rank=self.dist.rank, adapter_only=cfg.lora.enabled
-        )
+            self.model, self.optimizer, self.scheduler, self.batches, rank=self.dist.rank,
+            data_rank=self.dist.dp_rank, adapter_only=cfg.lora.enabled,
+        )  # fmt: skip
         self.state.scaler = self.scaler
         self.checkpointer = Checkpointer(self.run_dir, cfg.ckpt, rank=self.dist.rank, world_size=self.dist.world_size)
         self.checkpointer.set_hf_assets(self.hf_config, self.tokenizer)
@@ -493,6 +503,8 @@ class TrainingJob:
 
     def param_norm(self) -> float:
         """The L2 norm of all parameters (the full tensor under FSDP: shards summed, replicas counted once)."""
+        if self.cfg.distributed.tp_size > 1:  # every parameter a DTensor: replicated ones counted once by placement
+            return tensor_parallel.parameter_norm(self.model)
         local = torch.zeros((), dtype=torch.float64)
         for p in self.model.parameters():
             data = p.to_local() if hasattr(p, "to_local") else p

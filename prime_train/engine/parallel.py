@@ -6,6 +6,7 @@ torch.compile of each decoder layer, then exactly one of FSDP2, HSDP or DDP. Eac
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import logging
@@ -22,6 +23,7 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from prime_train.config.schema import Config, DistributedConfig
+from prime_train.engine import tensor_parallel
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.model import decoder_layers, is_native
 
@@ -146,6 +148,9 @@ def init_distributed(cfg: DistributedConfig) -> DistInfo:
             device_id=device if use_cuda else None,
         )
     info = DistInfo(rank, local_rank, world_size, local_world_size, device, backend)
+    if cfg.tp_size > 1:  # a tensor-parallel group is one data-parallel replica: its ranks read the same batches
+        data_rank, data_world = tensor_parallel.data_ranks(rank, world_size, local_world_size, cfg.tp_size)
+        info = dataclasses.replace(info, data_rank=data_rank, data_world=data_world)
     logger.info(
         "process %d of %d (local %d of %d) on %s, backend %s",
         rank,
@@ -216,6 +221,11 @@ def all_reduce_host_ints(values: list[int], dist: DistInfo) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
+def model_parallel_size(dist: DistInfo) -> int:
+    """Ranks that read the same batches (a tensor-parallel group): a sum over all ranks counts each batch this often."""
+    return dist.world_size // dist.dp_size
+
+
 def all_reduce_mean(x: float | torch.Tensor, dist: DistInfo) -> float:
     """Mean of a scalar over ranks."""
     t = torch.as_tensor(x, dtype=torch.float64).detach().reshape(1)
@@ -246,6 +256,8 @@ def barrier(dist: DistInfo) -> None:
 
 def resolve_strategy(cfg: DistributedConfig, world_size: int) -> str:
     """The data-parallel strategy to use: 'none', 'ddp', 'fsdp' or 'hsdp'."""
+    if cfg.tp_size > 1:  # over the tensor-parallel groups: FSDP2 on mesh["dp"], or nothing
+        return tensor_parallel.data_parallel_strategy(cfg, world_size)
     if cfg.zero_stage is not None or cfg.cpu_offload:
         return _sharded_strategy(cfg, world_size)
     if cfg.strategy == "auto":
@@ -554,7 +566,7 @@ def apply_grad_compression(model: nn.Module, cfg: DistributedConfig) -> str | No
 
 
 def parallelize(model: nn.Module, cfg: Config, dist: DistInfo) -> nn.Module:
-    """Apply activation checkpointing, compile and the data-parallel strategy, in that order."""
+    """Apply tensor parallelism, activation checkpointing, compile and the data-parallel strategy, in that order."""
     strategy = resolve_strategy(cfg.distributed, dist.world_size)
     if cfg.train.float8:
         from prime_train.engine.precision import apply_float8
@@ -562,6 +574,12 @@ def parallelize(model: nn.Module, cfg: Config, dist: DistInfo) -> nn.Module:
         apply_float8(model, dist.device)  # first, as torchtitan does: the wrappers below see Float8Linear layers
     layers = decoder_layers(model)
     model.to(dist.device)
+    mesh_2d = None
+    if cfg.distributed.tp_size > 1:
+        tensor_parallel.check_supported(model, cfg)
+        mesh_2d = tensor_parallel.build_mesh(dist.device.type, dist.world_size, cfg.distributed.tp_size)
+        tensor_parallel.apply_tp(model, mesh_2d["tp"], cfg.distributed.sequence_parallel)
+        tensor_parallel.log_applied(mesh_2d["tp"], cfg.distributed.sequence_parallel)
     if cfg.model.activation_checkpointing != "none":
         apply_ac(model, layers, cfg.model.activation_checkpointing)
         logger.info("Applied %s activation checkpointing to %d decoder layers", cfg.model.activation_checkpointing,
@@ -580,7 +598,7 @@ def parallelize(model: nn.Module, cfg: Config, dist: DistInfo) -> nn.Module:
         else:
             logger.info("Applied torch.compile to %d decoder layers%s", len(layers), " (fullgraph)" * is_native(model))
     if strategy in ("fsdp", "hsdp"):
-        model = _apply_sharding(model, strategy, cfg, dist)
+        model = _apply_sharding(model, strategy, cfg, dist, mesh_2d["dp"] if mesh_2d is not None else None)
     elif strategy == "ddp":
         model = apply_ddp(model, dist, cfg.distributed.bucket_cap_mb, compiled=cfg.train.compile)
         logger.info("Applied DDP over %d processes (bucket %d MB)", dist.world_size, cfg.distributed.bucket_cap_mb)
@@ -589,9 +607,10 @@ def parallelize(model: nn.Module, cfg: Config, dist: DistInfo) -> nn.Module:
     return model
 
 
-def _apply_sharding(model: nn.Module, strategy: str, cfg: Config, dist: DistInfo) -> nn.Module:
-    """FSDP or HSDP with the run's precision, ZeRO stage and offload; logs one line saying which."""
-    mesh = build_mesh(strategy, dist, cfg.distributed.hsdp_shard_size)
+def _apply_sharding(model: nn.Module, strategy: str, cfg: Config, dist: DistInfo, mesh=None) -> nn.Module:
+    """FSDP or HSDP with the run's precision, ZeRO stage and offload; logs one line saying which. `mesh`: the
+    data-parallel dimension of a tensor-parallel mesh; unset, the strategy's own mesh over every rank."""
+    mesh = mesh if mesh is not None else build_mesh(strategy, dist, cfg.distributed.hsdp_shard_size)
     mp_policy = mixed_precision_policy(cfg.train.precision, dist.device)
     reshard = reshard_after_forward(cfg.distributed)
     offload = cpu_offload_policy(dist) if cfg.distributed.cpu_offload else None

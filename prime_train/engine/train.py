@@ -29,6 +29,7 @@ class SFTJob(TrainingJob):
 
     job_name = "sft"
     loss_scaling = True
+    supports_tensor_parallel = True
     eval_keys = ("eval_loss", "eval_exact_match", "eval_mc_accuracy", "eval_env_reward", "eval_env_pass_rate")
 
     def __init__(self, cfg: Config):
@@ -61,8 +62,9 @@ class SFTJob(TrainingJob):
         return dict(
             job=self.cfg.run.job,
             micro_batch_size=self.cfg.train.micro_batch_size,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
+            # the data-parallel replica, not the process: a tensor-parallel group reads one stream of batches
+            rank=self.dist.dp_rank,
+            world_size=self.dist.dp_size,
             seed=self.cfg.run.seed,
         )
 
@@ -75,7 +77,7 @@ class SFTJob(TrainingJob):
     def _global_batch(self) -> int:
         from prime_train.engine.schedule import batch_size_at
 
-        return batch_size_at(self.state.tokens_seen, self.cfg.train, self.cfg.data.seq_len, self.dist.world_size)
+        return batch_size_at(self.state.tokens_seen, self.cfg.train, self.cfg.data.seq_len, self.dist.dp_size)
 
     def train_step(self) -> dict[str, float | torch.Tensor]:
         """One optimizer step over a global batch with gradient accumulation; returns its metrics.
@@ -85,17 +87,20 @@ class SFTJob(TrainingJob):
         them on a logging step (engine/metrics.py), together with every step buffered since.
         """
         cfg, dist, timer = self.cfg, self.dist, self.timer
-        accum = self._global_batch() // (cfg.train.micro_batch_size * dist.world_size)
+        accum = self._global_batch() // (cfg.train.micro_batch_size * dist.dp_size)
         with timer("data"):
             batches = [next(self.batches) for _ in range(accum)]
         # normalise by the labelled tokens of the whole global batch, so the loss and its gradient do not
         # depend on how the batch is split over ranks and micro-steps; counted on the host copies (no sync)
         local = [sum(int((b.labels[:, 1:] != -100).sum()) for b in batches), sum(b.num_tokens for b in batches)]
+        # every rank of a tensor-parallel group holds the same batches: the sum over all ranks counts each
+        # of them model_parallel_size times (exactly, so the division is exact too)
+        copies = parallel.model_parallel_size(dist)
         with timer("communication"):
-            global_labels, step_tokens = parallel.all_reduce_host_ints(local, dist)
+            global_labels, step_tokens = (n // copies for n in parallel.all_reduce_host_ints(local, dist))
         global_labels = max(1, global_labels)
-        # DDP and FSDP average gradients over ranks; scale back up so the result is a global mean
-        scale = dist.world_size / global_labels
+        # DDP and FSDP average gradients over the data-parallel ranks; scale back up so the result is a global mean
+        scale = dist.dp_size / global_labels
         loss_sum = torch.zeros((), dtype=torch.float32, device=dist.device)
         for i, batch in enumerate(batches):
             with timer("data"):
@@ -119,11 +124,11 @@ class SFTJob(TrainingJob):
         self.state.step += 1
         self.state.tokens_seen += step_tokens
         out: dict[str, float | torch.Tensor] = {
-            "loss": loss_sum / global_labels,
+            "loss": loss_sum / (global_labels * copies),
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens": self.state.tokens_seen,
-            "global_batch": accum * cfg.train.micro_batch_size * dist.world_size,
+            "global_batch": accum * cfg.train.micro_batch_size * dist.dp_size,
             **self.scaler.metrics(),
         }
         if dist.device.type == "cuda":

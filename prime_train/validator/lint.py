@@ -23,12 +23,14 @@ from prime_train.validator import data_fields
 from prime_train.validator.data_fields import DATA_SUFFIXES, TASK_FIELDS
 from prime_train.validator.lora_checks import lora_problems
 from prime_train.validator.precision_checks import precision_problems
+from prime_train.validator.tp_checks import tp_problems
 
 
 def data_parallel_size(cfg: Config) -> int:
-    """Ranks that split the global batch: every process (DDP, FSDP and HSDP all shard the batch)."""
+    """Ranks that split the global batch: every process (DDP, FSDP and HSDP all shard the batch), except that the
+    ranks of a tensor-parallel group (distributed.tp_size) share theirs."""
     nproc = cfg.distributed.nproc_per_node or 1
-    return nproc * cfg.distributed.nnodes
+    return max(1, nproc * cfg.distributed.nnodes // cfg.distributed.tp_size)
 
 
 def _writable_dir(path: Path) -> str | None:
@@ -139,6 +141,7 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
         _vllm_model_problems,
         _preference_problems,
         token_budget_problems,
+        tp_problems,
     )
     problems = [problem for rule in rules for problem in rule(cfg, sources)]
     spot = spot or "spot" in cfg.model_fields_set  # a [spot] table: this config is meant for `run --spot`
