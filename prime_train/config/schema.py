@@ -10,54 +10,19 @@ import os
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from prime_train.config.methods import LORA_ALL_LINEAR, DPOConfig, LoraConfig  # noqa: F401 (re-exported)
+from prime_train.config.section import (  # noqa: F401 (re-exported)
+    DAY_S,
+    INT64_MAX,
+    NAME_MAX,
+    RUN_DIR_MAX,
+    YEAR_S,
+    Section,
+)
 from prime_train.contract import RunDir
-
-# Integers past this do not fit the 64-bit integers TOML, torch and NumPy use.
-INT64_MAX = 2**63 - 1
-# The longest file name (one path component) Linux filesystems take, in bytes; and a bound on a run directory's
-# path that leaves room below PATH_MAX (4096) for what the run writes inside it (checkpoints/step-N.tmp/...).
-NAME_MAX = 255
-RUN_DIR_MAX = 3800
-# Upper bounds of durations: past them Python's waits overflow (threading.TIMEOUT_MAX, timedelta) or the setting
-# means "never", which a timeout must not.
-DAY_S = 86400.0
-YEAR_S = 365 * DAY_S
-
-
-def _check_values(value: Any) -> None:
-    """No NUL character in any string (paths, argv and environment refuse it), no integer past 64 bits."""
-    if isinstance(value, str):
-        if "\x00" in value:
-            raise PydanticCustomError(
-                "nul_character",
-                "must not contain a NUL character (\\x00): paths, command lines and environments cannot hold one",
-            )
-    elif isinstance(value, int) and not isinstance(value, bool):
-        if not -INT64_MAX <= value <= INT64_MAX:
-            raise PydanticCustomError("int_too_large", "must fit in 64 bits (at most 2**63 - 1)")
-    elif isinstance(value, list | tuple):
-        for item in value:
-            _check_values(item)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_values(key)
-            _check_values(item)
-
-
-class Section(BaseModel):
-    """Base of every section: unknown keys are errors, assignments are validated, floats are finite (an inf or
-    NaN learning rate, timeout or interval is never meant), strings hold no NUL, integers fit in 64 bits."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _values_the_system_takes(cls, value: Any) -> Any:
-        _check_values(value)
-        return value
 
 
 class RunConfig(Section):
@@ -158,138 +123,6 @@ class ModelConfig(Section):
         if self.num_heads % kv:
             raise ValueError(f"model.num_heads ({self.num_heads}) must be a multiple of model.num_kv_heads ({kv})")
         return self
-
-
-# What lora.target_modules = "all-linear" means: every linear layer inside the decoder blocks (attention and MLP:
-# q/k/v/o_proj and gate/up/down_proj in the Llama and Qwen families), never lm_head or the embeddings.
-LORA_ALL_LINEAR = "all-linear"
-
-
-class LoraConfig(Section):
-    rank: int = Field(
-        0,
-        ge=0,
-        le=4096,
-        description="LoRA rank r: each targeted linear layer keeps its weight W frozen and trains B (out × r) @ A "
-        "(r × in) beside it; only these adapters train and are checkpointed. 0: off (the whole model trains).",
-    )
-    alpha: float | None = Field(
-        None,
-        gt=0,
-        le=1e6,
-        description="The adapter's output is scaled by alpha / rank. Unset: 2 × rank (a scale of 2).",
-    )
-    dropout: float = Field(
-        0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input (the frozen path has none)."
-    )
-    target_modules: Literal["all-linear"] | list[str] = Field(
-        LORA_ALL_LINEAR,
-        description="Linear layers that get an adapter, by name (a list, or names separated by commas): a layer "
-        "whose name is the entry or ends in '.<entry>' ('q_proj', 'self_attn.o_proj'). 'all-linear': every linear "
-        "layer of attention and MLP in each decoder block (q/k/v/o_proj, gate/up/down_proj for Llama and Qwen); "
-        "lm_head and the embeddings never.",
-    )
-    quantize: Literal["none", "nf4"] = Field(
-        "none",
-        description="'nf4': QLoRA, the frozen linear layers of the decoder blocks held in 4-bit NormalFloat through "
-        "bitsandbytes (CUDA only, one process or DDP; pip install 'prime-train[qlora]'). 'none': the base as trained.",
-    )
-    merge_on_export: bool = Field(
-        True,
-        description="At the end write final/ as a merged HF model (W + scale · B @ A) besides final/adapter/ in "
-        "PEFT's format; false: final/adapter/ only (load it with PeftModel.from_pretrained on the base model).",
-    )
-
-    @field_validator("target_modules", mode="before")
-    @classmethod
-    def _names_from_text(cls, value: Any) -> Any:
-        # one name, or several separated by commas, as `--lora.target_modules q_proj,v_proj` gives them
-        if isinstance(value, str) and value != LORA_ALL_LINEAR:
-            return [part.strip() for part in value.split(",")]
-        return value
-
-    @field_validator("target_modules", mode="after")
-    @classmethod
-    def _names(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, str):
-            return value
-        if value == [LORA_ALL_LINEAR]:
-            return LORA_ALL_LINEAR
-        if not value:
-            raise ValueError(f"lora.target_modules is empty: name linear layers, or use {LORA_ALL_LINEAR!r}")
-        for name in value:
-            if name == LORA_ALL_LINEAR:
-                raise ValueError(f"{LORA_ALL_LINEAR!r} stands alone: it already names every linear layer")
-            if not re.fullmatch(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*", name):
-                raise ValueError(
-                    f"lora.target_modules entry {name!r} is not a module name (dotted words such as 'q_proj' or "
-                    "'self_attn.q_proj'; no patterns)"
-                )
-        if len(set(value)) != len(value):
-            raise ValueError("lora.target_modules names a layer twice")
-        return value
-
-    @model_validator(mode="after")
-    def _quantize_needs_an_adapter(self) -> LoraConfig:
-        if self.quantize != "none" and not self.rank:
-            raise ValueError(
-                f"lora.quantize = {self.quantize!r} quantizes the frozen base under LoRA adapters and needs "
-                "lora.rank > 0; set a rank (16 is common) or lora.quantize = 'none'"
-            )
-        return self
-
-    @property
-    def enabled(self) -> bool:
-        """Whether LoRA is on (rank > 0)."""
-        return self.rank > 0
-
-    @property
-    def scale_alpha(self) -> float:
-        """alpha as applied: the configured value, else 2 × rank."""
-        return self.alpha if self.alpha is not None else 2.0 * self.rank
-
-    def unavailable(self, *, strategy: str, cuda: bool, bitsandbytes: bool) -> str | None:
-        """Why this [lora] cannot run under data-parallel `strategy` ('none', 'ddp', 'fsdp', 'hsdp', or 'auto'),
-        where `cuda` (a usable CUDA GPU) and `bitsandbytes` (the package importable) hold; None when it can.
-
-        Pure: lint and preflight pass what they know of the target machine, the engine what it sees; one wording for
-        both, and the job exits 78 with it (a configuration error, never retried)."""
-        if self.quantize != "nf4":
-            return None
-        if not cuda:
-            return "lora.quantize = 'nf4' needs a CUDA GPU (bitsandbytes' 4-bit kernels) and none is usable here"
-        if not bitsandbytes:
-            return (
-                "lora.quantize = 'nf4' needs the bitsandbytes package, which is not installed: "
-                "pip install 'prime-train[qlora]'"
-            )
-        if strategy in ("fsdp", "hsdp"):
-            return (
-                f"lora.quantize = 'nf4' is not supported with distributed.strategy = {strategy!r} (4-bit weights are "
-                "not sharded here): train on one GPU or with 'ddp', or set lora.quantize = 'none'"
-            )
-        return None
-
-
-class DPOConfig(Section):
-    beta: float = Field(
-        0.1, gt=0, le=1e3, description="Strength of the implicit KL to the reference (DPO's beta; IPO's tau)."
-    )
-    loss_type: Literal["sigmoid", "ipo", "hinge"] = Field(
-        "sigmoid",
-        description="'sigmoid': DPO's -log sigmoid(beta · margin); 'ipo': (margin - 1/(2·beta))²; 'hinge': "
-        "relu(1 - beta · margin) (SLiC). The margin is the policy's log-ratio of chosen over rejected minus the "
-        "reference's.",
-    )
-    label_smoothing: float = Field(
-        0.0, ge=0.0, lt=0.5, description="sigmoid only: the fraction of pairs assumed mislabelled (conservative DPO)."
-    )
-    precompute_reference: bool = Field(
-        False,
-        description="Compute the reference's log-probs of every pair in one pass before training and keep them, "
-        "instead of holding the reference model during training (saves its memory). With LoRA the reference is "
-        "the base with the adapters switched off either way (no second copy).",
-    )
 
 
 class DatasetConfig(Section):
