@@ -2,13 +2,13 @@
 
 A pair comes from a local .jsonl/.parquet record (format "preference", or "auto" when the record has the chosen and
 rejected fields) or from a built-in task: the task's right answer is `chosen` and a corrupted one `rejected`
-(`corrupt_answer`: a near miss - the word not reversed, two characters swapped, one wrong, dropped or added, a number
-off by one or two - or a degenerate answer: empty or cut short), drawn from run.seed, so every preference job runs on
-the CPU with nothing to download. A record's prompt is a string or chat messages; chosen and rejected are strings or the
-assistant message(s) that follow the prompt. Records are read by engine/records.py (files, file:line in every error) and
-tokenized by engine/documents.py's Encoder, as SFT records are: prompt tokens masked out of the loss, the completion and
-its eos labelled. Pairs longer than data.seq_len keep the end of the prompt and the start of the completions (the same
-prompt cut on both sides).
+(`corrupt_answer`: for reverse-text the word not reversed or two of its letters swapped, for arithmetic a near
+miss, for sorting the sorted digits with two swapped), drawn from run.seed, so every preference job runs on the CPU
+with nothing to download. A record's prompt is a string or chat messages; chosen and rejected are strings or the
+assistant message(s) that follow the prompt. Records are read by engine/records.py (files, file:line in every error)
+and tokenized by engine/documents.py's Encoder, as SFT records are: prompt tokens masked out of the loss, the
+completion and its eos labelled. Pairs longer than data.seq_len keep the end of the prompt and the start of the
+completions (the same prompt cut on both sides).
 
 Held-out pairs are chosen as SFT chooses held-out records, by a hash of the content and the seed; for a built-in
 task the content hashed is the SFT record's (prompt, answer), so a DPO run on an SFT model of the same task and seed
@@ -125,31 +125,24 @@ def extract_pair(ds: DatasetConfig, index: int, record: Record) -> Pair:
 
 
 def corrupt_answer(task: str, example: tasks.Example, rng: random.Random) -> str:
-    """A wrong answer to a built-in task's example, drawn from `rng`: a near miss (a hard negative) or a degenerate
-    output a policy trained against a reward model finds (an empty answer, one cut short or run on).
-
-    Near misses alone teach a reward model nothing about the outputs that were never near the answer: GRPO against
-    one trained on them alone learned to answer nothing at all (scored above the right answers), and its exact match
-    fell to 0. Each kind is drawn with equal weight, among those that differ from the answer."""
+    """A wrong answer to a built-in task's example, near the right one (a hard negative), drawn from `rng`."""
     answer = example.answer
-    alphabet = "0123456789" if task in ("sorting", "arithmetic") else "abcdefghijklmnopqrstuvwxyz"
-    candidates = ["", answer + rng.choice(alphabet)]  # nothing, and one character too many
-    if len(answer) > 1:
-        i = rng.randrange(len(answer))
-        candidates += [answer[:-1], answer[:i] + answer[i + 1 :]]  # cut short, a character dropped
     if task == "arithmetic":
-        candidates.append(str(int(answer) + rng.choice((-2, -1, 1, 2))))
+        return str(int(answer) + rng.choice((-2, -1, 1, 2)))
+    candidates = []
     if task == "reverse-text":
         candidates.append(example.prompt.removeprefix("reverse ").removesuffix("="))  # the word not reversed
     swaps = [i for i in range(len(answer) - 1) if answer[i] != answer[i + 1]]
     if swaps:
         i = rng.choice(swaps)
         candidates.append(answer[:i] + answer[i + 1] + answer[i] + answer[i + 2 :])
-    i = rng.randrange(len(answer)) if answer else 0
-    replacement = rng.choice([c for c in alphabet if answer[i : i + 1] != c])
-    candidates.append(answer[:i] + replacement + answer[i + 1 :])  # one character wrong
-    wrong = [c for c in candidates if c != answer]
-    return rng.choice(wrong)
+    rng.shuffle(candidates)
+    for candidate in candidates:
+        if candidate != answer:
+            return candidate
+    # every character the same (a palindrome of one letter, "111"): change the first one
+    alphabet = "0123456789" if task == "sorting" else "abcdefghijklmnopqrstuvwxyz"
+    return alphabet[(alphabet.index(answer[0]) + 1) % len(alphabet)] + answer[1:] if answer[0] in alphabet else "?"
 
 
 def task_pairs(task: str, num_examples: int, seed: int) -> list[tuple[Pair, tuple[str, str]]]:
