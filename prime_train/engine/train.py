@@ -28,6 +28,7 @@ class SFTJob(TrainingJob):
     """Supervised fine-tuning (loss on completions) and pretraining (loss on every token) over packed batches."""
 
     job_name = "sft"
+    supports_pipeline = True
     eval_keys = ("eval_loss", "eval_exact_match", "eval_mc_accuracy", "eval_env_reward", "eval_env_pass_rate")
 
     def __init__(self, cfg: Config):
@@ -41,6 +42,14 @@ class SFTJob(TrainingJob):
         common = self._data_args()
         self.eval_batches = build_eval_batches(cfg.data, self.tokenizer, max_batches=cfg.train.eval_batches, **common)
         self.eval_examples = held_out_examples(cfg.data, cfg.run.seed, 64)
+        if self.pipeline is not None and (self.eval_examples or self._env or cfg.train.mc_eval_path):
+            # generation needs the whole model on one rank; the held-out loss still runs through the pipeline
+            logger.info(
+                "distributed.pp_size = %d: generated-answer evaluations (exact match, train.eval_environment, "
+                "train.mc_eval_path) are skipped under pipeline parallelism; eval_loss is computed",
+                cfg.distributed.pp_size,
+            )
+            self.eval_examples, self._env = [], None
 
     def configure(self) -> None:
         """The environment train.eval_environment names, if any: greedy answers scored by its reward at each eval."""
@@ -60,8 +69,8 @@ class SFTJob(TrainingJob):
         return dict(
             job=self.cfg.run.job,
             micro_batch_size=self.cfg.train.micro_batch_size,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
+            rank=self.dist.dp_rank,  # the ranks of one pipeline read the same batches
+            world_size=self.dist.dp_size,
             seed=self.cfg.run.seed,
         )
 
@@ -74,7 +83,7 @@ class SFTJob(TrainingJob):
     def _global_batch(self) -> int:
         from prime_train.engine.schedule import batch_size_at
 
-        return batch_size_at(self.state.tokens_seen, self.cfg.train, self.cfg.data.seq_len, self.dist.world_size)
+        return batch_size_at(self.state.tokens_seen, self.cfg.train, self.cfg.data.seq_len, self.dist.dp_size)
 
     def train_step(self) -> dict[str, float | torch.Tensor]:
         """One optimizer step over a global batch with gradient accumulation; returns its metrics.
@@ -84,27 +93,36 @@ class SFTJob(TrainingJob):
         them on a logging step (engine/metrics.py), together with every step buffered since.
         """
         cfg, dist, timer = self.cfg, self.dist, self.timer
-        accum = self._global_batch() // (cfg.train.micro_batch_size * dist.world_size)
+        accum = self._global_batch() // (cfg.train.micro_batch_size * dist.dp_size)
         with timer("data"):
             batches = [next(self.batches) for _ in range(accum)]
         # normalise by the labelled tokens of the whole global batch, so the loss and its gradient do not
         # depend on how the batch is split over ranks and micro-steps; counted on the host copies (no sync)
         local = [sum(int((b.labels[:, 1:] != -100).sum()) for b in batches), sum(b.num_tokens for b in batches)]
         with timer("communication"):
-            global_labels, step_tokens = parallel.all_reduce_host_ints(local, dist)
+            # every rank of a pipeline holds the same batches: count each replica's once
+            global_labels, step_tokens = (n // (dist.world_size // dist.dp_size) for n in
+                                          parallel.all_reduce_host_ints(local, dist))  # fmt: skip
         global_labels = max(1, global_labels)
         # DDP and FSDP average gradients over ranks; scale back up so the result is a global mean
-        scale = dist.world_size / global_labels
+        scale = dist.dp_size / global_labels
         loss_sum = torch.zeros((), dtype=torch.float32, device=dist.device)
         for i, batch in enumerate(batches):
             with timer("data"):
                 batch = _to_device(batch, dist.device)
-            with parallel.grad_sync(self.model, enabled=i == accum - 1), self._autocast():
-                with timer("forward"):
-                    part, _ = token_losses(self.model, batch.input_ids, batch.position_ids, batch.labels)
-                with timer("backward"):
-                    (part * scale).backward()
+            if self.pipeline is not None:
+                with timer("forward"), self._autocast():  # forward and backward interleave in the schedule
+                    part = self.pipeline.step(batch, scale)
+            else:
+                with parallel.grad_sync(self.model, enabled=i == accum - 1), self._autocast():
+                    with timer("forward"):
+                        part, _ = token_losses(self.model, batch.input_ids, batch.position_ids, batch.labels)
+                    with timer("backward"):
+                        (part * scale).backward()
             loss_sum += part.detach().float()
+        if self.pipeline is not None:
+            with timer("communication"):
+                self.pipeline.reduce_gradients()  # over the pipelines' replicas, when there are several
         with timer("optimizer"):
             grad_norm = self.clip_grad_norm()
             self.optimizer.step()
@@ -120,7 +138,7 @@ class SFTJob(TrainingJob):
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens": self.state.tokens_seen,
-            "global_batch": accum * cfg.train.micro_batch_size * dist.world_size,
+            "global_batch": accum * cfg.train.micro_batch_size * dist.dp_size,
         }
         if dist.device.type == "cuda":
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated(dist.device) / 2**30  # allocator stats: no sync
@@ -152,7 +170,11 @@ class SFTJob(TrainingJob):
         from prime_train.engine.evaluate import eval_loss, exact_match, multiple_choice
         from prime_train.tasks import get_task
 
-        out = eval_loss(self.model, self.eval_batches, self.dist, self._autocast) if self.eval_batches else {}
+        out = {}
+        if self.eval_batches and self.pipeline is not None:
+            out = self.pipeline.eval_loss(self.eval_batches, self._autocast, self.cfg.train.micro_batch_size)
+        elif self.eval_batches:
+            out = eval_loss(self.model, self.eval_batches, self.dist, self._autocast)
         if self.eval_examples:
             task = get_task(next(d.task for d in self.cfg.data.datasets if d.task))
             acc, samples = exact_match(
@@ -166,7 +188,7 @@ class SFTJob(TrainingJob):
             )
         if self._env is not None:
             out.update(self._environment_eval())
-        if self.cfg.train.mc_eval_path:
+        if self.cfg.train.mc_eval_path and self.pipeline is None:
             out["eval_mc_accuracy"] = multiple_choice(
                 self.model, self.tokenizer, self.cfg.train.mc_eval_path, self.dist, self._autocast
             )

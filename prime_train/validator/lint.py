@@ -22,12 +22,14 @@ from prime_train.rl.budget import lint_problems as token_budget_problems
 from prime_train.validator import data_fields
 from prime_train.validator.data_fields import DATA_SUFFIXES, TASK_FIELDS
 from prime_train.validator.lora_checks import lora_problems
+from prime_train.validator.pipeline_checks import pipeline_problems
 
 
 def data_parallel_size(cfg: Config) -> int:
-    """Ranks that split the global batch: every process (DDP, FSDP and HSDP all shard the batch)."""
+    """Ranks that split the global batch: every process (DDP, FSDP and HSDP all shard the batch), except that the
+    distributed.pp_size ranks of a pipeline read one share between them."""
     nproc = cfg.distributed.nproc_per_node or 1
-    return nproc * cfg.distributed.nnodes
+    return max(1, nproc * cfg.distributed.nnodes // cfg.distributed.pp_size)
 
 
 def _writable_dir(path: Path) -> str | None:
@@ -137,6 +139,7 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
         _vllm_model_problems,
         _preference_problems,
         token_budget_problems,
+        pipeline_problems,
     )
     problems = [problem for rule in rules for problem in rule(cfg, sources)]
     spot = spot or "spot" in cfg.model_fields_set  # a [spot] table: this config is meant for `run --spot`
