@@ -294,6 +294,35 @@ class DistributedConfig(Section):
         description="With tp_size > 1: shard the norms' and residual activations over the sequence as well "
         "(all-gather before, reduce-scatter after each block's matmuls instead of all-reduce).",
     )
+    pp_size: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Pipeline-parallel stages (ranks per pipeline): the native model's layers split into this many "
+        "stages; the processes form (processes / pp_size) data-parallel pipelines. 1: no pipeline.",
+    )
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        "1f1b",
+        description="Pipeline schedule: 'gpipe' (all forwards, then all backwards), '1f1b' (one forward, one "
+        "backward: fewer activations held), 'interleaved_1f1b' (two stages per rank, a smaller bubble; needs "
+        "2 x pp_size layers).",
+    )
+    pp_microbatches: int | None = Field(
+        None,
+        ge=1,
+        description="Pipeline microbatches each micro-batch is cut into (train.micro_batch_size must be a multiple); "
+        "unset: pp_size.",
+    )
+
+    @property
+    def pp_stages(self) -> int:
+        """Pipeline stages: pp_size, or two per rank for the interleaved (looping) schedule."""
+        return self.pp_size * (2 if self.pp_schedule == "interleaved_1f1b" else 1)
+
+    @property
+    def pp_num_microbatches(self) -> int:
+        """Pipeline microbatches per micro-batch: pp_microbatches, else one per pipeline rank (1F1B's fewest)."""
+        return self.pp_microbatches or self.pp_size
 
 
 class CkptConfig(Section):

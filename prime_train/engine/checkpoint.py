@@ -55,6 +55,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -140,21 +141,21 @@ class TrainState(Stateful):
     """What a checkpoint holds: model, optimizer, scheduler, per-rank data-loader and RNG state, step, tokens.
 
     `adapter_only` (a LoRA run): the model and optimizer entries hold the adapters and their optimizer state alone
-    (engine/lora.py checkpoint_state); the frozen base is built again at every start, never saved."""
+    (engine/lora.py checkpoint_state); the frozen base is built again at every start, never saved.
 
-    def __init__(
-        self, model, optimizer, scheduler, dataloader, *, rank: int, data_rank: int | None = None,
-        adapter_only: bool = False,
-    ):  # fmt: skip
+    `data_rank`: the replica whose loader state this rank holds (a pipeline's ranks share one). `flat_optim` (pipeline
+    stages): param groups saved per parameter name, so the stages' disjoint groups do not collide under one key."""
+
+    def __init__(self, model, optimizer, scheduler, dataloader, *, rank: int, adapter_only: bool = False,
+                 data_rank: int | None = None, flat_optim: bool = False):  # fmt: skip
         self.model = model
         self.adapter_only = adapter_only and optimizer is not None
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.dataloader = dataloader
         self.rank = rank
-        # the loader's position is the data-parallel replica's (shared by a tensor-parallel group), so a resume at
-        # another tp_size finds the stream of the replica it continues under the same key
         self.data_rank = rank if data_rank is None else data_rank
+        self.options = StateDictOptions(flatten_optimizer_state_dict=flat_optim)
         self.step = 0
         self.tokens_seen = 0
         self.scaler = None  # fp16's loss scaler (engine/precision.py): its scale resumes with the run
@@ -173,7 +174,7 @@ class TrainState(Stateful):
         if self.adapter_only:
             sd["model"], sd["optim"] = checkpoint_state(self.model, self.optimizer)
         elif self.optimizer is not None:
-            sd["model"], sd["optim"] = get_state_dict(self.model, self.optimizer)
+            sd["model"], sd["optim"] = get_state_dict(self.model, self.optimizer, options=self.options)
         else:
             sd["model"] = get_model_state_dict(self.model)
         if self.scheduler is not None:
@@ -199,11 +200,15 @@ class TrainState(Stateful):
                 self.optimizer,
                 model_state_dict=state_dict["model"],
                 optim_state_dict=state_dict["optim"],
+                options=self.options,
             )
         else:
             set_model_state_dict(self.model, state_dict["model"])
         if self.scheduler is not None and "scheduler" in state_dict:
             self.scheduler.load_state_dict(_unpack(state_dict["scheduler"]))
+            groups = self.optimizer.param_groups if self.optimizer is not None else []
+            for group, lr in zip(groups, self.scheduler.get_last_lr()[: len(groups)], strict=True):
+                group["lr"] = lr  # what the groups hold, unless Checkpointer.load kept this start's (another layout)
         if self.dataloader is not None and self.dataloader_key in state_dict:
             self.dataloader.load_state_dict(json.loads(state_dict[self.dataloader_key]))
         if self.rng_key in state_dict:
@@ -263,6 +268,19 @@ def _make_stager():
             use_non_blocking_copy=False,
         )
     )
+
+
+def _set_aside_param_groups(state_dict: dict[str, Any], saved_keys: set[str]) -> dict[str, Any] | None:
+    """Take out of `state_dict` the param groups the checkpoint has in the other layout (TrainState.flat_optim: saved
+    at another pp_size) and return them, to go back unread: they hold what the config sets and the lr, which the
+    scheduler restores; the optimizer's tensors have the same keys in both layouts and load as usual."""
+    if not isinstance(optim := state_dict.get("optim"), dict):
+        return None
+    if "param_groups" in optim:  # nested layout: saved as optim.param_groups.<index>.<field>
+        names = ["param_groups"] if not any(k.startswith("optim.param_groups.0.") for k in saved_keys) else []
+    else:  # flat layout: optim.param_groups.<parameter name>.<field>
+        names = [k for k in optim if k.startswith("param_groups.") and f"optim.{k}" not in saved_keys]
+    return {name: optim.pop(name) for name in names} if names else None
 
 
 class StartOver(RuntimeError):
@@ -657,8 +675,11 @@ class Checkpointer:
                 else:
                     logger.warning("%s has no %r; keeping the current value", path.name, key)
                 del state_dict[key]
+        kept = _set_aside_param_groups(state_dict, saved_keys)
         # never torch's default reader and planner: they unpickle .metadata and every non-tensor item unrestricted
         safe_dcp.load(state_dict, path, process_group=self._save_pg, no_dist=not self._distributed)
+        if kept is not None:
+            state_dict["optim"].update(kept)
         state.load_state_dict(state_dict)
         logger.info("loaded checkpoint %s (step %d) in %.2fs", path, state.step, time.monotonic() - started)
 

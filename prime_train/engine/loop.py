@@ -65,6 +65,7 @@ from prime_train.engine.lora import adapter_identity, apply_lora, trainable_para
 from prime_train.engine.metrics import Divergence, EngineConfigError, HeartbeatWriter, MetricsBuffer, MetricsLogger
 from prime_train.engine.model import load_model_and_tokenizer
 from prime_train.engine.optim import build_optimizer
+from prime_train.engine.pipeline import Pipeline, check_pipeline_config, with_pipeline_ranks
 from prime_train.engine.precision import LossScaler
 from prime_train.engine.profiling import NullProfile, ProfileSession, profile_request
 from prime_train.engine.records import shown_path
@@ -125,7 +126,7 @@ class TrainingJob:
         watch_supervisor(self.stop.supervisor_gone)
         self.resumed_from = 0
         self.configure()
-        self.dist = parallel.init_distributed(cfg.distributed)
+        self.dist = with_pipeline_ranks(parallel.init_distributed(cfg.distributed), cfg.distributed.pp_size)
         setup_logging(cfg, self.dist.rank)
         if cfg.distributed.tp_size > 1 and not self.supports_tensor_parallel:
             raise EngineConfigError(
@@ -142,7 +143,7 @@ class TrainingJob:
         if cfg.distributed.nnodes > 1 and self.beats.enabled:
             self.peers = self._watch_peers()
         parallel.set_seed(cfg.run.seed, self.dist.rank)
-        self.strategy = parallel.resolve_strategy(cfg.distributed, self.dist.world_size)
+        self.strategy = parallel.resolve_strategy(cfg.distributed, self.dist.dp_size)
         if self.strategy in ("fsdp", "hsdp"):
             # FSDP2's mixed-precision policy already computes in bf16 (parallel.mixed_precision_policy): autocast on
             # top would only add casts of the already-bf16 parameters
@@ -162,15 +163,16 @@ class TrainingJob:
                 model, cfg.lora, device=self.dist.device, strategy=self.strategy, train_in_full=self.trained_in_full
             )
             self.lora_identity = adapter_identity(model)
-        model.to(self.dist.device)
-        self.model = parallel.parallelize(model, cfg, self.dist)
+        # a pipeline moves only this rank's stages to the device
+        self.pipeline: Pipeline | None = self._pipeline(model)
+        self.model = self.pipeline.part if self.pipeline else parallel.parallelize(model, cfg, self.dist)
         self.optimizer = build_optimizer(self.model, cfg.train, self.dist.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.scaler = self._loss_scaler()
         self.batches = self.build_batch_source()
         self.state = TrainState(
             self.model, self.optimizer, self.scheduler, self.batches, rank=self.dist.rank,
-            data_rank=self.dist.dp_rank, adapter_only=cfg.lora.enabled,
+            adapter_only=cfg.lora.enabled, data_rank=self.dist.dp_rank, flat_optim=self.pipeline is not None,
         )  # fmt: skip
         self.state.scaler = self.scaler
         self.checkpointer = Checkpointer(self.run_dir, cfg.ckpt, rank=self.dist.rank, world_size=self.dist.world_size)
@@ -180,7 +182,26 @@ class TrainingJob:
         self._build_loop_parts()
         self.device_name = torch.cuda.get_device_name(self.dist.device) if self.dist.device.type == "cuda" else "cpu"
         self.trainable_params, self.total_params = trainable_parameters(self.model)
+        if self.pipeline is not None:  # each rank holds its stages' part of the model
+            counts = self.pipeline.sum_over_stages(torch.tensor([self.trainable_params, self.total_params]))
+            self.trainable_params, self.total_params = (int(n) for n in counts.tolist())
         self._log_start()
+
+    # whether the job's step runs through a Pipeline when distributed.pp_size > 1 (engine/pipeline.py)
+    supports_pipeline = False
+
+    def _pipeline(self, model) -> Pipeline | None:
+        """This rank's stages of the model when distributed.pp_size > 1, else None (the model is parallelized)."""
+        pp_size = self.cfg.distributed.pp_size
+        if pp_size == 1:
+            return None
+        if not self.supports_pipeline:
+            raise EngineConfigError(
+                f"distributed.pp_size = {pp_size}: the {self.job_name} job does not run in a pipeline (SFT and "
+                "pretraining do); set distributed.pp_size = 1"
+            )
+        check_pipeline_config(self.cfg, model, self.strategy)
+        return Pipeline(model, self.cfg, self.dist)
 
     def _log_start(self) -> None:
         """The start-up line: the model, what of it trains, the strategy; with LoRA what a checkpoint holds."""
@@ -481,8 +502,12 @@ class TrainingJob:
         from prime_train.engine.export import export_hf
 
         lora = self.cfg.lora.enabled
+        # under a pipeline rank 0 writes the whole model, gathered from the stages
+        model = self.model if self.pipeline is None else self.pipeline.gathered_model()
+        if model is None:
+            return
         export_hf(
-            self.model, self.tokenizer, self.run_dir.final_dir, rank=self.dist.rank,
+            model, self.tokenizer, self.run_dir.final_dir, rank=self.dist.rank,
             adapter=lora, merge=self.cfg.lora.merge_on_export or not lora, base_model=self.cfg.model.path,
         )  # fmt: skip
 
@@ -513,11 +538,15 @@ class TrainingJob:
             local = parallel.all_reduce_sum(local.reshape(1), self.dist)[0] / parallel.replica_count(
                 self.dist, self.cfg
             )
+        if self.pipeline is not None:  # each stage holds its own layers
+            local = self.pipeline.sum_over_stages(local)
         return float(local.sqrt())
 
     def clip_grad_norm(self) -> torch.Tensor:
         """Clip to train.grad_clip (no clipping when unset) and return the total gradient norm before clipping: a
         0-dim tensor on the device (no host sync)."""
+        if self.pipeline is not None:  # the norm of every stage's gradients together
+            return self.pipeline.clip_grad_norm(self.cfg.train.grad_clip)
         params = [p for p in self.model.parameters() if p.grad is not None]
         if not params:
             return torch.zeros((), device=self.dist.device)

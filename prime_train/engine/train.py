@@ -30,6 +30,7 @@ class SFTJob(TrainingJob):
     job_name = "sft"
     loss_scaling = True
     supports_tensor_parallel = True
+    supports_pipeline = True
     eval_keys = ("eval_loss", "eval_exact_match", "eval_mc_accuracy", "eval_env_reward", "eval_env_pass_rate")
 
     def __init__(self, cfg: Config):
@@ -43,6 +44,14 @@ class SFTJob(TrainingJob):
         common = self._data_args()
         self.eval_batches = build_eval_batches(cfg.data, self.tokenizer, max_batches=cfg.train.eval_batches, **common)
         self.eval_examples = held_out_examples(cfg.data, cfg.run.seed, 64)
+        if self.pipeline is not None and (self.eval_examples or self._env or cfg.train.mc_eval_path):
+            # generation needs the whole model on one rank; the held-out loss still runs through the pipeline
+            logger.info(
+                "distributed.pp_size = %d: generated-answer evaluations (exact match, train.eval_environment, "
+                "train.mc_eval_path) are skipped under pipeline parallelism; eval_loss is computed",
+                cfg.distributed.pp_size,
+            )
+            self.eval_examples, self._env = [], None
 
     def configure(self) -> None:
         """The environment train.eval_environment names, if any: greedy answers scored by its reward at each eval."""
@@ -62,7 +71,7 @@ class SFTJob(TrainingJob):
         return dict(
             job=self.cfg.run.job,
             micro_batch_size=self.cfg.train.micro_batch_size,
-            # the data-parallel replica, not the process: a tensor-parallel group reads one stream of batches
+            # the data-parallel replica, not the process: a tensor-parallel group or a pipeline reads one stream
             rank=self.dist.dp_rank,
             world_size=self.dist.dp_size,
             seed=self.cfg.run.seed,
@@ -93,8 +102,8 @@ class SFTJob(TrainingJob):
         # normalise by the labelled tokens of the whole global batch, so the loss and its gradient do not
         # depend on how the batch is split over ranks and micro-steps; counted on the host copies (no sync)
         local = [sum(int((b.labels[:, 1:] != -100).sum()) for b in batches), sum(b.num_tokens for b in batches)]
-        # every rank of a tensor-parallel group holds the same batches: the sum over all ranks counts each
-        # of them model_parallel_size times (exactly, so the division is exact too)
+        # every rank of a tensor-parallel group or a pipeline holds the same batches: the sum over all ranks counts
+        # each of them model_parallel_size times (exactly, so the division is exact too)
         copies = parallel.model_parallel_size(dist)
         with timer("communication"):
             global_labels, step_tokens = (n // copies for n in parallel.all_reduce_host_ints(local, dist))
@@ -105,12 +114,19 @@ class SFTJob(TrainingJob):
         for i, batch in enumerate(batches):
             with timer("data"):
                 batch = _to_device(batch, dist.device)
-            with parallel.grad_sync(self.model, enabled=i == accum - 1), self._autocast():
-                with timer("forward"):
-                    part, _ = token_losses(self.model, batch.input_ids, batch.position_ids, batch.labels)
-                with timer("backward"):
-                    self.scaler.scale(part * scale).backward()
+            if self.pipeline is not None:
+                with timer("forward"), self._autocast():  # forward and backward interleave in the schedule
+                    part = self.pipeline.step(batch, scale)
+            else:
+                with parallel.grad_sync(self.model, enabled=i == accum - 1), self._autocast():
+                    with timer("forward"):
+                        part, _ = token_losses(self.model, batch.input_ids, batch.position_ids, batch.labels)
+                    with timer("backward"):
+                        self.scaler.scale(part * scale).backward()
             loss_sum += part.detach().float()
+        if self.pipeline is not None:
+            with timer("communication"):
+                self.pipeline.reduce_gradients()  # over the pipelines' replicas, when there are several
         with timer("optimizer"):
             self.scaler.unscale_(self.optimizer)  # fp16: clip and report the true gradients
             grad_norm = self.clip_grad_norm()
@@ -124,7 +140,8 @@ class SFTJob(TrainingJob):
         self.state.step += 1
         self.state.tokens_seen += step_tokens
         out: dict[str, float | torch.Tensor] = {
-            "loss": loss_sum / (global_labels * copies),
+            # a tensor-parallel group's ranks each hold the whole loss; of a pipeline's, only the last stage has it
+            "loss": loss_sum / (global_labels * (1 if self.pipeline is not None else copies)),
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens": self.state.tokens_seen,
@@ -161,7 +178,11 @@ class SFTJob(TrainingJob):
         from prime_train.engine.evaluate import eval_loss, exact_match, multiple_choice
         from prime_train.tasks import get_task
 
-        out = eval_loss(self.model, self.eval_batches, self.dist, self._autocast) if self.eval_batches else {}
+        out = {}
+        if self.eval_batches and self.pipeline is not None:
+            out = self.pipeline.eval_loss(self.eval_batches, self._autocast, self.cfg.train.micro_batch_size)
+        elif self.eval_batches:
+            out = eval_loss(self.model, self.eval_batches, self.dist, self._autocast)
         if self.eval_examples:
             task = get_task(next(d.task for d in self.cfg.data.datasets if d.task))
             acc, samples = exact_match(
@@ -175,7 +196,7 @@ class SFTJob(TrainingJob):
             )
         if self._env is not None:
             out.update(self._environment_eval())
-        if self.cfg.train.mc_eval_path:
+        if self.cfg.train.mc_eval_path and self.pipeline is None:
             out["eval_mc_accuracy"] = multiple_choice(
                 self.model, self.tokenizer, self.cfg.train.mc_eval_path, self.dist, self._autocast
             )

@@ -22,15 +22,16 @@ from prime_train.rl.budget import lint_problems as token_budget_problems
 from prime_train.validator import data_fields
 from prime_train.validator.data_fields import DATA_SUFFIXES, TASK_FIELDS
 from prime_train.validator.lora_checks import lora_problems
+from prime_train.validator.pipeline_checks import pipeline_problems
 from prime_train.validator.precision_checks import precision_problems
 from prime_train.validator.tp_checks import tp_problems
 
 
 def data_parallel_size(cfg: Config) -> int:
     """Ranks that split the global batch: every process (DDP, FSDP and HSDP all shard the batch), except that the
-    ranks of a tensor-parallel group (distributed.tp_size) share theirs."""
+    ranks of a tensor-parallel group (distributed.tp_size) or of a pipeline (distributed.pp_size) share theirs."""
     nproc = cfg.distributed.nproc_per_node or 1
-    return max(1, nproc * cfg.distributed.nnodes // cfg.distributed.tp_size)
+    return max(1, nproc * cfg.distributed.nnodes // (cfg.distributed.tp_size * cfg.distributed.pp_size))
 
 
 def _writable_dir(path: Path) -> str | None:
@@ -142,6 +143,7 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
         _preference_problems,
         token_budget_problems,
         tp_problems,
+        pipeline_problems,
     )
     problems = [problem for rule in rules for problem in rule(cfg, sources)]
     spot = spot or "spot" in cfg.model_fields_set  # a [spot] table: this config is meant for `run --spot`

@@ -1,0 +1,308 @@
+"""Pipeline parallelism (distributed.pp_size): the stage split, lint's and the engine's refusals, and the correctness
+harness: two gloo ranks running the CLI's `train` under torchrun give the one-process run's losses, gradient norms,
+held-out losses and exported weights for every schedule, and resume after kill -9 (or across pp_size) as if never
+stopped.
+
+Tolerances (fp32 on the CPU): losses and eval losses within 1e-6 relative (measured: equal to the last bit; only the
+order of float sums differs from one process), gradient norms within 1e-5 (the norm is summed per stage first),
+weights after 8 steps within 1e-5 absolute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import signal
+import subprocess
+
+import psutil
+import pytest
+import torch
+from enginetools import TINY, cli, final_weights, kill_group, losses_by_step, metrics, run_train, start, tiny_overrides
+from enginetools import wait_for as wait_until
+from transformers import LlamaConfig
+
+from prime_train.config.loader import load_config
+from prime_train.config.schema import Config
+from prime_train.engine import llama
+from prime_train.engine.metrics import EngineConfigError
+from prime_train.engine.pipeline import StageModule, check_pipeline_config, split_layers
+from prime_train.validator.lint import lint_files
+from prime_train.validator.pipeline_checks import layer_split
+
+STEPS = 8
+# 4 layers: two stages of two (1f1b, gpipe) or four of one (interleaved); untied, since lm_head and the embedding
+# sit on different stages
+SHAPE = {"model.num_layers": 4, "model.tie_embeddings": "false", "train.max_steps": STEPS, "ckpt.interval": 4,
+         "train.eval_interval": 4, "logging.log_interval": 1, "data.datasets.0.num_examples": 2000}  # fmt: skip
+PP2 = {"distributed.nproc_per_node": 2, "distributed.pp_size": 2}
+SCHEDULES = ["1f1b", "gpipe", "interleaved_1f1b"]
+# the kill test's runs: long enough that the kill after the first checkpoint lands well before the end
+LONG = {**PP2, "train.max_steps": 24}
+
+
+def _ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+def _by_step(run_dir, key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in metrics(run_dir) if key in r and r["step"] > 0}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Runs of this module by name, each trained once: 'single' (one process), 'pp-<schedule>' (PP=2) and
+    'pp-dp' (4 processes: two pipelines of two stages)."""
+    root = tmp_path_factory.mktemp("pipeline")
+    done: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in done:
+            extra = {} if name == "single" else {**PP2, "distributed.pp_schedule": name.removeprefix("pp-")}
+            if name == "pp-dp":
+                extra = {**PP2, "distributed.nproc_per_node": 4}
+            if name == "pp-long":
+                extra = LONG
+            _ok(run_train(root, name, **{**SHAPE, **extra}))
+            done[name] = root / name
+        return done[name]
+
+    get.root = root
+    return get
+
+
+# ---------------------------------------------------------------- the split, without processes
+
+
+def test_layers_split_contiguously_with_the_earlier_stages_one_longer():
+    assert split_layers(4, 2) == [range(0, 2), range(2, 4)]
+    assert split_layers(5, 2) == [range(0, 3), range(3, 5)]
+    assert split_layers(7, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 7)]
+    for layers, stages in [(4, 2), (5, 2), (7, 4), (30, 8)]:  # what lint tells the user is what the engine does
+        assert layer_split(layers, stages) == [len(r) for r in split_layers(layers, stages)]
+    with pytest.raises(ValueError):
+        split_layers(3, 4)
+
+
+def _native(tie: bool = False, layers: int = 4):
+    config = LlamaConfig(hidden_size=32, num_hidden_layers=layers, vocab_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
+                         tie_word_embeddings=tie)  # fmt: skip
+    return llama.from_config(config, seed=0).eval()
+
+
+def test_stages_in_a_chain_compute_the_whole_model_and_keep_its_parameter_names():
+    full = _native()
+    first = StageModule(full, [0, 1], first=True, last=False)
+    last = StageModule(full, [2, 3], first=False, last=True)
+    names = [*first.state_dict(), *last.state_dict()]
+    assert sorted(names) == sorted(full.state_dict())  # disjoint slices of the HF state dict, nothing renamed
+    assert "model.layers.2.mlp.up_proj.weight" in last.state_dict() and "lm_head.weight" not in first.state_dict()
+    ids = torch.randint(0, 64, (2, 12))
+    positions = torch.tensor([list(range(5)) + list(range(7)), list(range(12))])  # a packed row, a plain one
+    with torch.no_grad():
+        chained = last(first(ids, positions), positions)
+        torch.testing.assert_close(chained, full.hidden_states(ids, positions), rtol=0, atol=0)
+
+
+def test_an_interleaved_ranks_stages_share_the_parameters_of_its_part():
+    full = _native()
+    part = StageModule(full, [0, 2], first=True, last=False)  # rank 0 of 2 under interleaving: stages 0 and 2
+    stage0, stage2 = StageModule(part, [0], first=True, last=False), StageModule(part, [2], first=False, last=False)
+    assert stage0.model.layers["0"] is part.model.layers["0"] is full.model.layers[0]
+    assert stage2.model.layers["2"] is part.model.layers["2"] and stage2.model.embed_tokens is None
+    assert sorted(part.state_dict()) == sorted({**stage0.state_dict(), **stage2.state_dict()})
+
+
+def _cfg(distributed: dict | None = None, **sections) -> Config:
+    return Config.model_validate(
+        {"distributed": {"nproc_per_node": 2, "pp_size": 2, **(distributed or {})}, **sections}
+    )
+
+
+def test_engine_refuses_tied_embeddings_lora_compile_and_too_few_layers_naming_the_key():
+    check_pipeline_config(_cfg(), _native())  # the supported case passes
+    cases = [
+        (_cfg(), _native(tie=True), "model.tie_embeddings = false"),
+        (_cfg({"pp_schedule": "interleaved_1f1b"}), _native(layers=3), "needs 4 stages"),
+        (_cfg(lora={"rank": 8}), _native(), "lora.rank = 0"),
+        (_cfg(train={"compile": True}), _native(), "train.compile"),
+        (
+            _cfg({"pp_microbatches": 3}, train={"micro_batch_size": 4, "global_batch_size": 8}),
+            _native(),
+            "distributed.pp_microbatches (3)",
+        ),
+    ]
+    for cfg, model, expected in cases:
+        with pytest.raises(EngineConfigError, match=r"distributed\.pp|train\.micro_batch_size") as caught:
+            check_pipeline_config(cfg, model)
+        assert expected in str(caught.value), str(caught.value)
+    with pytest.raises(EngineConfigError, match=r"set distributed\.strategy = 'auto' or 'ddp'"):
+        check_pipeline_config(_cfg(), _native(), strategy="fsdp")
+
+
+def test_lint_refuses_pipelines_for_other_jobs_hf_models_lora_compile_and_fsdp():
+    pipeline = ["--distributed.nproc_per_node", "4", "--distributed.pp_size", "2", "--model.tie_embeddings", "false",
+                "--model.num_layers", "4"]  # fmt: skip
+    # four processes: two pipelines of two stages, replicated by DDP, each reading half of the global batch
+    clean, _ = lint_files([str(TINY)], pipeline)
+    assert [p.format() for p in clean if p.severity == "error"] == []
+    unsupported = ["--model.implementation", "hf", "--train.compile", "true", "--lora.rank", "8",
+                   "--distributed.strategy", "fsdp"]  # fmt: skip
+    problems, _ = lint_files([str(TINY)], [*pipeline, *unsupported])
+    errors = {p.key: p.message for p in problems if p.severity == "error"}
+    assert "model.implementation = 'native'" in errors["model.implementation"]
+    assert "LoRA does not run" in errors["lora.rank"]
+    assert "not supported with distributed.pp_size" in errors["train.compile"]
+    assert "pipelines are replicated as DDP replicates" in errors["distributed.strategy"]
+    job, _ = lint_files([str(TINY)], [*pipeline, "--run.job", "dpo"])
+    assert any("run.job = 'dpo' does not run in a pipeline" in p.message for p in job)
+
+
+def test_pipelines_refuse_what_they_do_not_combine_with_in_lint_and_the_engine():
+    pipeline = ["--distributed.nproc_per_node", "4", "--distributed.pp_size", "2", "--model.tie_embeddings", "false",
+                "--model.num_layers", "4"]  # fmt: skip
+    each = {
+        "distributed.tp_size": ["--distributed.tp_size", "2"],
+        "train.precision": ["--train.precision", "fp16"],
+        "train.float8": ["--train.float8", "true"],
+        "distributed.grad_compression": ["--distributed.grad_compression", "bf16"],
+        "distributed.zero_stage": ["--distributed.zero_stage", "2"],
+    }
+    for key, flags in each.items():
+        problems, _ = lint_files([str(TINY)], [*pipeline, *flags])
+        mine = [p for p in problems if p.severity == "error" and p.key == key]
+        assert mine and "pp_size = 2" in mine[0].message, (key, [p.format() for p in problems])
+        cfg = load_config([str(TINY)], [*pipeline, *flags])
+        with pytest.raises(EngineConfigError, match=r"pp_size = 2"):
+            check_pipeline_config(cfg, _native(), strategy="ddp")
+
+
+def test_one_f_one_b_needs_as_many_microbatches_as_stages_in_lint(tmp_path):
+    args = ["--distributed.nproc_per_node", "2", "--distributed.pp_size", "2", "--model.tie_embeddings", "false",
+            "--distributed.pp_microbatches", "1"]  # fmt: skip
+    problems, _ = lint_files([str(TINY)], args)
+    assert any("1F1B needs at least as many microbatches" in p.message for p in problems)
+    gpipe, _ = lint_files([str(TINY)], [*args, "--distributed.pp_schedule", "gpipe"])
+    assert [p.format() for p in gpipe if p.severity == "error"] == []
+
+
+# ---------------------------------------------------------------- the harness: real torchrun, gloo, the CLI
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_two_stage_pipeline_matches_one_process_run(runs, schedule):
+    single, piped = runs("single"), runs(f"pp-{schedule}")
+    for key, rel in (("loss", 1e-6), ("grad_norm", 1e-5), ("eval_loss", 1e-6)):
+        a, b = _by_step(single, key), _by_step(piped, key)
+        assert sorted(a) == sorted(b) and a, (key, a, b)
+        for step in a:
+            assert math.isclose(a[step], b[step], rel_tol=rel), (key, step, a[step], b[step])
+    assert sorted(_by_step(piped, "loss")) == list(range(1, STEPS + 1))
+    wa, wb = final_weights(single), final_weights(piped)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        torch.testing.assert_close(wa[key], wb[key], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_pipelines_of_two_stages_match_one_process_run(runs):
+    # 4 gloo ranks on a ("dp", "pp") mesh: each pipeline reads half of the global batch, gradients averaged per step
+    single, piped = runs("single"), runs("pp-dp")
+    for key in ("loss", "grad_norm", "eval_loss"):
+        a, b = _by_step(single, key), _by_step(piped, key)
+        assert sorted(a) == sorted(b) and a, (key, a, b)
+        for step in a:  # measured: within 3e-7 (the data-parallel split sums in another order)
+            assert math.isclose(a[step], b[step], rel_tol=1e-5), (key, step, a[step], b[step])
+    wa, wb = final_weights(single), final_weights(piped)
+    for key in wa:
+        torch.testing.assert_close(wa[key], wb[key], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_pipeline_checkpoint_holds_the_whole_model_and_its_export_loads_in_transformers(runs):
+    from transformers import AutoModelForCausalLM
+
+    from prime_train.engine import safe_dcp
+
+    single, piped = runs("single"), runs("pp-1f1b")
+    keys = [set(safe_dcp.read_metadata(run / "checkpoints" / "step-4").state_dict_metadata) for run in (single, piped)]
+    model_keys = [{k for k in ks if k.startswith("model.")} for ks in keys]
+    assert model_keys[0] == model_keys[1] and "model.lm_head.weight" in model_keys[1]
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    logits = [AutoModelForCausalLM.from_pretrained(run / "final").eval()(ids).logits for run in (single, piped)]
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_pipeline_resume_after_kill_matches_uninterrupted_run(runs):
+    straight = runs("pp-long")
+    root = runs.root
+    overrides = tiny_overrides(root, "killed", **{**SHAPE, **LONG})
+    proc = start(cli("train", str(TINY), *overrides))
+    ckpt = root / "killed" / "checkpoints" / "step-4"
+    try:
+        wait_until(ckpt.is_dir, 300, "the step-4 checkpoint")
+        # the CLI, torchrun and both ranks at once (torchrun starts each rank in a process group of its own): no
+        # rank lives on to notice its parent gone and save a checkpoint on its way out
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        assert len(tree) >= 4, tree
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGKILL)
+        proc.wait(30)  # the CLI by Popen (psutil would reap it first and leave Popen a return code of 0)
+        psutil.wait_procs(tree[1:], timeout=30)
+    finally:
+        kill_group(proc, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (root / "killed" / "final").exists()  # it died mid-run
+    resumed = run_train(root, "killed", **{**SHAPE, **LONG})
+    _ok(resumed)
+    start_step = int(re.search(r"resumed from \S+step-(\d+) at step", resumed.stdout + resumed.stderr).group(1))
+    a, b = losses_by_step(straight), losses_by_step(root / "killed")
+    assert sorted(b) == list(range(1, 25))
+    for step in range(start_step + 1, 25):
+        assert a[step] == b[step], (step, a[step], b[step])  # the same ranks, the same order of sums: bitwise
+    wa, wb = final_weights(straight), final_weights(root / "killed")
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_one_process_and_a_two_stage_pipeline(runs):
+    single, piped, root = runs("single"), runs("pp-1f1b"), runs.root
+    # a one-process checkpoint resumed by a pipeline, and a pipeline's by one process
+    for name, source, extra in (("into-pp", single, PP2), ("out-of-pp", piped, {})):
+        resume = {"ckpt.resume": str(source / "checkpoints" / "step-4")}
+        _ok(run_train(root, name, **SHAPE, **extra, **resume))
+        a, b = losses_by_step(single), losses_by_step(root / name)
+        assert sorted(b) == list(range(5, STEPS + 1)), (name, b)
+        for step in b:
+            assert math.isclose(a[step], b[step], rel_tol=1e-6), (name, step, a[step], b[step])
+        lr_a, lr_b = _by_step(single, "lr"), _by_step(root / name, "lr")
+        assert all(lr_a[s] == lr_b[s] for s in b), (name, lr_a, lr_b)
+
+
+def test_pipeline_of_the_wrong_size_is_a_config_error_at_start(tmp_path):
+    # 3 processes cannot make pipelines of 2: lint says so before anything starts (exit 78 from the engine too)
+    result = run_train(tmp_path, "bad", **SHAPE, **{"distributed.nproc_per_node": 3, "distributed.pp_size": 2})
+    assert result.returncode != 0
+    assert "does not divide the 3 processes" in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not os.path.exists(tmp_path / "bad" / "checkpoints")
+
+
+def test_ranks_of_one_pipeline_are_one_data_parallel_replica():
+    from prime_train.engine.parallel import DistInfo
+    from prime_train.engine.pipeline import with_pipeline_ranks
+
+    cpu = torch.device("cpu")
+    ranks = [with_pipeline_ranks(DistInfo(r, r, 4, 4, cpu, "gloo"), 2) for r in range(4)]
+    assert [(d.dp_rank, d.dp_size) for d in ranks] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    one = DistInfo(1, 1, 2, 2, cpu, "gloo")
+    assert with_pipeline_ranks(one, 1) is one  # no pipeline: every rank its own replica
+    with pytest.raises(EngineConfigError, match=r"distributed\.pp_size = 2 does not divide the 3 processes"):
+        with_pipeline_ranks(DistInfo(0, 0, 3, 3, cpu, "gloo"), 2)
