@@ -82,6 +82,8 @@ def inputs_from_config(cfg: Config, **overrides: Any) -> MemoryInputs:
         # the engine runs one process unwrapped: neither stage nor offload then applies
         "zero_stage": cfg.distributed.zero_stage if strategy in ("fsdp", "hsdp") else None,
         "cpu_offload": cfg.distributed.cpu_offload and strategy in ("fsdp", "hsdp"),
+        "tp_size": cfg.distributed.tp_size,
+        "pp_size": cfg.distributed.pp_size,
         "lora_rank": cfg.lora.rank,
         "lora_targets": cfg.lora.target_modules,
         "lora_quantize": cfg.lora.quantize,
@@ -314,6 +316,13 @@ def precision_notes(params: MemoryInputs) -> list[str]:
     if params.cpu_offload:
         notes.append("cpu_offload: the sharded weights, gradients and optimizer states live in host memory "
                      "(trainer host_bytes, per process); the optimizer steps on the CPU")  # fmt: skip
+    if params.tp_size > 1 or params.pp_size > 1:
+        sizes = (("tp_size", params.tp_size), ("pp_size", params.pp_size))
+        split = " and ".join(f"{k} = {v}" for k, v in sizes if v > 1)
+        notes.append(f"{split} is not modelled yet: these figures are for {params.strategy} over all "
+                     f"{params.world_size} GPUs with each rank running whole micro-batches through every layer, which "
+                     "overstates activations (TP splits them, PP holds one stage's) and understates what TP keeps "
+                     "whole on every rank (embeddings, norms, lm_head)")  # fmt: skip
     return notes
 
 

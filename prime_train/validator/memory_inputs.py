@@ -186,6 +186,9 @@ class MemoryInputs:
     cpu_offload: bool = False
     # train.float8: torchao's float8 linear layers (compute only: see memory_breakdown's docstring)
     float8: bool = False
+    # distributed.tp_size / pp_size: not modelled yet (the estimate says so), carried so the report can say it
+    tp_size: int = 1
+    pp_size: int = 1
     # inference (vLLM); off unless max_model_len is set
     max_model_len: int | None = None
     max_num_seqs: int = 64
