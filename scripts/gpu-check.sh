@@ -55,7 +55,7 @@ if [[ $parts != *" tests "* ]]; then
   echo "pytest not asked for (GPU_CHECK_PARTS)" | tee "$OUT/pytest.log"
 elif ((tests_s >= 30)); then  # `timeout 0` would mean no limit at all
   timeout "$tests_s" python3 -m pytest -m gpu -v -rA --durations=0 -p no:cacheprovider --basetemp /tmp/pt \
-    --timeout 240 "${parallel[@]}" tests/test_lora.py tests/test_gpu.py tests/test_cli_commands.py \
+    --timeout 240 "${parallel[@]}" tests/test_lora.py tests/test_gpu.py tests/test_zero_precision.py tests/test_cli_commands.py \
     --deselect tests/test_gpu.py::test_engine_steps_at_gpt2_shape_make_no_host_sync_between_logging_steps \
     2>&1 | tee "$OUT/pytest.log"
   echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.log"
