@@ -98,9 +98,8 @@ class LossScaler:
 
 
 def float8_unavailable(device: torch.device) -> str | None:
-    """Why train.float8 cannot run on `device`, or None when it can."""
-    if importlib.util.find_spec("torchao") is None:
-        return f"train.float8 = true needs torchao, which is not installed: {FLOAT8_INSTALL}"
+    """Why train.float8 cannot run on `device`, or None when it can. The device first: on a machine that cannot run
+    it, installing torchao would not help."""
     if device.type != "cuda":
         return "train.float8 = true needs a CUDA GPU of compute capability 8.9+ (Ada, Hopper or newer); none is here"
     capability = torch.cuda.get_device_capability(device)
@@ -110,6 +109,8 @@ def float8_unavailable(device: torch.device) -> str | None:
             f"train.float8 = true needs compute capability 8.9+ for float8 matmuls; "
             f"{torch.cuda.get_device_name(device)} has {major}.{minor}"
         )
+    if importlib.util.find_spec("torchao") is None:
+        return f"train.float8 = true needs torchao, which is not installed: {FLOAT8_INSTALL}"
     return None
 
 
