@@ -6,9 +6,11 @@ under 32 bytes so a ~1M-parameter model on CPU learns a task within a few hundre
 
 from __future__ import annotations
 
+import json
 import random
 import string
 from dataclasses import dataclass
+from pathlib import Path
 
 # A completion's answer ends at the first newline or end-of-sequence marker. Decoded text may keep
 # special tokens (`<|eos|>`, `<|im_end|>`, `</s>`); no built-in answer contains '<', so cutting there is safe.
@@ -116,3 +118,40 @@ def generate_examples(name: str, n: int, seed: int) -> list[Example]:
     # Seeding with a string is stable across processes (hash randomisation does not apply to it).
     rng = random.Random(f"{name}:{seed}")
     return [task.generate(rng) for _ in range(n)]
+
+
+def read_multiple_choice(path: str | Path, limit: int = 500) -> list[tuple[str, list[str], int]]:
+    """The (context, endings, label) records of a HellaSwag-style JSONL file (train.mc_eval_path), at most `limit`.
+
+    Raises ValueError naming the file and line of the first record that is not one: the engine's evaluation and
+    lint both read it here, so a file lint accepts is one the evaluation can score."""
+    items: list[tuple[str, list[str], int]] = []
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot be read as UTF-8 text ({exc.__class__.__name__})") from None
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            context, endings, label = record["context"], record["endings"], record["label"]
+            if isinstance(label, str) and label.strip().isdigit():
+                label = int(label)  # HF's hellaswag stores its labels as text ("0".."3")
+            # an empty ending has no tokens to score (it would win with loss 0); a string is not a list of them
+            if not isinstance(context, str) or not isinstance(endings, list) or not endings:
+                raise ValueError("context must be a string and endings a non-empty list")
+            if not all(isinstance(e, str) and e for e in endings):
+                raise ValueError("every ending must be a non-empty string")
+            if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(endings):
+                raise ValueError(f"label {label!r} is not an index into the {len(endings)} endings")
+            items.append((context, endings, label))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"{path}:{lineno}: a multiple-choice record needs context, endings, label ({exc})"
+            ) from None
+        if len(items) >= limit:
+            break
+    if not items:
+        raise ValueError(f"{path}: holds no multiple-choice record")
+    return items

@@ -16,7 +16,9 @@ from prime_train.config.schema import DataConfig, DatasetConfig, DistributedConf
 from prime_train.engine import parallel
 from prime_train.engine.data import build_eval_batches
 from prime_train.engine.evaluate import eval_loss, exact_match, greedy_complete, multiple_choice
+from prime_train.engine.metrics import EngineConfigError
 from prime_train.tasks import Example, get_task
+from prime_train.validator.lint import lint_files
 
 VOCAB = 320  # the byte tokenizer's 261 tokens padded to a multiple of 64
 
@@ -152,8 +154,25 @@ def test_multiple_choice_malformed_line_names_file_and_line(tokenizer, dist, aut
     path = tmp_path / "mc.jsonl"
     good = json.dumps({"context": "a", "endings": ["b", "c"], "label": 0})
     path.write_text(f"{good}\n\n{bad_line}\n{good}\n")
-    with pytest.raises(ValueError, match=re.escape(f"{path}:3:")):
+    with pytest.raises(EngineConfigError, match=re.escape(f"train.mc_eval_path: {path}:3:")):
         multiple_choice(model, tokenizer, path, dist, autocast)
+    # lint reads the file the same way, and says so before a run starts
+    cfg = tmp_path / "mc.toml"
+    cfg.write_text(f'[train]\nmc_eval_path = "{path}"\n')
+    problems, _ = lint_files([str(cfg)], [])
+    assert [p.key for p in problems if p.severity == "error"] == ["train.mc_eval_path"]
+    assert f"{path}:3: a multiple-choice record needs context, endings, label" in problems[0].message
+
+
+def test_multiple_choice_takes_hellaswag_s_text_labels_and_refuses_a_file_with_no_record(tmp_path):
+    from prime_train.tasks import read_multiple_choice
+
+    path = tmp_path / "mc.jsonl"
+    path.write_text(json.dumps({"context": "a", "endings": ["b", "c"], "label": "1"}) + "\n")
+    assert read_multiple_choice(path) == [("a", ["b", "c"], 1)]
+    path.write_text("\n\n")
+    with pytest.raises(ValueError, match="holds no multiple-choice record"):
+        read_multiple_choice(path)
 
 
 # ---------------------------------------------------------------- exact match

@@ -464,7 +464,11 @@ def test_a_sample_of_accepted_mutants_trains_a_step_for_real(outcomes):
         # a copy of the sandbox of its own (the case's relative paths resolve the same), so two runs that name the
         # same run directory never meet
         sandbox = o.path.parent.parent.parent / f"real-{o.case.number}" / "a" / "b"
-        shutil.copytree(o.path.parent, sandbox, ignore=lambda d, names: [n for n in names if n.startswith("case-")])
+        # other cases' files stay behind, except one the mutant names as a path of its own (train.mc_eval_path =
+        # 'case-0.toml' was accepted by lint where that file exists, and must exist for the run too)
+        named = o.path.read_text() + " ".join(o.case.overrides)
+        skip = lambda d, names: [n for n in names if n.startswith("case-") and n not in named]  # noqa: E731
+        shutil.copytree(o.path.parent, sandbox, ignore=skip)
         path = shutil.copy(o.path, sandbox / o.path.name)
         result = subprocess.run(
             [sys.executable, "-m", "prime_train", "train", str(path), *o.case.overrides, "--train.max_steps", "1"],

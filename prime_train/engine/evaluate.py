@@ -7,7 +7,6 @@ on one rank while another still needs the model).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -16,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.model import is_native
 from prime_train.engine.parallel import DistInfo, all_reduce_sum
 
@@ -127,27 +127,12 @@ def exact_match(
 @torch.no_grad()
 def multiple_choice(model, tokenizer, path: str | Path, dist: DistInfo, autocast, limit: int = 500) -> float:
     """HellaSwag-style accuracy: the ending with the lowest mean token loss given the context wins."""
-    items = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            context, endings, label = record["context"], record["endings"], int(record["label"])
-            # an empty ending has no tokens to score (it would win with loss 0); a string is not a list of them
-            if not isinstance(context, str) or not isinstance(endings, list) or not endings:
-                raise ValueError("context must be a string and endings a non-empty list")
-            if not all(isinstance(e, str) and e for e in endings):
-                raise ValueError("every ending must be a non-empty string")
-            if not 0 <= label < len(endings):
-                raise ValueError(f"label {label} is not an index into the {len(endings)} endings")
-            items.append((context, endings, label))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise ValueError(
-                f"{path}:{lineno}: a multiple-choice record needs context, endings, label ({exc})"
-            ) from None
-        if len(items) >= limit:
-            break
+    from prime_train.tasks import read_multiple_choice
+
+    try:
+        items = read_multiple_choice(path, limit)
+    except ValueError as exc:
+        raise EngineConfigError(f"train.mc_eval_path: {exc}") from None
     was_training = model.training
     model.eval()
     per_rank = math.ceil(len(items) / dist.dp_size)

@@ -19,6 +19,7 @@ from pathlib import Path
 from prime_train.config.loader import ConfigError, Problem, Sources, load_raw, names_dropped, validate_all
 from prime_train.config.schema import Config
 from prime_train.rl.budget import lint_problems as token_budget_problems
+from prime_train.tasks import read_multiple_choice
 from prime_train.validator import data_fields
 from prime_train.validator.data_fields import DATA_SUFFIXES, TASK_FIELDS
 from prime_train.validator.lora_checks import lora_problems
@@ -284,9 +285,17 @@ def _data_problems(cfg: Config, sources: Sources) -> list[Problem]:
             key, why = found
             message = shown(f"data.datasets[{i}].{key} {why}")
             problems.append(sources.problem(("data", "datasets", i, key), "error", message))
-    if cfg.train.mc_eval_path is not None and not os.path.isfile(_resolve(cfg.train.mc_eval_path)):
-        message = shown(f"train.mc_eval_path {cfg.train.mc_eval_path!r} is not a file")
-        problems.append(sources.problem(("train", "mc_eval_path"), "error", message))
+    if cfg.train.mc_eval_path is not None:
+        if not os.path.isfile(_resolve(cfg.train.mc_eval_path)):
+            message = shown(f"train.mc_eval_path {cfg.train.mc_eval_path!r} is not a file")
+            problems.append(sources.problem(("train", "mc_eval_path"), "error", message))
+        else:
+            try:
+                read_multiple_choice(_resolve(cfg.train.mc_eval_path), limit=500)
+            except ValueError as exc:
+                problems.append(
+                    sources.problem(("train", "mc_eval_path"), "error", shown(f"train.mc_eval_path: {exc}"))
+                )
     return problems
 
 
