@@ -119,6 +119,15 @@ class StageModule(nn.Module):
         return x
 
 
+# the oldest torch whose pipelining runs the engine's stages (checked: 2.11 fails, 2.13 and 2.14 run)
+MIN_TORCH = (2, 13)
+
+
+def _torch_minor() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
 def check_pipeline_config(cfg: Config, model: nn.Module, strategy: str = "none") -> None:
     """EngineConfigError (exit 78) for what the engine's pipeline does not run, each with the key and what to do.
 
@@ -164,6 +173,14 @@ def check_pipeline_config(cfg: Config, model: nn.Module, strategy: str = "none")
         raise EngineConfigError(
             f"train.micro_batch_size ({rows}) is not a multiple of distributed.pp_microbatches ({n}): each pipeline "
             "microbatch is micro_batch_size / pp_microbatches rows; change either"
+        )
+    if _torch_minor() < MIN_TORCH:
+        # torch 2.11's schedules lose the last stage's input gradient with this stage layout ("[1] for chunk 0 has
+        # gradients None and is expecting to send gradients to stage 0"); 2.13 and 2.14 run it (tests/test_pipeline.py)
+        raise EngineConfigError(
+            f"distributed.pp_size = {d.pp_size} needs torch {MIN_TORCH[0]}.{MIN_TORCH[1]} or newer (this is "
+            f"{torch.__version__}, whose torch.distributed.pipelining fails on the engine's stages); upgrade torch "
+            "or set distributed.pp_size = 1"
         )
 
 
