@@ -40,6 +40,13 @@ STEPS = {"train.max_steps": 10, "ckpt.interval": 5, "logging.log_interval": 1}
 TP2 = {**STEPS, "distributed.nproc_per_node": 2, "distributed.tp_size": 2}
 
 
+# sequence parallel needs torch >= 2.13; on older torch the engine refuses it (tested below)
+OLD_TORCH_SP = pytest.mark.skipif(
+    tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+    reason=f"sequence parallel needs torch >= 2.13, this is {torch.__version__}",
+)
+
+
 def _ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
@@ -75,6 +82,7 @@ def test_tp2_losses_and_weights_match_one_process(runs):
 
 
 @pytest.mark.slow
+@OLD_TORCH_SP
 def test_tp2_with_sequence_parallel_matches_one_process(runs):
     _ok(run_train(runs, "tp2-sp", **TP2, **{"distributed.sequence_parallel": "true"}))
     _assert_same_losses(losses_by_step(runs / "one"), losses_by_step(runs / "tp2-sp"), range(1, 11))
@@ -135,6 +143,25 @@ def test_resume_after_kill_under_tp2_matches_uninterrupted_run(runs):
 # ---------------------------------------------------------------------- the plan itself, and the export
 
 
+def test_sequence_parallel_on_a_torch_older_than_2_13_is_refused_naming_the_key(monkeypatch):
+    from transformers import LlamaConfig
+
+    from prime_train.config.schema import Config
+    from prime_train.engine import tensor_parallel
+    from prime_train.engine.llama import from_config
+    from prime_train.engine.metrics import EngineConfigError
+
+    monkeypatch.setattr(tensor_parallel, "torch_minor", lambda: (2, 11))
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=64, num_attention_heads=4,
+                         intermediate_size=128, max_position_embeddings=64)  # fmt: skip
+    cfg = Config.model_validate({"distributed": {"tp_size": 2, "sequence_parallel": True}})
+    with pytest.raises(EngineConfigError, match=r"distributed\.sequence_parallel needs torch 2\.13"):
+        tensor_parallel.check_supported(from_config(config, seed=0), cfg)
+    cfg.distributed.sequence_parallel = False
+    tensor_parallel.check_supported(from_config(config, seed=0), cfg)  # tensor parallel alone runs there
+
+
+@OLD_TORCH_SP
 def test_sequence_parallel_tied_gqa_model_trains_as_one_process_and_exports_its_own_logits(tmp_path):
     """Two ranks, sequence parallel, tied embeddings, grouped KV heads, packed rows; logits at a sequence length
     tp does not divide (greedy evaluation's case); final/ written from the DTensors loads in transformers."""
