@@ -42,16 +42,12 @@ def supervised(tmp_path, name: str, config=TINY, timeout: float = 900, **overrid
     return subprocess.run(cli("run", str(config), *args), env=env(), capture_output=True, text=True, timeout=timeout)
 
 
-def test_qlora_run_survives_kill_9_and_exports_merged_and_adapter_on_the_gpu(tmp_path):
-    # lora.quantize = "nf4" runs on CUDA only: the supervised path (quantize as the base moves to the GPU, adapter
-    # checkpoints, resume into a freshly quantized base, merge of the dequantized base at export) is checked here
-    pytest.importorskip("bitsandbytes")
-    from transformers import AutoModelForCausalLM
-
-    run_dir = tmp_path / "gpu-qlora"
-    proc = start(cli("run", str(TINY), *tiny_overrides(tmp_path, "gpu-qlora", **{
-        "train.max_steps": 40, "ckpt.interval": 20, "lora.rank": 8, "lora.quantize": "nf4", "train.lr": 1e-2,
-        "supervisor.backoff_initial_s": 0.5,
+def killed_at_step_20_and_resumed(tmp_path, name: str, **overrides):
+    """A supervised run whose trainer is SIGKILLed once its step-20 checkpoint exists; returns its run directory
+    after checking the run finished (exit 0) and its last attempt resumed from step 20."""
+    run_dir = tmp_path / name
+    proc = start(cli("run", str(TINY), *tiny_overrides(tmp_path, name, **{
+        "ckpt.interval": 20, "supervisor.backoff_initial_s": 0.5, **overrides,
     })))  # fmt: skip
     try:
         wait_for((run_dir / "checkpoints" / "step-20").is_dir, 600, "the step-20 checkpoint")
@@ -64,11 +60,23 @@ def test_qlora_run_survives_kill_9_and_exports_merged_and_adapter_on_the_gpu(tmp
     finally:
         kill_group(proc)
     assert proc.returncode == 0, out[-4000:]
+    resumed = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "attempt_started"]
+    assert resumed[-1]["resume_from"] == 20
+    return run_dir
+
+
+def test_qlora_run_survives_kill_9_and_exports_merged_and_adapter_on_the_gpu(tmp_path):
+    # lora.quantize = "nf4" runs on CUDA only: the supervised path (quantize as the base moves to the GPU, adapter
+    # checkpoints, resume into a freshly quantized base, merge of the dequantized base at export) is checked here
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM
+
+    run_dir = killed_at_step_20_and_resumed(tmp_path, "gpu-qlora", **{
+        "train.max_steps": 40, "lora.rank": 8, "lora.quantize": "nf4", "train.lr": 1e-2,
+    })  # fmt: skip
     losses = losses_by_step(run_dir)
     assert sorted(losses) == list(range(1, 41))
     assert losses[40] < losses[1]
-    resumed = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "attempt_started"]
-    assert resumed[-1]["resume_from"] == 20
     assert (run_dir / "final" / "adapter" / "adapter_config.json").is_file()
     merged = AutoModelForCausalLM.from_pretrained(run_dir / "final")
     assert all(torch.isfinite(p).all() for p in merged.parameters())
@@ -92,24 +100,8 @@ def test_async_saves_twice_and_more_on_the_gpu(tmp_path):
 
 
 def test_kill_9_and_resume_on_the_gpu(tmp_path):
-    run_dir = tmp_path / "gpu-resume"
-    proc = start(cli("run", str(TINY), *tiny_overrides(tmp_path, "gpu-resume", **{
-        "train.max_steps": 60, "ckpt.interval": 20, "supervisor.backoff_initial_s": 0.5,
-    })))  # fmt: skip
-    try:
-        wait_for((run_dir / "checkpoints" / "step-20").is_dir, 600, "the step-20 checkpoint")
-        trainer = next(
-            e["pid"] for e in read_events(run_dir / "events.jsonl")
-            if e["event"] == "process_started" and e["process"] == "trainer"
-        )  # fmt: skip
-        os.kill(trainer, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=900)
-    finally:
-        kill_group(proc)
-    assert proc.returncode == 0, out[-4000:]
+    run_dir = killed_at_step_20_and_resumed(tmp_path, "gpu-resume", **{"train.max_steps": 60})
     assert sorted(losses_by_step(run_dir)) == list(range(1, 61))
-    resumed = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "attempt_started"]
-    assert resumed[-1]["resume_from"] == 20
 
 
 def test_rl_on_one_gpu_runs(tmp_path):

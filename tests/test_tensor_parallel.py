@@ -33,16 +33,17 @@ from enginetools import (
     wait_for,
 )
 
+from prime_train.engine.tensor_parallel import SEQUENCE_PARALLEL_MIN_TORCH
+from prime_train.engine.versions import torch_minor
 from prime_train.validator.lint import lint_files
 
 THIS_FILE = Path(__file__).resolve()
 STEPS = {"train.max_steps": 10, "ckpt.interval": 5, "logging.log_interval": 1}
 TP2 = {**STEPS, "distributed.nproc_per_node": 2, "distributed.tp_size": 2}
 
-
 # sequence parallel needs torch >= 2.13; on older torch the engine refuses it (tested below)
 OLD_TORCH_SP = pytest.mark.skipif(
-    tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+    torch_minor() < SEQUENCE_PARALLEL_MIN_TORCH,
     reason=f"sequence parallel needs torch >= 2.13, this is {torch.__version__}",
 )
 

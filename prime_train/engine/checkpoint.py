@@ -72,6 +72,7 @@ from prime_train.engine.verify import (  # re-exported: the checkpoint's files a
     is_whole_checkpoint,
     verify_checkpoint,
 )
+from prime_train.engine.versions import torch_minor
 from prime_train.retention import (
     TMP_OWNER_FILE,
     apply_retention,
@@ -115,15 +116,10 @@ def _dir_bytes(path: Path) -> int:
     return total
 
 
-def _torch_minor() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
-
-
 # torch 2.11 and 2.12 close a DefaultStager at the end of each save (its copier forgets how to copy), so a
 # second save through the same stager fails with `KeyError: <class 'type'>` (seen on an H100 with 2.11).
 # 2.10 and 2.13+ keep it open: one stager for the run reuses its pinned buffers across saves.
-STAGER_REUSABLE = not (2, 11) <= _torch_minor() < (2, 13)
+STAGER_REUSABLE = not (2, 11) <= torch_minor() < (2, 13)
 
 
 def _make_stager():

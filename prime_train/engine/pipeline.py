@@ -44,6 +44,7 @@ from prime_train.engine.llama import NativeCausalLM, dense_attention_mask, flex_
 from prime_train.engine.loss import IGNORE_INDEX, chunked_cross_entropy
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.parallel import DistInfo
+from prime_train.engine.versions import torch_minor
 
 logger = logging.getLogger("prime_train.engine")
 
@@ -123,11 +124,6 @@ class StageModule(nn.Module):
 MIN_TORCH = (2, 13)
 
 
-def _torch_minor() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
-
-
 def check_pipeline_config(cfg: Config, model: nn.Module, strategy: str = "none") -> None:
     """EngineConfigError (exit 78) for what the engine's pipeline does not run, each with the key and what to do.
 
@@ -174,7 +170,7 @@ def check_pipeline_config(cfg: Config, model: nn.Module, strategy: str = "none")
             f"train.micro_batch_size ({rows}) is not a multiple of distributed.pp_microbatches ({n}): each pipeline "
             "microbatch is micro_batch_size / pp_microbatches rows; change either"
         )
-    if _torch_minor() < MIN_TORCH:
+    if torch_minor() < MIN_TORCH:
         # torch 2.11's schedules lose the last stage's input gradient with this stage layout ("[1] for chunk 0 has
         # gradients None and is expecting to send gradients to stage 0"); 2.13 and 2.14 run it (tests/test_pipeline.py)
         raise EngineConfigError(

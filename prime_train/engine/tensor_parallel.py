@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.model import is_native
+from prime_train.engine.versions import torch_minor
 
 if TYPE_CHECKING:
     from prime_train.config.schema import Config, DistributedConfig
@@ -137,11 +138,6 @@ def check_supported(model: nn.Module, cfg: Config) -> None:
 
 # the oldest torch whose sequence-parallel run matched the one-process run in the tests (2.11 drifted, see above)
 SEQUENCE_PARALLEL_MIN_TORCH = (2, 13)
-
-
-def torch_minor() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
 
 
 # ---------------------------------------------------------------- a replicated module

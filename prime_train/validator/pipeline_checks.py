@@ -11,7 +11,7 @@ rules: 1F1B needs at least pp_size, interleaved 1F1B a multiple of its rounds). 
 from __future__ import annotations
 
 from prime_train.config.loader import Problem, Sources
-from prime_train.config.parallel_rules import pipeline_combinations as _combined
+from prime_train.config.parallel_rules import pipeline_combinations
 from prime_train.config.schema import Config
 from prime_train.validator.model_shape import model_shape
 
@@ -40,7 +40,7 @@ def pipeline_problems(cfg: Config, sources: Sources) -> list[Problem]:
     if d.pp_size == 1 or cfg.job.command:
         return []
     key = ("distributed", "pp_size")
-    problems = [sources.problem(k, "error", m) for k, m in _placement(cfg) + _model(cfg) + _combined(cfg)]
+    problems = [sources.problem(k, "error", m) for k, m in _placement(cfg) + _model(cfg) + pipeline_combinations(cfg)]
     n = d.pp_num_microbatches
     if cfg.train.micro_batch_size % n:
         problems.append(
