@@ -112,7 +112,7 @@ class Heartbeat:
     step_time_s: float | None = None
     reward: float | None = None  # RL: the mean sampled reward of the last step
     exit_code: int | None = None  # with phase stopped or failed: torchrun reports every worker failure as 1
-    reason: str | None = None  # with phase stopped or failed: why, in words
+    reason: str | None = None  # with phase stopped or failed: why, in words; with done: why before max_steps
     # with phase failed: the kind of failure the job diagnosed itself (JobFailure; an external job may name any
     # of kit/failures.FailureKind); the supervisor takes it over its own reading of the log
     failure: str | None = None
@@ -463,6 +463,15 @@ def newest_checkpoint(ckpt_dir: str | os.PathLike[str]) -> CheckpointInfo | None
     """The whole checkpoint with the highest step, or None."""
     found = list_checkpoints(ckpt_dir)
     return found[-1] if found else None
+
+
+BEST_FILE = "best.json"  # ckpt.keep_best: {"step", "metric", "value", "direction"}; every retention keeps it
+
+
+def best_checkpoint_step(ckpt_dir: str | os.PathLike[str]) -> int | None:
+    """The step checkpoints/best.json names, or None (no file, or not one the engine wrote)."""
+    step = (read_json(Path(ckpt_dir) / BEST_FILE) or {}).get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
 
 # ---------------------------------------------------------------- files both sides read while the other writes

@@ -139,3 +139,39 @@ class DPOConfig(Section):
         "instead of holding the reference model during training (saves its memory). With LoRA the reference is "
         "the base with the adapters switched off either way (no second copy).",
     )
+
+
+def metric_direction(metric: str, direction: str) -> str:
+    """'minimize' or 'maximize' for `metric`: an explicit direction, else a loss or perplexity goes down and
+    everything else (accuracy, exact match, reward, pass rate) up."""
+    if direction != "auto":
+        return direction
+    return "minimize" if re.search(r"loss|ppl|perplexity", metric) else "maximize"
+
+
+class EarlyStoppingConfig(Section):
+    metric: str | None = Field(
+        None,
+        description="An evaluation metric (a key the job writes at each eval: eval_loss, eval_exact_match, "
+        "eval_preference_accuracy, eval_pass_rate, ...). Unset: no early stopping. The run ends as done, with a "
+        "checkpoint and final/, after `patience` evaluations in a row without improvement.",
+    )
+    patience: int = Field(3, ge=1, le=1_000_000, description="Evaluations in a row without improvement before the end.")
+    min_delta: float = Field(
+        0.0, ge=0, description="An improvement smaller than this (in the metric's units) does not count."
+    )
+    direction: Literal["auto", "minimize", "maximize"] = Field(
+        "auto", description="'auto': minimize losses and perplexities, maximize everything else."
+    )
+
+
+class KeepBestConfig(Section):
+    metric: str | None = Field(
+        None,
+        description="An evaluation metric: each eval that improves on the best so far saves a checkpoint there "
+        "and keeps it out of retention (checkpoints/best.json names it) until a better one comes. Unset: off.",
+    )
+    direction: Literal["auto", "minimize", "maximize"] = Field(
+        "auto", description="'auto': minimize losses and perplexities, maximize everything else."
+    )
+    export: bool = Field(False, description="final/ holds the best checkpoint's weights instead of the last step's.")

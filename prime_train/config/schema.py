@@ -13,7 +13,13 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from prime_train.config.methods import LORA_ALL_LINEAR, DPOConfig, LoraConfig  # noqa: F401 (re-exported)
+from prime_train.config.methods import (  # noqa: F401 (re-exported)
+    LORA_ALL_LINEAR,
+    DPOConfig,
+    EarlyStoppingConfig,
+    KeepBestConfig,
+    LoraConfig,
+)
 from prime_train.config.section import (  # noqa: F401 (re-exported)
     DAY_S,
     INT64_MAX,
@@ -226,6 +232,9 @@ class TrainConfig(Section):
         description="An RL environment (as rl.environment) whose held-out prompts are answered greedily at each "
         "eval: mean reward and pass rate, for SFT runs as for RL.",
     )
+    early_stopping: EarlyStoppingConfig = Field(
+        default_factory=EarlyStoppingConfig, description="End the run when an eval metric stops improving."
+    )
 
 
 class DistributedConfig(Section):
@@ -342,6 +351,9 @@ class CkptConfig(Section):
     )
     export_final: bool = Field(True, description="Write final/ in HF format (safetensors) at the end.")
     resumable_final_save: bool = Field(False, description="Also write a full DCP checkpoint at the last step.")
+    keep_best: KeepBestConfig = Field(
+        default_factory=KeepBestConfig, description="Keep the checkpoint of the best evaluation out of retention."
+    )
     remote: str | None = Field(
         None,
         description="Object-storage URL ('s3://bucket/prefix') each whole checkpoint is uploaded to in the "

@@ -194,6 +194,7 @@ class Checkpointer:
                 self._sync_pg = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
         self._pending: _PendingSave | None = None
         self._stager = None  # kept across saves only where torch allows it (STAGER_REUSABLE)
+        self.keep_steps: frozenset[int] = frozenset()  # kept out of retention (ckpt.keep_best's step)
         # DCP names each rank's shards __<rank in the save group>_<n>.distcp: this rank checksums its own
         self._shard_prefix = f"__{dist.get_group_rank(self._save_pg, rank) if self._distributed else 0}_"
         self._digester: ThreadPoolExecutor | None = None  # checksums an async save's shards off the training thread
@@ -449,6 +450,11 @@ class Checkpointer:
             )
         return str(path), None, []
 
+    def problem_with(self, path: Path) -> str | None:
+        """Why `path` is not a whole checkpoint (rank 0's verdict, on every rank), or None."""
+        problem = verify_checkpoint(path) if self.rank == 0 or not self._distributed else None
+        return self._from_rank0(problem)
+
     def resume(self, state: TrainState) -> Path | None:
         """Resolve ckpt.resume and load it into `state`: the path loaded, or None (start at step 0).
 
@@ -655,7 +661,8 @@ class Checkpointer:
         # that), not a reason to stop training; raising here would also leave the other ranks
         # waiting in the broadcast that follows
         try:
-            apply_retention(self.ckpt_dir, self.cfg.keep_last, self.cfg.keep_every, protect=frozenset({newest}))
+            protect = frozenset({newest}) | self.keep_steps
+            apply_retention(self.ckpt_dir, self.cfg.keep_last, self.cfg.keep_every, protect=protect)
         except Exception as e:
             logger.warning("retention after step-%d failed: %s", newest, e)
 

@@ -56,8 +56,9 @@ import torch
 
 from prime_train.config.loader import ConfigError, load_config
 from prime_train.config.schema import Config
-from prime_train.contract import ExitCode, Heartbeat, JobFailure, Phase, write_heartbeat
+from prime_train.contract import BEST_FILE, ExitCode, Heartbeat, JobFailure, Phase, write_heartbeat, write_json_atomic
 from prime_train.engine import parallel, tensor_parallel
+from prime_train.engine.best import Judges
 from prime_train.engine.checkpoint import Checkpointer, StartOver, TrainState
 from prime_train.engine.evaluate import Evaluator
 from prime_train.engine.lifeline import PeerWatch, watch_peers, watch_supervisor
@@ -275,6 +276,8 @@ class TrainingJob:
         self.evaluator = Evaluator(
             self.evaluate, cfg.train.eval_interval, cfg.train.max_steps, enabled=not self.profile.active
         )
+        self.judges = Judges(cfg.train.early_stopping, cfg.ckpt.keep_best)
+        self.state.judges = self.judges
 
     def _watch_peers(self) -> PeerWatch:
         """Beat for this node and watch the others' in the rendezvous store: the static rendezvous's TCPStore,
@@ -434,6 +437,7 @@ class TrainingJob:
             # a baseline at step 0 so curves and "did it learn" have a starting point
             self.heartbeat(Phase.EVAL)
             first.update(self.evaluator.run())
+            self._judge(0, first)
         if first:
             self.metrics.log(0, first)
         self.stop.startup = False  # from here a stop finishes the step and saves
@@ -459,6 +463,7 @@ class TrainingJob:
         self.checkpointer.poll()
         logging_step = self.buffer.due(step, last=last)
         evaluating = self.evaluator.due(step)
+        best, ending = False, None
         saving = self.checkpointer.due(step, last=last)
         if reading := logging_step or evaluating or saving:
             # every step since the last read, in one sync, checked before an eval or a save can use the weights
@@ -469,32 +474,76 @@ class TrainingJob:
             if evaluating:
                 self.heartbeat(Phase.EVAL, loss=m.get("loss"))
                 m.update(self.evaluator.run())
+                best, ending = self._judge(step, m)
+                saving = saving or best
             self.buffer.write()
         self.heartbeat(Phase.STEP, force=reading, **self.buffer.heartbeat(m))
         if logging_step:
             self._log_line(step, m)
         if saving:
             self.save()
+            if best:
+                self._mark_best()
         if evaluating or saving:
             self.buffer.restart_window()  # tokens/s counts training time only
         self.profile.after_step(m)
+        if ending is not None:
+            logger.info("%s: the run ends at step %d", ending, step)
+            return self._finish(reason=ending)
         return None
 
-    def _finish(self) -> int:
-        """The run's end: the last save (a profile's timed one and its summary), the export; exit 0."""
+    def _finish(self, reason: str | None = None) -> int:
+        """The run's end (train.max_steps, or `reason`: early stopping): the last save (a profile's timed one and its
+        summary), the export; exit 0. An early end always saves its step, so that --resume can train on."""
         cfg = self.cfg
         self.checkpointer.wait()
         if self.profile.active:
             self._profile_summary()
-        elif cfg.ckpt.resumable_final_save and not self.checkpointer.holds(self.state.step):
+        elif (cfg.ckpt.resumable_final_save or reason is not None) and not self.checkpointer.holds(self.state.step):
             self.save(final=True)
         if cfg.ckpt.export_final:
             self.heartbeat(Phase.EXPORT)
+            self._load_best_for_export()
             self.export_final()
-        self.heartbeat(Phase.DONE, loss=self.buffer.last_loss)
+        fields = {"reason": reason} if reason is not None else {}
+        self.heartbeat(Phase.DONE, loss=self.buffer.last_loss, **fields)
         return ExitCode.OK
 
     # ------------------------------------------------------------------ the loop's ends and parts
+
+    def _judge(self, step: int, m: dict[str, Any]) -> tuple[bool, str | None]:
+        """An eval's verdicts: whether it is the best so far and must be saved (ckpt.keep_best), and the reason to
+        end the run here (train.early_stopping). Every rank sees the same reduced eval values and agrees."""
+        best = self.judges.best.observe(step, m) if self.judges.best is not None else False
+        ending = self.judges.early.observe(step, m) if self.judges.early is not None else None
+        if best:
+            logger.info(
+                "best %s so far at step %d: %.6g", self.judges.best.watch.metric, step, self.judges.best.watch.best
+            )
+        return best, ending
+
+    def _mark_best(self) -> None:
+        """Retention keeps the best checkpoint from now on; checkpoints/best.json names it (rank 0 writes it)."""
+        assert self.judges.best is not None
+        record = self.judges.best.record()
+        self.checkpointer.keep_steps = frozenset({record["step"]})
+        if self.dist.is_rank0:
+            write_json_atomic(self.checkpointer.ckpt_dir / BEST_FILE, record)
+
+    def _load_best_for_export(self) -> None:
+        """ckpt.keep_best.export: load the best checkpoint's weights so that final/ holds them (the last step's
+        checkpoint, saved before, stays the one to resume from)."""
+        keep = self.judges.best
+        if keep is None or not keep.export or keep.watch.best_step in (None, self.state.step):
+            return
+        path = self.checkpointer.ckpt_dir / f"step-{keep.watch.best_step}"
+        if (problem := self.checkpointer.problem_with(path)) is not None:
+            logger.warning("final/ from the last step: the best checkpoint %s is not whole (%s)", path.name, problem)
+            return
+        step, tokens = self.state.step, self.state.tokens_seen
+        logger.info("final/ from the best checkpoint, %s (%s %.6g)", path.name, keep.watch.metric, keep.watch.best)
+        self.checkpointer.load(self.state, path)
+        self.state.step, self.state.tokens_seen = step, tokens
 
     def export_final(self) -> None:
         """final/ in HF format (every rank calls it): with LoRA the merged model (unless lora.merge_on_export is off)
@@ -517,6 +566,8 @@ class TrainingJob:
         if path is not None:
             self.resumed_from = self.state.step
             logger.info("resumed from %s at step %d", path, self.state.step)
+            if self.judges.best is not None and self.judges.best.watch.best_step is not None:
+                self._mark_best()  # best.json as the checkpoint has it (a best saved after it did not finish)
         # metrics.jsonl then holds one row per step: the rows of the steps trained again after the checkpoint go
         self.metrics.rewind(self.state.step)
 

@@ -24,7 +24,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prime_train.config.schema import Config
-from prime_train.contract import Event, Phase, newest_checkpoint, newest_external_checkpoint, replace_file_atomic
+from prime_train.contract import (
+    Event,
+    Phase,
+    best_checkpoint_step,
+    newest_checkpoint,
+    newest_external_checkpoint,
+    replace_file_atomic,
+)
 from prime_train.kit.gpu import GpuHealthWatcher, GpuRecorder, GpuSource, gpu_source, visible_devices
 from prime_train.kit.observe import Note, Watcher, note
 from prime_train.kit.ownership import disk_statement, supervisor_token
@@ -152,7 +159,7 @@ class JobPlan(ABC):
             keep_every=ck.keep_every,
             high_watermark=sup.disk_high_watermark,
             max_bytes=sup.max_disk_gb * 1e9 if sup.max_disk_gb else None,
-            protect=(lambda: _uploading(backup)) if backup is not None else None,
+            protect=lambda: _kept_steps(self.checkpoints_dir, backup),
         )
         gpu = self._gpu_watcher(ctx)
         preemption = ctx.preemption
@@ -209,10 +216,13 @@ class JobPlan(ABC):
         )  # fmt: skip
 
 
-def _uploading(backup: BackupWatcher) -> set[int]:
-    """The step the bucket backup is uploading now: retention spares it."""
-    step = backup.uploading_step
-    return {step} if step is not None else set()
+def _kept_steps(checkpoints_dir: Path, backup: BackupWatcher | None) -> set[int]:
+    """Steps retention spares for now: the one the bucket backup is uploading, and the best one (ckpt.keep_best,
+    named in checkpoints/best.json by the engine)."""
+    steps = {backup.uploading_step} if backup is not None and backup.uploading_step is not None else set()
+    if (best := best_checkpoint_step(checkpoints_dir)) is not None:
+        steps.add(best)
+    return steps
 
 
 # ---------------------------------------------------------------------- an external command

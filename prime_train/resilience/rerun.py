@@ -66,6 +66,7 @@ class Finished:
 
     step: int | None
     final_dir: Path | None
+    reason: str | None = None  # why it ended before train.max_steps (early stopping), when it did
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def finished_run(cfg: Config) -> Finished | None:
     hb = read_heartbeat(run_dir.progress_path)
     if hb is None or hb.phase is not Phase.DONE:
         return None
-    return Finished(hb.step, final)
+    return Finished(hb.step, final, hb.reason)
 
 
 def plan_rerun(cfg: Config, *, fresh: bool, resume: bool) -> Rerun:
@@ -104,7 +105,8 @@ def plan_rerun(cfg: Config, *, fresh: bool, resume: bool) -> Rerun:
         return Rerun(True)  # never run, or stopped part way: resume from the newest whole checkpoint, as ever
     at = f"step {done.step}" if done.step is not None else "its last step"
     where = f"; its model is in {done.final_dir}" if done.final_dir is not None else ""
-    said = f"run {cfg.run.name} is finished (at {at}){where}"
+    why = f", {done.reason}" if done.reason else ""
+    said = f"run {cfg.run.name} is finished (at {at}{why}){where}"
     if cfg.job.command:
         # an external job's step count is its own business: --resume starts it again with its resume_args
         if resume:

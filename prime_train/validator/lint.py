@@ -129,6 +129,7 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
         _batch_problems,
         _schedule_problems,
         _keep_and_resume_problems,
+        _judging_problems,
         _data_problems,
         _context_problems,
         _output_dir_problems,
@@ -243,6 +244,37 @@ def _keep_and_resume_problems(cfg: Config, sources: Sources) -> list[Problem]:
         why = _resume_problem(ck.resume)
         if why:
             problems.append(sources.problem(("ckpt", "resume"), "error", f"ckpt.resume {ck.resume!r} {why}"))
+    return problems
+
+
+def _judging_problems(cfg: Config, sources: Sources) -> list[Problem]:
+    """Early stopping and the best checkpoint judge evaluations: there must be some before the last step."""
+    problems = []
+    tr = cfg.train
+    judged = [
+        (("train", "early_stopping", "metric"), "train.early_stopping never ends the run early"),
+        (("ckpt", "keep_best", "metric"), "ckpt.keep_best keeps the last step's checkpoint only"),
+    ]
+    for key, effect in judged:
+        section = tr.early_stopping if key[0] == "train" else cfg.ckpt.keep_best
+        # (an eval_interval beyond max_steps has its own warning above)
+        if section.metric and tr.eval_interval == tr.max_steps:
+            problems.append(
+                sources.problem(
+                    key,
+                    "warning",
+                    f"train.eval_interval = {tr.eval_interval} evaluates only at the last step "
+                    f"(train.max_steps = {tr.max_steps}): {effect}; lower train.eval_interval",
+                )
+            )
+    if cfg.ckpt.keep_best.export and not cfg.ckpt.keep_best.metric:
+        problems.append(
+            sources.problem(
+                ("ckpt", "keep_best", "export"),
+                "warning",
+                "ckpt.keep_best.export without ckpt.keep_best.metric does nothing",
+            )
+        )
     return problems
 
 

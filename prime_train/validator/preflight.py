@@ -372,6 +372,8 @@ def checkpoint_disk_need(cfg: Config, num_params: int, adapters: int | None = No
     kept = written if ck.keep_last is None else min(written, ck.keep_last + 1)
     if ck.keep_every:
         kept = min(written, kept + max_steps // ck.keep_every)
+    if ck.keep_best.metric:  # the best one is kept beside them (and saved at an eval, off the interval)
+        kept += 1
     per_checkpoint = (num_params if adapters is None else adapters) * DCP_BYTES_PER_PARAM
     exported = num_params if adapters is None else adapters + (num_params if cfg.lora.merge_on_export else 0)
     export = exported * EXPORT_BYTES_PER_PARAM if ck.export_final else 0
