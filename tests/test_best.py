@@ -141,3 +141,17 @@ def test_keep_best_keeps_the_best_eval_out_of_retention_and_exports_it(tmp_path)
     expected = load_file(tmp_path / "best-hf" / "model.safetensors")
     assert exported.keys() == expected.keys()
     assert all((exported[k] == expected[k]).all() for k in exported)
+
+
+def test_a_resumed_run_judges_as_the_uninterrupted_one_would(tmp_path):
+    # patience 3, no eval after the baseline improves: the uninterrupted run would end at step 6 (evals 2, 4, 6)
+    judged = {"train.eval_interval": 2, "train.early_stopping.metric": "eval_loss",
+              "train.early_stopping.patience": 3, "train.early_stopping.min_delta": 100}  # fmt: skip
+    first = run(tmp_path, "judged", **judged, **{"train.max_steps": 4, "ckpt.resumable_final_save": "true"})
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-2000:]
+    # trained on from its step-4 checkpoint, whose judges have seen two evals without improvement: one more ends it
+    # (judged afresh, the first eval after the resume would be the best, and the run would go on to step 12)
+    more = run(tmp_path, "judged", "--resume", **judged, **{"train.max_steps": 40})
+    assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-2000:]
+    hb = read_heartbeat(tmp_path / "judged" / "progress.json")
+    assert hb.phase is Phase.DONE and hb.step == 6 and "for 3 evaluations" in hb.reason
