@@ -305,7 +305,7 @@ RUN_FILES = frozenset(
 )
 CONFIG_ATTEMPT_RE = re.compile(r"^config\.attempt-\d+\.toml$")  # the config of a restart that resumes
 RUN_DIRS = frozenset(
-    {"logs", "checkpoints", "weights", "final", "profile", "tensorboard", "previous", "inference", "wandb"}
+    {"logs", "checkpoints", "weights", "final", "profile", "tensorboard", "previous", "inference", "wandb", "trackers"}
 )
 
 

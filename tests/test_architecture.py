@@ -54,7 +54,20 @@ RL_TRAINING = (
     "prime_train.rl.generation",
     "prime_train.rl.worker",
 )
-HEAVY = ("torch", "transformers", "safetensors", "numpy", "tokenizers", "wandb", "boto3", "vllm", "sky")
+HEAVY = (
+    "torch",
+    "transformers",
+    "safetensors",
+    "numpy",
+    "tokenizers",
+    "wandb",
+    "boto3",
+    "vllm",
+    "sky",
+    "mlflow",
+    "clearml",
+    "neptune",
+)
 
 
 @dataclass(frozen=True)

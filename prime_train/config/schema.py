@@ -414,6 +414,27 @@ class LoggingConfig(Section):
     wandb_project: str | None = Field(None, description="W&B project; unset: no W&B.")
     wandb_entity: str | None = Field(None, description="W&B entity (team or user).")
     wandb_mode: Literal["online", "offline", "disabled"] = Field("online", description="W&B mode.")
+    trackers: list[Literal["tensorboard", "wandb", "mlflow", "clearml", "neptune"]] | None = Field(
+        None,
+        description="Experiment trackers that get the metrics, the config and sample generations (rank 0). Unset: "
+        "TensorBoard when logging.tensorboard, W&B when logging.wandb_project is set. Set: exactly these.",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        None,
+        description="MLflow tracking store (http(s)://, sqlite:///, databricks). Unset: MLFLOW_TRACKING_URI, else an "
+        "SQLite file in the run directory (trackers/mlflow.db). Credentials go in MLflow's environment variables.",
+    )
+    mlflow_experiment: str = Field("prime-train", min_length=1, description="MLflow experiment name.")
+    clearml_project: str = Field("prime-train", min_length=1, description="ClearML project name.")
+    clearml_offline: bool = Field(
+        False, description="ClearML offline mode: the session is kept in <run>/trackers/clearml, for import later."
+    )
+    neptune_project: str | None = Field(
+        None, description="Neptune project (workspace/project); unset: NEPTUNE_PROJECT. The token: NEPTUNE_API_TOKEN."
+    )
+    neptune_mode: Literal["async", "sync", "offline", "debug"] = Field(
+        "async", description="Neptune connection mode; 'offline' keeps the run in <run>/trackers/neptune for a sync."
+    )
     max_log_mb: float = Field(
         100.0,
         ge=0,
@@ -421,6 +442,21 @@ class LoggingConfig(Section):
         "log keeps its first half and its newest output, with a line saying how much was dropped (at least 64 KB; "
         "0: no cap).",
     )
+
+    @model_validator(mode="after")
+    def _wandb_tracker_has_a_project(self) -> LoggingConfig:
+        if self.trackers is not None and "wandb" in self.trackers and not self.wandb_project:
+            raise ValueError("logging.trackers has 'wandb' but logging.wandb_project is unset: set the W&B project")
+        return self
+
+    def active_trackers(self) -> list[str]:
+        """The trackers a run opens, in order, each once."""
+        if self.trackers is None:
+            names = ["tensorboard"] if self.tensorboard else []
+            names += ["wandb"] if self.wandb_project else []
+        else:
+            names = list(dict.fromkeys(self.trackers))
+        return [n for n in names if n != "wandb" or self.wandb_mode != "disabled"]
 
 
 class JobConfig(Section):

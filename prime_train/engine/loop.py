@@ -126,6 +126,7 @@ class TrainingJob:
         self.stop.install()
         watch_supervisor(self.stop.supervisor_gone)
         self.resumed_from = 0
+        self.failed = False  # set when the run ends failed: the trackers mark their run so
         self.configure()
         self.dist = with_pipeline_ranks(parallel.init_distributed(cfg.distributed), cfg.distributed.pp_size)
         setup_logging(cfg, self.dist.rank)
@@ -387,7 +388,7 @@ class TrainingJob:
     def close(self) -> None:
         """Flush checkpoints and metrics, drop the model wrappers, leave the process group."""
         self.checkpointer.close()
-        self.metrics.close()
+        self.metrics.close(failed=self.failed)
         # drop the DDP/FSDP wrappers before the process group goes, or gloo may abort at exit
         self.state = self.optimizer = self.scheduler = self.model = None
         gc.collect()
@@ -682,12 +683,14 @@ def run(job_class: type[TrainingJob], config_path: str) -> int:
         print(f"config error:\n{exc}", file=sys.stderr)
         return ExitCode.CONFIG
     job = None
+    code: int = ExitCode.FAILED  # until fit returns: an exception ends the run failed
     try:
         job = job_class(cfg)
         code = job.fit()
         job.finish_peers()  # every rank left the loop together (done, stopped, diverged); not on an exception
         return code
     except StopRequested as exc:
+        code = ExitCode.PREEMPTED  # a stop during start-up: not a failure
         logger.warning("%s; exiting 75", exc)
         _record_exit(cfg, ExitCode.PREEMPTED, str(exc), Phase.STOPPED)
         return ExitCode.PREEMPTED
@@ -703,6 +706,7 @@ def run(job_class: type[TrainingJob], config_path: str) -> int:
         return ExitCode.CONFIG
     finally:
         if job is not None:
+            job.failed = code not in (ExitCode.OK, ExitCode.PREEMPTED)
             job.close()
 
 

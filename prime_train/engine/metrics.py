@@ -1,4 +1,4 @@
-"""Per-step metrics: metrics.jsonl, the progress.json heartbeat, TensorBoard and W&B (rank 0 only).
+"""Per-step metrics: metrics.jsonl, the progress.json heartbeat, the experiment trackers (rank 0 only).
 
 `MetricsLogger` writes what rank 0 measured. `MetricsBuffer` holds the steps' metrics between two reads of the device:
 a step's loss and gradient norm stay on the device, and the buffer reads every buffered step at once (one sync) on
@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import os
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,14 +23,12 @@ from prime_train.contract import (
     Heartbeat,
     Phase,
     RunDir,
-    UnsafeLink,
     open_nofollow,
-    read_json,
     read_jsonl,
     replace_file_atomic,
     write_heartbeat,
-    write_json_atomic,
 )
+from prime_train.engine.errors import EngineConfigError  # noqa: F401 (re-exported: where the engine raises it from)
 
 logger = logging.getLogger("prime_train.engine")
 
@@ -43,66 +40,20 @@ HEARTBEAT_INTERVAL_S = 1.0
 DIVERGENCE_KEYS = ("loss", "grad_norm")
 
 
-class EngineConfigError(ValueError):
-    """A setting or an input the engine cannot run with (a key, a data file and its line, a checkpoint to resume
-    from); the job exits 78 and is never retried. A ValueError, as such problems were raised before."""
-
-
 class MetricsLogger:
-    """Writes what rank 0 measured; every other rank gets a logger that does nothing."""
+    """Writes what rank 0 measured: metrics.jsonl, then each tracker (engine/trackers.py); every other rank gets a
+    logger that does nothing."""
 
     def __init__(self, run_dir: RunDir, cfg: Config, *, enabled: bool):
         self.run_dir = run_dir
         self.cfg = cfg
         self.enabled = enabled
-        self._tb = None
-        self._tb_fresh = False
-        self._wandb = None
+        self.trackers: list = []
         if not enabled:
             return
-        if cfg.logging.tensorboard:
-            try:
-                # a real directory of the run (or a link within it): one leading elsewhere would get our event files
-                run_dir.ensure_dir(run_dir.tensorboard_dir)
-            except UnsafeLink as exc:
-                raise EngineConfigError(f"{exc.filename}: {exc.strerror}; remove the link") from None
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        from prime_train.engine.trackers import open_trackers
 
-                self._tb = SummaryWriter(log_dir=str(run_dir.tensorboard_dir))
-                self._tb_fresh = True  # nothing written through it yet: rewind may reopen it with a purge step
-            except ImportError:
-                logger.warning(
-                    "logging.tensorboard is on but the tensorboard package is missing; pip install tensorboard"
-                )
-        if cfg.logging.wandb_project and cfg.logging.wandb_mode != "disabled":
-            self._wandb = self._init_wandb()
-
-    def _init_wandb(self):
-        try:
-            import wandb
-        except ImportError:
-            raise EngineConfigError(
-                "logging.wandb_project is set but wandb is not installed; pip install 'prime-train[wandb]' "
-                "or unset logging.wandb_project"
-            ) from None
-        # one W&B run per prime-train run: resumes after a restart append to the same run
-        id_file = self.run_dir.root / "wandb_id.json"
-        saved = read_json(id_file) or {}
-        # our own id: wandb.util.generate_id is gone in wandb 0.31; W&B ids allow lowercase letters and digits
-        run_id = saved.get("id") or secrets.token_hex(6)
-        write_json_atomic(id_file, {"id": run_id})
-        return wandb.init(
-            project=self.cfg.logging.wandb_project,
-            entity=self.cfg.logging.wandb_entity,
-            mode=self.cfg.logging.wandb_mode,
-            name=self.cfg.run.name,
-            id=run_id,
-            resume="allow",
-            dir=str(self.run_dir.root),
-            # job.env holds the external command's environment (tokens, keys): it stays out of W&B
-            config=self.cfg.model_dump(mode="json", exclude={"job": {"env"}}),
-        )
+        self.trackers = open_trackers(run_dir, cfg)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Record one step's metrics everywhere they are configured to go."""
@@ -121,14 +72,10 @@ class MetricsLogger:
         fd = open_nofollow(self.run_dir.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         with os.fdopen(fd, "a", encoding="utf-8") as f:
             f.write(lines)
-        self._tb_fresh = False
         for step, metrics in rows:
-            if self._tb is not None:
-                for key, value in metrics.items():
-                    if isinstance(value, int | float) and not isinstance(value, bool):
-                        self._tb.add_scalar(key, value, step)
-            if self._wandb is not None:
-                self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, int | float | str)}, step=step)
+            scalars = {k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+            for tracker in self.trackers:
+                tracker.log(step, scalars)
 
     def rewind(self, step: int) -> int:
         """Make metrics.jsonl hold only what led to the state the job starts from; returns the rows dropped.
@@ -144,25 +91,15 @@ class MetricsLogger:
         if dropped:
             after = f"after step {step}" if step > 0 else "of an earlier run (starting from step 0)"
             logger.info("metrics.jsonl: dropped %d row(s) %s; they are trained again", dropped, after)
-        if self._tb is not None and self._tb_fresh:
-            # TensorBoard too: a writer opened with purge_step makes its readers drop the earlier attempts' points
-            # from that step on, so a resumed curve does not double back (W&B keeps what it has: it ignores steps
-            # lower than a resumed run's last)
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb.close()
-            self._tb = SummaryWriter(log_dir=str(self.run_dir.tensorboard_dir), purge_step=step + 1 if step else 0)
-            self._tb_fresh = False
+        for tracker in self.trackers:  # TensorBoard purges the retrained steps' points; the others keep theirs
+            tracker.rewind(step)
         return dropped
 
     def log_text(self, step: int, tag: str, text: str) -> None:
         if not self.enabled:
             return
-        self._tb_fresh = False
-        if self._tb is not None:
-            self._tb.add_text(tag, text, step)
-        if self._wandb is not None:
-            self._wandb.log({tag: text}, step=step)
+        for tracker in self.trackers:
+            tracker.text(step, tag, text)
 
     def heartbeat(self, step: int | None, *, phase: Phase = Phase.STEP, **fields: Any) -> None:
         """Rewrite progress.json atomically: the supervisor's proof that the job is alive, and what it is doing."""
@@ -172,11 +109,14 @@ class MetricsLogger:
         # a running job's heartbeat is replaced within a second: rename keeps it whole, no fsync (contract.py)
         write_heartbeat(self.run_dir.progress_path, hb, durable=Phase(phase) in _FINAL_PHASES)
 
-    def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+    def close(self, failed: bool = False) -> None:
+        """Close every tracker (a failed run is marked failed where the tracker has the notion)."""
+        for tracker in self.trackers:
+            try:
+                tracker.close(failed)
+            except Exception as e:  # a tracker's upload failing at the end must not turn a finished run into a crash
+                logger.warning("closing the %s tracker failed: %s", tracker.name, e)
+        self.trackers = []
 
 
 class HeartbeatWriter:
