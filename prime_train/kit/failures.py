@@ -27,6 +27,18 @@ class FailureKind(StrEnum):
     CONFIG_ERROR = "config_error"
     DISK_FULL = "disk_full"
     NODE_LOST = JobFailure.NODE_LOST.value  # another node went silent: its trainer or its machine is gone
+    KILLED_BY_SIGNAL = "killed_by_signal"  # a process died of SIGSEGV, SIGABRT, SIGBUS...: a crash in native code
+    CHECKPOINT_MISMATCH = "checkpoint_mismatch"  # a state dict does not fit the model: keys or shapes differ
+    HUB_UNAVAILABLE = "hub_unavailable"  # the Hugging Face hub timed out, rate-limited (429) or could not be reached
+    DRIVER_ERROR = "driver_error"  # the NVIDIA driver or the GPU does not fit the installed CUDA build
+    BROKEN_INSTALL = "broken_install"  # a missing module, an undefined symbol, a package version conflict at import
+    COMPILE_ERROR = "compile_error"  # torch.compile (dynamo, inductor, Triton) failed to compile the model
+    DTYPE_OR_DEVICE = "dtype_or_device"  # tensors on different devices, a dtype the GPU or the op does not take
+    STORAGE_TRANSIENT = "storage_transient"  # object storage throttled (SlowDown), a stale NFS handle: passes
+    STORAGE_ERROR = "storage_error"  # object storage refused: access denied, no such bucket, the clock skewed
+    TRACKER_ERROR = "tracker_error"  # the experiment tracker (W&B) refused to start: no API key
+    PORT_IN_USE = "port_in_use"  # a port the job binds is held by another process
+    TOKENIZER_ERROR = "tokenizer_error"  # no chat template, a token id out of the vocabulary, vocab sizes that differ
 
 
 @dataclass(frozen=True)
@@ -89,6 +101,63 @@ RULES: dict[FailureKind, Rule] = {
         "another node stopped beating (its trainer, its supervisor or its machine is gone): its own log and "
         "`prime-train status` there say why; this node restarts and waits for it at the rendezvous for "
         "distributed.join_timeout_s"
+    ),
+    FailureKind.KILLED_BY_SIGNAL: Rule(
+        "a process died of a signal (SIGSEGV, SIGABRT, SIGBUS) in native code: the rank's own error above the "
+        "launcher's summary is the cause when there is one; the run resumes from the newest whole checkpoint"
+    ),
+    FailureKind.CHECKPOINT_MISMATCH: Rule(
+        "the checkpoint does not fit the model (the line names the parameter and both shapes): resume with the "
+        "model config it was saved with, or start from the model path instead of this checkpoint",
+        not_retried="the same checkpoint fails to load into the same model again",
+    ),
+    FailureKind.HUB_UNAVAILABLE: Rule(
+        "the Hugging Face hub timed out, rate-limited the download (429) or could not be reached: the run retries "
+        "with backoff; set HF_TOKEN (higher limits), or download the model once and point model.path at it"
+    ),
+    FailureKind.DRIVER_ERROR: Rule(
+        "the NVIDIA driver or the GPU does not fit the installed torch/CUDA build (driver too old, NVML "
+        "mismatch after a driver upgrade: reboot, no kernel image for this GPU): fix the machine or the install",
+        not_retried="the same driver and build fail the same way",
+    ),
+    FailureKind.BROKEN_INSTALL: Rule(
+        "a package is missing or was built against another torch (the line names it): reinstall it for the "
+        "installed torch (`pip install --force-reinstall PKG`), or pin the versions that fit",
+        not_retried="the same environment fails to import the same way",
+    ),
+    FailureKind.COMPILE_ERROR: Rule(
+        "torch.compile failed (dynamo, inductor or Triton): set train.compile = false to run eager, and report "
+        "the error with the torch version",
+        not_retried="the same model compiles the same way",
+    ),
+    FailureKind.DTYPE_OR_DEVICE: Rule(
+        "tensors on different devices or a dtype the GPU or op does not take (bf16 needs compute capability 8.0+; "
+        "fp16 weights cannot be unscaled): set train.precision to what the GPU supports, keep trained weights fp32",
+        not_retried="the same code on the same GPU fails the same way",
+    ),
+    FailureKind.STORAGE_TRANSIENT: Rule(
+        "the object store throttled requests (SlowDown, 503) or a shared filesystem dropped a handle (ESTALE): "
+        "the run retries with backoff; spread the writes (fewer ranks writing, a longer ckpt.interval)"
+    ),
+    FailureKind.STORAGE_ERROR: Rule(
+        "the object store refused the request (access denied, no such bucket, the clock too far off): check the "
+        "bucket name, the credentials and the machine's clock (`timedatectl`)",
+        not_retried="the same bucket and credentials are refused again",
+    ),
+    FailureKind.TRACKER_ERROR: Rule(
+        "the experiment tracker refused to start (no W&B API key): export WANDB_API_KEY (list it in "
+        "supervisor.required_env) or set WANDB_MODE=offline; tracker warnings alone never stop a healthy run",
+        not_retried="without the key the tracker refuses again",
+    ),
+    FailureKind.PORT_IN_USE: Rule(
+        "a port the job binds is held by another process (distributed.master_port, inference.base_port + i): "
+        "`ss -ltnp 'sport = :PORT'` shows who holds it; the run retries with backoff in case it is freed"
+    ),
+    FailureKind.TOKENIZER_ERROR: Rule(
+        "the tokenizer does not fit the data or the model (no chat template on a base model, token ids past the "
+        "vocabulary, vocab sizes that differ): use the instruct model's tokenizer or set a chat template, and "
+        "resize the embeddings after adding tokens",
+        not_retried="the same tokenizer and data fail the same way",
     ),
 }
 

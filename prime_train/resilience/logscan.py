@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import signal
 import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -145,6 +146,14 @@ _LINE_PREFIX = re.compile(r"^(?:\[[^\]\n]{1,40}\]:?\s|\([^)\n]{1,60}\)\s)")
 # What the previous line was, for a wrap: never joined (a warning, a traceback header or frame),
 # passed the needle gate (the join is searched whole), or plain (searched where a needle was cut).
 _UNJOINABLE, _GATED, _PLAIN = "unjoinable", "gated", "plain"
+# torchrun's failure table puts a rank on the line before its exit code ("rank : 1 (local_rank: 1)", then
+# "exitcode : -6"); its agent's log line carries both ("failed (exitcode: -6) local_rank: 0").
+_RANK = re.compile(r"\b(?:local_)?rank\s*:\s*(\d+)")
+_SIGNAL_NAME = re.compile(r"\bSIG[A-Z]{2,6}\b")
+_EXIT_SIGNAL = re.compile(r"exitcode\s*:\s*-(\d+)")
+# A port as bind errors print it ("0.0.0.0:29500", "[::]:8000", "port: 29500"); torchrun's last word on a taken port,
+# "[E socket.cpp:500] ... failed to listen on any local network address.", leaves it to the warning line before it.
+_PORT = re.compile(r"(?:\bport:?\s*|[\d\]]:)(\d{4,5})\b")
 
 
 @dataclass
@@ -223,6 +232,28 @@ def _soft_cut(tail: str, line: str) -> bool:
         return False
     window = tail + " " + line[:_CUT]
     return any(m.start() < len(tail) and m.end() > len(tail) + 1 for m in _GATE.finditer(window))
+
+
+def _context_note(kind: FailureKind | None, prev: str, line: str) -> str:
+    """What the line before tells about a fatal `line` that `line` does not: a signal's rank, a taken port."""
+    if kind is FailureKind.PORT_IN_USE:
+        port = None if _PORT.search(line) else _PORT.search(prev)
+        return f" (port {port.group(1)})" if port else ""
+    return _signal_note(prev, line)
+
+
+def _signal_note(prev: str, line: str) -> str:
+    """What to add to a line that shows a process killed by a signal, as " (rank N, SIGABRT)": the rank from the line
+    or the one before it (torchrun's table), the signal's name when the line gives only its number; "" for neither."""
+    rank = _RANK.search(line) or _RANK.search(prev)
+    name = _SIGNAL_NAME.search(line)
+    number = _EXIT_SIGNAL.search(line)
+    signame = name.group() if name else None
+    if signame is None and number is not None and int(number.group(1)) in signal.valid_signals():
+        signame = signal.Signals(int(number.group(1))).name
+    parts = [f"rank {rank.group(1)}"] if rank else []
+    parts += [signame] if signame and signame not in line else []
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _continuation(prev: str, line: str) -> str:
@@ -346,6 +377,8 @@ class LogScanner:
             self._prev_fatal = chosen[0][0]
         if (matched or self._grad_streak) and self._grad_norm(line, matched) and not fatal:
             chosen.append((GRAD_NORM_STUCK, line))
+        if fatal and chosen[0][0].kind in (FailureKind.KILLED_BY_SIGNAL, FailureKind.PORT_IN_USE):
+            chosen[0] = (chosen[0][0], chosen[0][1] + _context_note(chosen[0][0].kind, prev, line))
         return [f for p, text in chosen if (f := self._record(p, text, line_no)) is not None]
 
     def finish(self) -> list[Finding]:

@@ -9,55 +9,13 @@ ROOT_CAUSE_TIERS says which kinds cause the others. Torch-free: this runs in the
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from prime_train.kit.failures import WHY_NOT_RETRIED, FailureKind
-
-FATAL = "fatal"
-WARNING = "warning"
-
-
-@dataclass(frozen=True)
-class Pattern:
-    """One known failure or warning: how to spot its line, what it means and what to do about it."""
-
-    name: str
-    regex: re.Pattern[str]
-    kind: FailureKind | None  # None: a warning only, never the cause of a death
-    severity: str  # FATAL or WARNING
-    hint: str  # what to do, one line; names the config key where there is one
-    # Substrings (case-sensitive), one of which every line the regex matches contains. All
-    # patterns' needles together make one gate regex: most lines contain none of them, and
-    # those lines never reach the per-pattern regexes. Empty: the regex runs on every line.
-    needles: tuple[str, ...] = ()
-    # Where each phrase of the regex comes from (which program prints it, which versions): the
-    # reason the phrase is here, and where to look when its wording changes.
-    sources: tuple[str, ...] = ()
-    # Whether a match may span a wrapped line (see logscan._wrapped). Off for key-value patterns: the end of
-    # one line glued to the next would make new keys ("Best loss: inf" + "val_loss = inf").
-    wraps: bool = True
-
-    def search(self, line: str) -> bool:
-        """Whether `line` shows this pattern."""
-        for needle in self.needles:
-            if needle in line:
-                return self.regex.search(line) is not None
-        return not self.needles and self.regex.search(line) is not None
-
-
-def _pattern(
-    name: str,
-    kind: FailureKind | None,
-    hint: str,
-    needles: tuple[str, ...],
-    *phrases: tuple[str, str],
-    wraps: bool = True,
-) -> Pattern:
-    """A Pattern from (regex, source) phrases; the regex matches any of them."""
-    regex = re.compile("|".join(f"(?:{rx})" for rx, _ in phrases))
-    severity = FATAL if kind is not None else WARNING
-    return Pattern(name, regex, kind, severity, hint, needles, tuple(source for _, source in phrases), wraps)
-
+from prime_train.resilience.pattern import FATAL as FATAL
+from prime_train.resilience.pattern import WARNING as WARNING
+from prime_train.resilience.pattern import Pattern as Pattern
+from prime_train.resilience.pattern import pattern as _pattern
+from prime_train.resilience.patterns_env import ENV_FATAL_PATTERNS, ENV_WARNING_PATTERNS
 
 K = FailureKind
 
@@ -415,32 +373,7 @@ PATTERNS: list[Pattern] = [
         ),
         (r"NCCL communicator was aborted", "torch ProcessGroupNCCL after an abort"),
     ),
-    _pattern(
-        "cuda_unavailable",
-        K.CRASH,
-        "CUDA is not usable in this process: check nvidia-smi, CUDA_VISIBLE_DEVICES and that no leftover "
-        "process holds the GPUs (`prime-train preflight` checks this before a run)",
-        (
-            "No CUDA GPUs",
-            "driver version is insufficient",
-            "busy or unavailable",
-            "NVIDIA driver",
-            "CUDA-capable",
-            "failed lazily at initialization",
-        ),
-        (r"No CUDA GPUs are available|no CUDA-capable device is detected", "torch / CUDA runtime"),
-        (r"CUDA call failed lazily at initialization", "torch DeferredCudaCallError (a bad CUDA_VISIBLE_DEVICES)"),
-        (r"CUDA driver version is insufficient|Found no NVIDIA driver on your system", "CUDA runtime, torch"),
-        (r"CUDA-capable device\(s\) is/are busy or unavailable", "CUDA runtime (exclusive compute mode)"),
-    ),
-    _pattern(
-        "cuda_no_kernel_image",
-        K.CRASH,
-        "the installed torch or kernel library was not built for this GPU's architecture: install a build that "
-        "supports it (a newer CUDA wheel for H100/B200, or build the extension with TORCH_CUDA_ARCH_LIST set)",
-        ("no kernel image",),
-        (r"no kernel image is available for execution on the device", "CUDA error 209"),
-    ),
+    *ENV_FATAL_PATTERNS,
     _pattern(
         "vllm_engine_start_failed",
         K.INFERENCE_DIED,
@@ -481,15 +414,6 @@ PATTERNS: list[Pattern] = [
         (r"(?<!errors like `OSError: \[Errno 24\] )Too many open files|\bEMFILE\b", "POSIX EMFILE"),
     ),
     _pattern(
-        "address_in_use",
-        K.CRASH,
-        "a port the job binds is taken (distributed.master_port, or inference.base_port + i for RL worker i): "
-        "`ss -ltnp` shows who holds it; stop that process or pick another port",
-        ("ddress already in use", "DDRESS ALREADY IN USE", "EADDRINUSE", "address in use"),
-        (r"(?i:address already in use)|\bEADDRINUSE\b", "POSIX EADDRINUSE"),
-        (r"cannot listen on \S+: address in use", "prime-train's embedded rollout worker, older wording"),
-    ),
-    _pattern(
         "child_process_failed",
         K.CRASH,
         "a worker process of the launcher failed: its own log or output above holds the cause (torchrun names the "
@@ -497,15 +421,6 @@ PATTERNS: list[Pattern] = [
         ("ChildFailedError", "failed (exitcode", "ActorDiedError", "RayActorError", "actor died unexpectedly"),
         (r"\bChildFailedError\b|failed \(exitcode: [1-9]\d*\) local_rank", "torchrun / torch.distributed.elastic"),
         (r"\b(?:ActorDiedError|RayActorError)\b|The actor died unexpectedly", "Ray actors: verl, OpenRLHF, vLLM"),
-    ),
-    _pattern(
-        "native_crash",
-        K.CRASH,
-        "the process died in native code (abort, bus error or segfault): the first error above it is "
-        "usually the cause; after an NCCL timeout the watchdog aborts on purpose",
-        ("Signal ", "Segmentation fault", "Fatal Python error", "exitcode"),
-        (r"Signal (?:6 \(SIGABRT\)|7 \(SIGBUS\)|11 \(SIGSEGV\)) received|exitcode\s*:\s*-(?:6|7|11)\b", "torchrun"),
-        (r"\bSegmentation fault\b|Fatal Python error: ", "shells, CPython faulthandler"),
     ),
     _pattern(
         "vllm_use_v1_set",
@@ -544,6 +459,7 @@ PATTERNS: list[Pattern] = [
         ("NCCL WARN",),
         (r"\bNCCL WARN\b", "NCCL debug output"),
     ),
+    *ENV_WARNING_PATTERNS,
 ]
 
 
@@ -618,8 +534,9 @@ GRAD_NORM_STUCK = Pattern(
 # Kinds in the order root_cause() trusts them: an earlier tier is a cause, a later one usually a
 # consequence of it. An NCCL timeout or a dead inference engine follows a rank's or the engine's
 # own death; "remote process exited" is another rank's death seen over the network, and a lost node
-# (silent in the rendezvous store) another node's; a bare traceback is the least specific. Within a
-# tier the earliest finding wins.
+# (silent in the rendezvous store) another node's; a signal in torchrun's summary is a rank's death
+# whose own error, when it printed one, is above it; a bare traceback is the least specific, and a
+# tracker that would not start is no more than one. Within a tier the earliest finding wins.
 ROOT_CAUSE_TIERS: tuple[frozenset[FailureKind], ...] = (
     frozenset(
         {
@@ -631,9 +548,20 @@ ROOT_CAUSE_TIERS: tuple[frozenset[FailureKind], ...] = (
             K.HOST_OUT_OF_MEMORY,
             K.DISK_FULL,
             K.LOSS_NOT_FINITE,
+            K.CHECKPOINT_MISMATCH,
+            K.HUB_UNAVAILABLE,
+            K.DRIVER_ERROR,
+            K.BROKEN_INSTALL,
+            K.COMPILE_ERROR,
+            K.DTYPE_OR_DEVICE,
+            K.STORAGE_TRANSIENT,
+            K.STORAGE_ERROR,
+            K.PORT_IN_USE,
+            K.TOKENIZER_ERROR,
         }
     ),
     frozenset({K.NCCL_ERROR}),
     frozenset({K.NCCL_TIMEOUT, K.INFERENCE_DIED, K.HANG, K.PREEMPTED, K.NODE_LOST}),
-    frozenset({K.CRASH}),
+    frozenset({K.KILLED_BY_SIGNAL}),
+    frozenset({K.CRASH, K.TRACKER_ERROR}),
 )
