@@ -266,6 +266,89 @@ def list_quarantined(ckpt_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return out
 
 
+# ---------------------------------------------------------------- `prime-train ckpt list | rm`
+
+
+def _tree_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes of the files under `path`, links not followed."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):  # never descends into a linked directory
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                continue
+    return total
+
+
+def checkpoint_inventory(ckpt_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every checkpoint directory in `ckpt_dir`, by step: whole (step-N), partial (step-N.tmp: its writer, if one is
+    still writing) and quarantined (step-N.corrupt: why), each with its path, bytes and modification time.
+
+    Symlinks named like checkpoints are listed as links (kind "link"), never followed or measured."""
+    try:
+        entries = list(os.scandir(ckpt_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out: list[dict[str, Any]] = []
+    for entry in entries:
+        kinds = (("whole", STEP_RE), ("partial", TMP_RE), ("quarantined", QUARANTINE_RE))
+        kind, m = next(((k, m) for k, rx in kinds if (m := rx.match(entry.name))), (None, None))
+        if kind is None or m is None:
+            continue
+        row: dict[str, Any] = {"step": int(m.group(1)), "name": entry.name, "path": entry.path, "kind": kind}
+        if entry.is_symlink() or not entry.is_dir(follow_symlinks=False):
+            row.update(kind="link" if entry.is_symlink() else "file", bytes=None, time=None)
+            out.append(row)
+            continue
+        row.update(bytes=_tree_bytes(entry.path), time=entry.stat(follow_symlinks=False).st_mtime)
+        if kind == "partial":
+            row["writer"] = tmp_writer(entry.path)
+        if kind == "quarantined":
+            reason = (read_json(Path(entry.path) / QUARANTINE_NOTE) or {}).get("reason")
+            row["reason"] = reason if isinstance(reason, str) else None
+        out.append(row)
+    out.sort(key=lambda r: (r["step"], r["name"]))
+    return out
+
+
+class RemovalRefused(ValueError):
+    """`ckpt rm` will not delete this step (the message says why and what to do)."""
+
+
+def remove_step(ckpt_dir: str | os.PathLike[str], step: int) -> list[Path]:
+    """Delete checkpoint `step` of `ckpt_dir` on a user's request, by the retention rules; the paths removed.
+
+    A whole step-N goes unless it is the newest whole one (a resume starts there); a step-N.tmp goes unless a live
+    process is writing it; a quarantined step-N.corrupt is never deleted (it is kept for inspection). Nothing is
+    deleted through a link or outside `ckpt_dir` (safe_remove_checkpoint)."""
+    if os.path.islink(ckpt_dir):
+        raise RemovalRefused(f"refusing to delete step {step}: {_linked_dir_reason(ckpt_dir)}")
+    found = checkpoint_inventory(ckpt_dir)
+    mine = [r for r in found if r["step"] == step]
+    if not mine:
+        steps = ", ".join(str(r["step"]) for r in found if r["kind"] == "whole") or "none"
+        raise RemovalRefused(f"no checkpoint of step {step} in {ckpt_dir} (whole checkpoints: {steps})")
+    whole = [r["step"] for r in found if r["kind"] == "whole"]
+    removed: list[Path] = []
+    for row in mine:
+        if row["kind"] == "quarantined":
+            raise RemovalRefused(
+                f"refusing to delete {row['path']}: it failed verification ({row.get('reason') or 'no note'}) and is "
+                "kept for inspection; prime-train never deletes a quarantined checkpoint, remove it yourself"
+            )
+        if row["kind"] == "whole" and step == max(whole):
+            raise RemovalRefused(
+                f"refusing to delete {row['path']}: it is the newest whole checkpoint, the one a resume starts from"
+            )
+        if row["kind"] in ("file", "link"):
+            what = "a symbolic link" if row["kind"] == "link" else "a file"
+            raise RemovalRefused(f"refusing to delete {row['path']}: {what}, not a checkpoint prime-train wrote")
+        safe_remove_checkpoint(row["path"], ckpt_dir)  # links unlinked, never followed; a live writer's .tmp refused
+        removed.append(Path(row["path"]))
+    return removed
+
+
 # ---------------------------------------------------------------- venvs an install command made
 
 # written into every venv `prime-train inference install` or `spot install` creates: the one thing that lets a

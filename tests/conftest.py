@@ -16,10 +16,11 @@ def byte_tokenizer():
 
 @pytest.fixture(scope="session")
 def sft_model(tmp_path_factory):
-    """The tiny SFT model RL starts from: 120 steps of reverse-text (held-out exact match ~0.8), built once."""
+    """The tiny SFT model RL starts from: 120 steps of reverse-text (held-out exact match ~0.8), built once. Its run
+    directory (the parent) keeps one checkpoint, step-60, for the commands that read a run (`generate --step`)."""
     out = tmp_path_factory.mktemp("sft")
     result = run_train(out, "sft", **{"train.max_steps": 120, "data.datasets.0.num_examples": 20000,
-                                      "ckpt.interval": 1000})  # fmt: skip
+                                      "ckpt.interval": 60})  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:]
     return out / "sft" / "final"
 

@@ -17,7 +17,23 @@ import typer
 from typer.core import TyperGroup
 
 from prime_train import __version__
-from prime_train.cli import ckpt, config, errors, inference, init, output, plan, run, spot, watch
+from prime_train.cli import (
+    ckpt,
+    config,
+    data,
+    errors,
+    evaluate,
+    generate,
+    hub,
+    inference,
+    init,
+    output,
+    plan,
+    run,
+    runs,
+    spot,
+    watch,
+)
 from prime_train.cli.common import OVERRIDES
 
 
@@ -114,7 +130,14 @@ app.command(context_settings=OVERRIDES)(run.preflight)
 app.command()(watch.diagnose)
 app.command()(watch.status)
 app.command()(watch.logs)
+app.command()(runs.runs)
+app.command()(generate.generate)
+app.command()(generate.chat)
+app.command("eval", context_settings=OVERRIDES)(evaluate.evaluate)
 app.add_typer(ckpt.ckpt_app, name="ckpt")
+app.add_typer(data.data_app, name="data")
+app.command()(hub.download)
+app.command()(hub.push)
 
 
 def main() -> None:

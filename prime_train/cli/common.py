@@ -101,3 +101,11 @@ def require_engine(cfg: Config) -> None:
             "(on a machine without a GPU install torch's CPU build first, see the README)",
             ExitCode.CONFIG,
         )
+
+
+def require_engine_modules(*extra: str) -> None:
+    """78 naming the install command when torch/transformers (or `extra` modules, e.g. peft) are missing: commands
+    that load a model (generate, chat, eval, data inspect) need the `engine` extra."""
+    missing = [m for m in (*ENGINE_MODULES, *extra) if importlib.util.find_spec(m) is None]
+    if missing:
+        raise CliError(f"this command needs {', '.join(missing)}: pip install 'prime-train[engine]'", ExitCode.CONFIG)

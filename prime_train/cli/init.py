@@ -6,6 +6,7 @@ questions take their defaults.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional, TypeVar
@@ -45,11 +46,18 @@ def init(
     ] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Save without asking.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+    list_recipes: Annotated[
+        bool, typer.Option("--list", help="List the shipped recipes (real models on stated GPUs) and exit.")
+    ] = False,
+    recipe: Annotated[
+        Optional[str], typer.Option("--recipe", help="Copy the shipped recipe NAME (see --list).")
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Write a lint-clean run config by answering a few questions (job, model, hardware).
+    """Write a lint-clean run config by answering a few questions (job, model, hardware), or copy a shipped recipe.
 
-    Every question is also a flag; without a terminal nothing is asked and defaults fill the rest.
+    Every question is also a flag; without a terminal nothing is asked and defaults fill the rest. --list shows the
+    recipes (each lint-clean and inside the memory check for its GPUs); --recipe NAME copies one to --output.
 
     Examples:
 
@@ -58,7 +66,14 @@ def init(
       prime-train init --job rl --model Qwen/Qwen2.5-1.5B-Instruct --hardware H100:8 -o rl.toml --yes
 
       prime-train init --job dpo --dataset data/pairs.jsonl -o dpo.toml
+
+      prime-train init --list
+
+      prime-train init --recipe llama3.1-8b-lora-1gpu -o llama-lora.toml
     """
+    if list_recipes or recipe is not None:
+        _recipe(list_recipes, recipe, output_path, force=force, as_json=as_json)
+        return
     from prime_train.validator.wizard import build_config
 
     interactive = sys.stdin.isatty() and not yes and not as_json  # a script reading JSON answers nothing
@@ -90,6 +105,38 @@ def init(
     output.done(
         as_json, {"saved": str(output_path), "config": text, "notes": list(a.notes)},
         f"{output_path}; next: prime-train preflight {output_path}", label="saved",
+    )  # fmt: skip
+
+
+def _recipe(list_recipes: bool, name: str | None, output_path: Path, *, force: bool, as_json: bool) -> None:
+    """`init --list` (the recipes) or `init --recipe NAME` (copy one to `output_path`)."""
+    from prime_train.contract import replace_file_atomic
+    from prime_train.validator.recipes import RECIPES, find_recipe
+
+    if list_recipes:
+        rows = [r.to_dict() for r in RECIPES]
+        if as_json:
+            output.print_json({"recipes": rows})
+            return
+        for r in RECIPES:
+            output.say(f"{r.name:<24} {r.hardware:<13} {r.model}: {r.summary}")
+        output.say("copy one: prime-train init --recipe NAME -o my-run.toml", stderr=True)
+        return
+    try:
+        chosen = find_recipe(str(name))
+    except ValueError as exc:
+        raise CliError(exc, BAD_INPUT) from None
+    if os.path.lexists(output_path) and not force:
+        raise CliError(f"{output_path} exists; pass --force to overwrite it", BAD_INPUT)
+    _check_writable(output_path)
+    try:
+        replace_file_atomic(output_path, chosen.path.read_bytes(), mode=0o644)  # a link at the path is replaced
+    except OSError as exc:
+        raise _cannot_write(output_path, exc) from None
+    output.done(
+        as_json, {"saved": str(output_path), "recipe": chosen.to_dict()},
+        f"{output_path} ({chosen.name}: {chosen.model} on {chosen.hardware}); next: prime-train preflight "
+        f"{output_path}", label="saved",
     )  # fmt: skip
 
 
