@@ -122,6 +122,24 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
         os.killpg(proc.pid, sig)
 
 
+def kill_everything_once(proc: subprocess.Popen, ready: Path, timeout: float = 300) -> None:
+    """Once `ready` exists, kill -9 the CLI and every process under it at once, as a machine dies: torchrun starts
+    each rank in a session of its own, so killing the CLI's group alone would leave ranks that notice their
+    supervisor gone and save a checkpoint on their way out."""
+    import psutil
+
+    try:
+        wait_for(ready.exists, timeout, str(ready))
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGKILL)
+        proc.wait(30)  # the CLI through Popen (psutil would reap it first and leave Popen a return code of 0)
+        psutil.wait_procs(tree[1:], timeout=30)
+    finally:
+        kill_group(proc, signal.SIGKILL)
+
+
 def losses_by_step(run_dir: Path) -> dict[int, float]:
     """The last recorded loss of each training step (a resumed run rewrites the steps after its checkpoint)."""
     out: dict[int, float] = {}

@@ -708,12 +708,3 @@ def test_config_zero_stage_fp16_and_float8_reach_the_estimate():
     assert any(n.startswith("float8 (torchao): the same bytes") for n in fp16.notes)
     one = inputs_from_config(Config.model_validate({"distributed": {"zero_stage": 3}}))
     assert (one.strategy, one.zero_stage) == ("none", None)  # one process: the engine trains unwrapped
-
-
-def test_tensor_and_pipeline_parallel_are_named_as_not_modelled():
-    cfg = Config.model_validate({"distributed": {"tp_size": 2, "nproc_per_node": 4, "strategy": "fsdp"}})
-    report = estimate(inputs_from_config(cfg))
-    said = "tp_size = 2 is not modelled yet: these figures are for fsdp over all 4"
-    assert any(n.startswith(said) for n in report.notes)
-    plain = estimate(inputs_from_config(Config.model_validate({"distributed": {"nproc_per_node": 4}})))
-    assert not any("not modelled" in n for n in plain.notes)

@@ -41,6 +41,16 @@ PP2 = {"distributed.nproc_per_node": 2, "distributed.pp_size": 2}
 SCHEDULES = ["1f1b", "gpipe", "interleaved_1f1b"]
 # the kill test's runs: long enough that the kill after the first checkpoint lands well before the end
 LONG = {**PP2, "train.max_steps": 24}
+# two pipelines of two stages, each stage sharded by FSDP2 over its two replicas (a ("dp", "pp") mesh): ZeRO stage 2
+# with two micro-batches a step (gradients reduce-scattered after each), and stage 3 with CPU offload under GPipe
+PP_FSDP = {**PP2, "distributed.nproc_per_node": 4, "distributed.strategy": "fsdp"}
+# one pipeline of two stages, each tensor-parallel over two ranks (a ("dp", "pp", "tp") mesh of 1 x 2 x 2)
+PP_TP = {**PP2, "distributed.nproc_per_node": 4, "distributed.tp_size": 2}
+FSDP_RUNS = {
+    "pp-fsdp-zero2": {**PP_FSDP, "distributed.zero_stage": 2, "train.micro_batch_size": 8},
+    "pp-fsdp-zero3-offload": {**PP_FSDP, "distributed.zero_stage": 3, "distributed.cpu_offload": "true",
+                              "distributed.pp_schedule": "gpipe"},
+}  # fmt: skip
 
 
 def _ok(result: subprocess.CompletedProcess) -> None:
@@ -63,6 +73,10 @@ def runs(tmp_path_factory):
             extra = {} if name == "single" else {**PP2, "distributed.pp_schedule": name.removeprefix("pp-")}
             if name == "pp-dp":
                 extra = {**PP2, "distributed.nproc_per_node": 4}
+            if name in FSDP_RUNS:
+                extra = FSDP_RUNS[name]
+            if name == "pp-tp":
+                extra = PP_TP
             if name == "pp-long":
                 extra = LONG
             _ok(run_train(root, name, **{**SHAPE, **extra}))
@@ -152,24 +166,29 @@ def test_engine_refuses_tied_embeddings_lora_compile_and_too_few_layers_naming_t
         with pytest.raises(EngineConfigError, match=r"distributed\.pp|train\.micro_batch_size") as caught:
             check_pipeline_config(cfg, model)
         assert expected in str(caught.value), str(caught.value)
-    with pytest.raises(EngineConfigError, match=r"set distributed\.strategy = 'auto' or 'ddp'"):
-        check_pipeline_config(_cfg(), _native(), strategy="fsdp")
+    check_pipeline_config(_cfg(), _native(), strategy="fsdp")  # each stage sharded over its replicas
+    with pytest.raises(EngineConfigError, match=r"distributed\.strategy = 'hsdp' across pipelines .*\('fsdp'\)"):
+        check_pipeline_config(_cfg(), _native(), strategy="hsdp")
+    with pytest.raises(EngineConfigError, match=r"'fsdp' with distributed\.pp_schedule = 'interleaved_1f1b'"):
+        check_pipeline_config(_cfg({"pp_schedule": "interleaved_1f1b"}), _native(), strategy="fsdp")
 
 
-def test_lint_refuses_pipelines_for_other_jobs_hf_models_lora_compile_and_fsdp():
+def test_lint_refuses_pipelines_for_other_jobs_hf_models_lora_compile_and_hsdp():
     pipeline = ["--distributed.nproc_per_node", "4", "--distributed.pp_size", "2", "--model.tie_embeddings", "false",
                 "--model.num_layers", "4"]  # fmt: skip
     # four processes: two pipelines of two stages, replicated by DDP, each reading half of the global batch
     clean, _ = lint_files([str(TINY)], pipeline)
     assert [p.format() for p in clean if p.severity == "error"] == []
+    sharded, _ = lint_files([str(TINY)], [*pipeline, "--distributed.strategy", "fsdp", "--distributed.zero_stage", "2"])
+    assert [p.format() for p in sharded if p.severity == "error"] == []  # FSDP2 on each stage over its replicas
     unsupported = ["--model.implementation", "hf", "--train.compile", "true", "--lora.rank", "8",
-                   "--distributed.strategy", "fsdp"]  # fmt: skip
+                   "--distributed.strategy", "hsdp"]  # fmt: skip
     problems, _ = lint_files([str(TINY)], [*pipeline, *unsupported])
     errors = {p.key: p.message for p in problems if p.severity == "error"}
     assert "model.implementation = 'native'" in errors["model.implementation"]
     assert "LoRA does not run" in errors["lora.rank"]
     assert "not supported with distributed.pp_size" in errors["train.compile"]
-    assert "pipelines are replicated as DDP replicates" in errors["distributed.strategy"]
+    assert "or each stage is sharded over its replicas ('fsdp')" in errors["distributed.strategy"]
     job, _ = lint_files([str(TINY)], [*pipeline, "--run.job", "dpo"])
     assert any("run.job = 'dpo' does not run in a pipeline" in p.message for p in job)
 
@@ -178,11 +197,11 @@ def test_pipelines_refuse_what_they_do_not_combine_with_in_lint_and_the_engine()
     pipeline = ["--distributed.nproc_per_node", "4", "--distributed.pp_size", "2", "--model.tie_embeddings", "false",
                 "--model.num_layers", "4"]  # fmt: skip
     each = {
-        "distributed.tp_size": ["--distributed.tp_size", "2"],
+        "distributed.sequence_parallel": ["--distributed.tp_size", "2", "--distributed.sequence_parallel", "true"],
         "train.precision": ["--train.precision", "fp16"],
         "train.float8": ["--train.float8", "true"],
         "distributed.grad_compression": ["--distributed.grad_compression", "bf16"],
-        "distributed.zero_stage": ["--distributed.zero_stage", "2"],
+        "distributed.pp_schedule": ["--distributed.pp_schedule", "interleaved_1f1b", "--distributed.zero_stage", "2"],
     }
     for key, flags in each.items():
         problems, _ = lint_files([str(TINY)], [*pipeline, *flags])
@@ -236,6 +255,54 @@ def test_two_pipelines_of_two_stages_match_one_process_run(runs):
     single, piped = runs("single"), runs("pp-dp")
     # measured: within 3e-7 (the data-parallel split sums in another order)
     _assert_same_training(single, piped, {"loss": 1e-5, "grad_norm": 1e-5, "eval_loss": 1e-5})
+
+
+@pytest.mark.slow
+@OLD_TORCH
+@pytest.mark.parametrize("name", list(FSDP_RUNS))
+def test_pipelines_whose_stages_fsdp_shards_match_one_process_run(runs, name):
+    single, piped = runs("single"), runs(name)
+    # measured: losses within 1e-7, gradient norms 3.1e-7, weights 3.7e-7 (reduce-scatter sums in another order)
+    _assert_same_training(single, piped, {"loss": 1e-5, "grad_norm": 1e-5, "eval_loss": 1e-5})
+
+
+@pytest.mark.slow
+@OLD_TORCH
+def test_pipeline_with_fsdp_resume_after_kill_matches_uninterrupted_run(runs):
+    from enginetools import kill_everything_once
+
+    name, straight = "pp-fsdp-zero2", runs("pp-fsdp-zero2")
+    overrides = {**SHAPE, **FSDP_RUNS[name]}
+    proc = start(cli("train", str(TINY), *tiny_overrides(runs.root, "fsdp-killed", **overrides)))
+    kill_everything_once(proc, runs.root / "fsdp-killed" / "checkpoints" / "step-4")
+    assert proc.returncode == -signal.SIGKILL
+    assert not (runs.root / "fsdp-killed" / "final").exists()  # it died mid-run
+    resumed = run_train(runs.root, "fsdp-killed", **overrides)
+    _ok(resumed)
+    assert "at step 4" in resumed.stdout + resumed.stderr
+    assert "Applied FSDP to this stage over mesh['dp'] (2 replicas); ZeRO stage 2" in resumed.stdout + resumed.stderr
+    a, b = losses_by_step(straight), losses_by_step(runs.root / "fsdp-killed")
+    assert sorted(b) == list(range(1, STEPS + 1))
+    for step in range(5, STEPS + 1):
+        assert a[step] == b[step], (step, a[step], b[step])  # the same ranks, the same order of sums: bitwise
+
+
+@pytest.mark.slow
+@OLD_TORCH
+def test_a_pipeline_of_tensor_parallel_stages_matches_one_process_and_resumes_from_its_checkpoint(runs):
+    single, piped, root = runs("single"), runs("pp-tp"), runs.root
+    # measured: losses within 1.1e-7, gradient norms 1.5e-7, eval losses equal, final weights within 2.2e-6
+    _assert_same_training(single, piped, {"loss": 1e-5, "grad_norm": 1e-5, "eval_loss": 1e-5})
+    # its DCP checkpoint, resumed in the same layout (the rest bitwise) and in one process (the whole model is in it)
+    resume = {"ckpt.resume": str(piped / "checkpoints" / "step-4")}
+    _ok(run_train(root, "pp-tp-resumed", **SHAPE, **PP_TP, **resume))
+    _ok(run_train(root, "pp-tp-to-1", **SHAPE, **resume))
+    a, b, c = losses_by_step(piped), losses_by_step(root / "pp-tp-resumed"), losses_by_step(root / "pp-tp-to-1")
+    assert sorted(b) == sorted(c) == list(range(5, STEPS + 1))
+    one = losses_by_step(single)
+    for step in range(5, STEPS + 1):
+        assert a[step] == b[step], (step, a[step], b[step])
+        assert math.isclose(one[step], c[step], rel_tol=1e-5), (step, one[step], c[step])
 
 
 @pytest.mark.slow

@@ -296,6 +296,73 @@ def test_fp16_engine_run_learns_and_reports_its_loss_scale(tmp_path):
     assert rows[-1]["loss_scale"] >= 1.0 and rows[-1]["overflow_steps"] >= 0
 
 
+# ---------------------------------------------------------------- kill -9 and resume
+
+
+def _killed_and_resumed(root: Path, name: str, **overrides) -> subprocess.CompletedProcess:
+    """Run `name` through the CLI, kill -9 it and its ranks once checkpoints/step-5 exists, then resume it."""
+    from enginetools import TINY, cli, kill_everything_once, run_train, start, tiny_overrides
+
+    proc = start(cli("train", str(TINY), *tiny_overrides(root, name, **overrides)))
+    kill_everything_once(proc, root / name / "checkpoints" / "step-5")
+    assert proc.returncode == -9
+    assert not (root / name / "final").exists()  # killed before the end, or the resume proves nothing
+    resumed = run_train(root, name, **overrides)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    assert "at step 5" in resumed.stdout + resumed.stderr
+    return resumed
+
+
+def _fields_by_step(run_dir: Path, *keys: str) -> dict[int, tuple]:
+    from enginetools import metrics
+
+    return {r["step"]: tuple(r[k] for k in keys) for r in metrics(run_dir) if "loss" in r and r.get("step", 0) > 0}
+
+
+# a start the tiny model's fp16 gradients cannot hold: steps 1-3 overflow and the scale halves to 2**19 before the
+# step-5 checkpoint; a resume that lost the scaler would start from 2**22 again and skip steps 6-8
+FP16_RESUME = {"train.precision": "fp16", "train.loss_scale_init": 2**22, "train.max_steps": 10, "ckpt.interval": 5,
+               "logging.log_interval": 1}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_fp16_resume_after_kill_keeps_the_loss_scale_and_the_losses(tmp_path):
+    from enginetools import run_train
+
+    straight = run_train(tmp_path, "straight", **FP16_RESUME)
+    assert straight.returncode == 0, (straight.stdout + straight.stderr)[-4000:]
+    _killed_and_resumed(tmp_path, "killed", **FP16_RESUME)
+    keys = ("loss", "loss_scale", "overflow_steps")
+    a, b = _fields_by_step(tmp_path / "straight", *keys), _fields_by_step(tmp_path / "killed", *keys)
+    assert a[5][1:] == (2.0**19, 3.0)  # the scale fell before the checkpoint, so resuming it is tested
+    assert sorted(b) == list(range(1, 11))
+    for step in range(6, 11):
+        assert a[step] == b[step], (step, a[step], b[step])  # loss, scale and overflow count: bitwise on CPU
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "zero", [{"distributed.zero_stage": 2}, {"distributed.zero_stage": 3, "distributed.cpu_offload": "true"}],
+    ids=["stage2", "stage3-offload"],
+)  # fmt: skip
+def test_zero_stage_resume_after_kill_on_two_ranks_matches_uninterrupted_run(zero, tmp_path):
+    from enginetools import final_weights, losses_by_step, run_train
+
+    overrides = {"distributed.nproc_per_node": 2, "distributed.strategy": "fsdp", "train.max_steps": 10,
+                 "ckpt.interval": 5, "logging.log_interval": 1, **zero}  # fmt: skip
+    straight = run_train(tmp_path, "straight", **overrides)
+    assert straight.returncode == 0, (straight.stdout + straight.stderr)[-4000:]
+    assert f"ZeRO stage {zero['distributed.zero_stage']}" in straight.stdout + straight.stderr
+    _killed_and_resumed(tmp_path, "killed", **overrides)
+    a, b = losses_by_step(tmp_path / "straight"), losses_by_step(tmp_path / "killed")
+    assert sorted(b) == list(range(1, 11))
+    for step in range(6, 11):
+        assert a[step] == b[step], (step, a[step], b[step])  # the same ranks, the same order of sums: bitwise
+    wa, wb = final_weights(tmp_path / "straight"), final_weights(tmp_path / "killed")
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+
+
 def _float8_capable() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 

@@ -88,6 +88,11 @@ def memory(
         Optional[bool], typer.Option(help="FSDP2 CPU offload: sharded states in host memory (fsdp, hsdp, zero3).")
     ] = None,
     float8: Annotated[Optional[bool], typer.Option(help="torchao float8 linear layers (train.float8).")] = None,
+    tp_size: Annotated[Optional[int], typer.Option(min=1, help="Tensor-parallel ranks (distributed.tp_size).")] = None,
+    sequence_parallel: Annotated[Optional[bool], typer.Option(help="With --tp-size: split the norms too.")] = None,
+    pp_size: Annotated[Optional[int], typer.Option(min=1, help="Pipeline stages (distributed.pp_size).")] = None,
+    pp_schedule: Annotated[Optional[str], typer.Option(help="gpipe, 1f1b or interleaved_1f1b.")] = None,
+    pp_microbatches: Annotated[Optional[int], typer.Option(min=1, help="Pipeline microbatches (default: pp).")] = None,
     optimizer: Annotated[Optional[str], typer.Option(help="adamw, adamw8bit or sgd.")] = None,
     checkpointing: Annotated[
         Optional[str], typer.Option(help="Activation checkpointing: none, selective, full.")
@@ -134,6 +139,8 @@ def memory(
 
       prime-train memory --model meta-llama/Llama-3.1-8B --gpus-per-node 8 --strategy fsdp --zero-stage 2
 
+      prime-train memory --model meta-llama/Llama-3.1-8B --gpus-per-node 8 --tp-size 2 --pp-size 2 --strategy fsdp
+
       prime-train memory configs/tiny-rl.toml --colocate --gpu H100 --json
 
       prime-train memory --model meta-llama/Llama-3.1-8B --seq-len 4096 --lora-rank 16 --gpu H100
@@ -147,7 +154,8 @@ def memory(
     flags = {
         "seq_len": seq_len, "micro_batch": micro_batch, "gpus_per_node": gpus_per_node, "num_nodes": nodes,
         "strategy": strategy, "precision": precision, "optimizer": optimizer, "zero_stage": zero_stage,
-        "cpu_offload": cpu_offload, "float8": float8,
+        "cpu_offload": cpu_offload, "float8": float8, "tp_size": tp_size, "sequence_parallel": sequence_parallel,
+        "pp_size": pp_size, "pp_schedule": pp_schedule, "pp_microbatches": pp_microbatches,
         "activation_checkpointing": checkpointing, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
         "gpu_memory_utilization": gpu_memory_utilization, "colocate": colocate, "gpus": gpu,
         "lora_rank": lora_rank, "lora_quantize": lora_quantize, "reference": reference,

@@ -210,6 +210,13 @@ class TrainConfig(Section):
         description="'auto': bf16 autocast on capable GPUs, fp32 on CPU. 'fp16': float16 autocast with dynamic loss "
         "scaling (sft and pretrain jobs); a step whose gradients overflow is skipped and counted.",
     )
+    loss_scale_init: float = Field(
+        2.0**16,
+        gt=0,
+        le=2.0**64,
+        description="fp16: the dynamic loss scale to start from (GradScaler's init_scale). It halves on every step "
+        "whose gradients overflow and doubles after 2000 steps without one; a checkpoint carries it.",
+    )
     float8: bool = Field(
         False,
         description="Train the decoder's linear layers in float8 (torchao): CUDA GPUs of compute capability 8.9+ "

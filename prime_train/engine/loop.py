@@ -128,7 +128,8 @@ class TrainingJob:
         self.resumed_from = 0
         self.failed = False  # set when the run ends failed: the trackers mark their run so
         self.configure()
-        self.dist = with_pipeline_ranks(parallel.init_distributed(cfg.distributed), cfg.distributed.pp_size)
+        d = cfg.distributed
+        self.dist = with_pipeline_ranks(parallel.init_distributed(d), d.pp_size, d.tp_size)
         setup_logging(cfg, self.dist.rank)
         if cfg.distributed.tp_size > 1 and not self.supports_tensor_parallel:
             raise EngineConfigError(
@@ -203,7 +204,7 @@ class TrainingJob:
                 "pretraining do); set distributed.pp_size = 1"
             )
         check_pipeline_config(self.cfg, model, self.strategy)
-        return Pipeline(model, self.cfg, self.dist)
+        return Pipeline(model, self.cfg, self.dist, self.strategy)
 
     def _log_start(self) -> None:
         """The start-up line: the model, what of it trains, the strategy; with LoRA what a checkpoint holds."""
@@ -240,7 +241,8 @@ class TrainingJob:
                 f"train.precision = 'fp16' needs loss scaling, which the {self.job_name} job does not do; "
                 "use 'bf16' (or 'fp32' on GPUs without bf16)"
             )
-        return LossScaler.for_run(self.cfg.train.precision, self.strategy, self.dist.device)
+        train = self.cfg.train
+        return LossScaler.for_run(train.precision, self.strategy, self.dist.device, train.loss_scale_init)
 
     @property
     def trainable_fraction(self) -> float:
@@ -581,7 +583,10 @@ class TrainingJob:
     def param_norm(self) -> float:
         """The L2 norm of all parameters (the full tensor under FSDP: shards summed, replicas counted once)."""
         if self.cfg.distributed.tp_size > 1:  # every parameter a DTensor: replicated ones counted once by placement
-            return tensor_parallel.parameter_norm(self.model)
+            norm = tensor_parallel.parameter_norm(self.model)
+            if self.pipeline is not None:  # this stage's; the stages' squares summed
+                return float(self.pipeline.sum_over_stages(torch.tensor(norm * norm, dtype=torch.float64)).sqrt())
+            return norm
         local = torch.zeros((), dtype=torch.float64)
         for p in self.model.parameters():
             data = p.to_local() if hasattr(p, "to_local") else p
@@ -590,8 +595,8 @@ class TrainingJob:
             local = parallel.all_reduce_sum(local.reshape(1), self.dist)[0] / parallel.replica_count(
                 self.dist, self.cfg
             )
-        if self.pipeline is not None:  # each stage holds its own layers
-            local = self.pipeline.sum_over_stages(local)
+        if self.pipeline is not None and self.strategy != "fsdp":  # each stage holds its own layers (under FSDP the
+            local = self.pipeline.sum_over_stages(local)  # sum over every rank above already took every stage once)
         return float(local.sqrt())
 
     def clip_grad_norm(self) -> torch.Tensor:

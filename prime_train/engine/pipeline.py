@@ -4,6 +4,10 @@ distributed.pp_size ranks form one pipeline; with more processes than that, the 
 replicas on a 2-D ("dp", "pp") mesh (rank = dp_index x pp_size + pp_index), each reading its share of the global batch
 and averaging gradients with the others once a step (`Pipeline.reduce_gradients`). Every rank of a pipeline reads the
 same batches (DistInfo.dp_rank / dp_size), so token counts are counted once per pipeline, not once per stage.
+With distributed.strategy = 'fsdp' (or a ZeRO option) each stage is instead sharded by FSDP2 over its replicas on
+mesh["dp"] (`_shard_stage`; 1F1B and GPipe), torch's PipelineStage reduce-scattering the gradients at each schedule
+step's last backward, as torchtitan composes them. With distributed.tp_size > 1 the mesh is ("dp", "pp", "tp") and each
+stage is split by tensor_parallel.apply_tp after it is cut (one pipeline of tp x pp ranks, no sequence parallel).
 
 How the model is cut (`split_layers`): the decoder layers go to the stages in contiguous runs, the earlier stages
 taking one more layer when they do not divide evenly (the last stage also runs the final norm, lm_head and the loss).
@@ -62,22 +66,29 @@ def split_layers(num_layers: int, num_stages: int) -> list[range]:
     return out
 
 
-def with_pipeline_ranks(dist: DistInfo, pp_size: int) -> DistInfo:
-    """`dist` with its data-parallel place set: the ranks of one pipeline are one replica and read the same data."""
+def with_pipeline_ranks(dist: DistInfo, pp_size: int, tp_size: int = 1) -> DistInfo:
+    """`dist` with its data-parallel place set: the ranks of one pipeline (with its tensor-parallel groups) are one
+    replica and read the same data."""
     if pp_size == 1:
         return dist
-    if dist.world_size % pp_size:
+    group = pp_size * tp_size
+    if dist.world_size % group:
         raise EngineConfigError(
-            f"distributed.pp_size = {pp_size} does not divide the {dist.world_size} processes of the job; set "
-            "distributed.nproc_per_node x distributed.nnodes to a multiple of it"
+            f"distributed.pp_size = {pp_size} x distributed.tp_size = {tp_size} does not divide the "
+            f"{dist.world_size} processes of the job; set distributed.nproc_per_node x distributed.nnodes to a "
+            "multiple of it"
         )
-    return dataclasses.replace(dist, data_rank=dist.rank // pp_size, data_world=dist.world_size // pp_size)
+    return dataclasses.replace(dist, data_rank=dist.rank // group, data_world=dist.world_size // group)
 
 
-def build_pp_mesh(dist: DistInfo, pp_size: int):
-    """The 2-D ("dp", "pp") DeviceMesh: each row one pipeline, each column one stage's data-parallel replicas."""
+def build_pp_mesh(dist: DistInfo, pp_size: int, tp_size: int = 1):
+    """The ("dp", "pp") DeviceMesh: each row one pipeline, each column one stage's data-parallel replicas; with tensor
+    parallelism ("dp", "pp", "tp"), tp innermost (consecutive ranks), as tensor_parallel.build_mesh lays it out."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    if tp_size > 1:
+        shape = (dist.world_size // (pp_size * tp_size), pp_size, tp_size)
+        return init_device_mesh(dist.device.type, shape, mesh_dim_names=("dp", "pp", "tp"))
     return init_device_mesh(dist.device.type, (dist.world_size // pp_size, pp_size), mesh_dim_names=("dp", "pp"))
 
 
@@ -133,11 +144,21 @@ def check_pipeline_config(cfg: Config, model: nn.Module, strategy: str = "none")
 
     if combined := pipeline_combinations(cfg):
         raise EngineConfigError(combined[0][1])
-    if strategy not in ("none", "ddp"):
+    if strategy not in ("none", "ddp", "fsdp"):
         raise EngineConfigError(
             f"distributed.strategy = {strategy!r} across pipelines (distributed.pp_size = {d.pp_size}) is not "
-            "supported yet: pipelines are replicated as DDP replicates (gradients all-reduced); set "
-            "distributed.strategy = 'auto' or 'ddp'"
+            "supported: pipelines are replicated (gradients all-reduced, 'auto' or 'ddp') or each stage is sharded "
+            "over its replicas ('fsdp'); set distributed.strategy to one of those"
+        )
+    if d.tp_size > 1:
+        from prime_train.engine.tensor_parallel import check_supported
+
+        check_supported(model, cfg)  # heads, KV heads and MLP width divisible, the native decoder, no LoRA
+    if strategy == "fsdp" and d.pp_schedule == "interleaved_1f1b":
+        raise EngineConfigError(
+            "distributed.strategy = 'fsdp' with distributed.pp_schedule = 'interleaved_1f1b' is not supported: a "
+            "rank's two stages share one sharded part; use pp_schedule = '1f1b' or 'gpipe' with FSDP, or "
+            "distributed.strategy = 'auto' (replicated pipelines)"
         )
     if not isinstance(model, NativeCausalLM):
         raise EngineConfigError(
@@ -187,13 +208,16 @@ class Pipeline:
     layers): the optimizer, checkpoints and the export read it.
     """
 
-    def __init__(self, full: NativeCausalLM, cfg: Config, dist: DistInfo):
+    def __init__(self, full: NativeCausalLM, cfg: Config, dist: DistInfo, strategy: str = "none"):
+        """strategy: across the pipelines, 'fsdp' shards each stage over its replicas (mesh["dp"]); else the
+        gradients are averaged by `reduce_gradients`."""
         from torch.distributed.pipelining import PipelineStage
 
         d = cfg.distributed
         self.dist = dist
         self.pp_size = d.pp_size
-        self.mesh = build_pp_mesh(dist, d.pp_size)
+        self.tp_size = d.tp_size
+        self.mesh = build_pp_mesh(dist, d.pp_size, d.tp_size)
         self.pp_group = self.mesh.get_group("pp")
         pp_rank = self.mesh.get_local_rank("pp")
         num_stages = d.pp_stages
@@ -203,6 +227,11 @@ class Pipeline:
         self.holds_last = num_stages - 1 in mine
         held = [i for s in mine for i in ranges[s]]
         self.part = StageModule(full, held, first=0 in mine, last=self.holds_last).to(dist.device)
+        if d.tp_size > 1:  # before checkpointing wraps the layers, as parallel.parallelize orders them
+            from prime_train.engine import tensor_parallel
+
+            tensor_parallel.apply_tp(self.part, self.mesh["tp"])
+            tensor_parallel.log_applied(self.mesh["tp"], False)
         if cfg.model.activation_checkpointing != "none":
             from prime_train.engine.parallel import apply_ac
 
@@ -210,6 +239,9 @@ class Pipeline:
             apply_ac(self.part, layers, cfg.model.activation_checkpointing)
             for key, wrapped in zip(list(self.part.model.layers), layers, strict=True):
                 self.part.model.layers[key] = wrapped
+        self.sharded = strategy == "fsdp" and dist.dp_size > 1
+        if self.sharded:
+            _shard_stage(self.part, cfg, dist, self.mesh["dp"])
         modules = (
             [self.part]
             if per_rank == 1
@@ -250,7 +282,9 @@ class Pipeline:
 
     def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One pipeline microbatch's summed token loss, times the step's scale; the unscaled sum is kept for metrics."""
-        part = chunked_cross_entropy(hidden, self.part.lm_head.weight, targets, reduction="sum")
+        weight = self.part.lm_head.weight
+        weight = weight.to_local() if hasattr(weight, "to_local") else weight  # tensor parallel keeps it whole
+        part = chunked_cross_entropy(hidden, weight, targets, reduction="sum")
         self._parts.append(part.detach().float())
         return part * self._scale
 
@@ -286,7 +320,7 @@ class Pipeline:
         size is not same as original model parameters size"). One all-reduce per step also sends less than DDP would
         (it syncs at the end of every schedule step, i.e. every micro-batch); it does not overlap the backward.
         """
-        if self.dp_group is None:
+        if self.dp_group is None or self.sharded:  # FSDP2 reduce-scattered them at each schedule's last backward
             return
         grads = [p.grad for p in self.part.parameters() if p.grad is not None]
         works = [torch_dist.all_reduce(g, group=self.dp_group, async_op=True) for g in grads]
@@ -325,11 +359,17 @@ class Pipeline:
         params = [p for p in self.part.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.dist.device)
+        if hasattr(local, "full_tensor"):  # FSDP2's or TP's DTensor gradients: the norm over the stage's shards
+            local = local.full_tensor()
         squared = local.float().pow(2)
         torch_dist.all_reduce(squared, op=torch_dist.ReduceOp.SUM, group=self.pp_group)
         total = squared.sqrt()
         if max_norm is not None and params:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+            if self.sharded or self.tp_size > 1:  # DTensor gradients take a plain number; the same fp32 factor
+                coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+                torch._foreach_mul_(grads, coef.item())
+            else:
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
 
     def sum_over_stages(self, value: torch.Tensor) -> torch.Tensor:
@@ -341,11 +381,15 @@ class Pipeline:
     def gathered_model(self) -> NativeCausalLM | None:
         """On global rank 0 the whole model, its weights gathered from every stage (CPU); None elsewhere. A
         collective over the first pipeline's ranks; the other replicas hold the same weights and send nothing."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        own = {k: v.detach().cpu() for k, v in get_model_state_dict(self.part).items()}
+        # sharded stages gather their whole tensors first (a collective over each stage's replicas or its tensor-
+        # parallel group: every rank)
+        options = StateDictOptions(full_state_dict=self.sharded or self.tp_size > 1)
+        own = {k: v.detach().cpu() for k, v in get_model_state_dict(self.part, options=options).items()}
         parts: list[dict | None] = [None] * self.pp_size
-        if self.dist.dp_rank == 0:
+        first_tp = self.tp_size == 1 or self.mesh.get_local_rank("tp") == 0
+        if self.dist.dp_rank == 0 and first_tp:  # the pipeline holding global rank 0
             torch_dist.gather_object(own, parts if self.dist.rank == 0 else None, dst=0, group=self.pp_group)
         if self.dist.rank != 0:
             return None
@@ -355,6 +399,29 @@ class Pipeline:
         model.load_state_dict(state, strict=True, assign=True)
         model.reset_rope("cpu")
         return model
+
+
+def _shard_stage(part: StageModule, cfg: Config, dist: DistInfo, dp_mesh) -> None:
+    """FSDP2 on one stage over its data-parallel replicas, as the engine shards a whole model (parallel.apply_fsdp):
+    each decoder layer a unit, then the stage (its embedding, or norm and lm_head) as the root, with the run's
+    precision, ZeRO stage and CPU offload. torch's PipelineStage drives the units: gradients are reduce-scattered at
+    the last backward of each schedule step."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    from prime_train.engine import parallel
+
+    d = cfg.distributed
+    policy = parallel.mixed_precision_policy(cfg.train.precision, dist.device) or MixedPrecisionPolicy()
+    offload = parallel.cpu_offload_policy(dist) if d.cpu_offload else OffloadPolicy()
+    reshard = parallel.reshard_after_forward(d)
+    layers = list(part.model.layers.values())
+    for i, layer in enumerate(layers):
+        fully_shard(layer, mesh=dp_mesh, mp_policy=policy, offload_policy=offload,
+                    reshard_after_forward=reshard and i < len(layers) - 1)  # fmt: skip
+    fully_shard(part, mesh=dp_mesh, mp_policy=policy, offload_policy=offload)
+    extras = [f"ZeRO stage {d.zero_stage}"] * (d.zero_stage is not None) + ["CPU offload"] * d.cpu_offload
+    logger.info("Applied FSDP to this stage over mesh['dp'] (%d replicas)%s", dp_mesh.size(),
+                "".join(f"; {e}" for e in extras))  # fmt: skip
 
 
 def _pad_rows(t: torch.Tensor, rows: int, fill: int) -> torch.Tensor:

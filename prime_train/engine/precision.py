@@ -49,9 +49,9 @@ class LossScaler:
             self._scaler = torch.amp.GradScaler(device.type, init_scale=init_scale)
 
     @classmethod
-    def for_run(cls, precision: str, strategy: str, device: torch.device) -> LossScaler:
-        """The scaler train.precision asks for under the data-parallel `strategy`."""
-        return cls(precision == "fp16", sharded=strategy in ("fsdp", "hsdp"), device=device)
+    def for_run(cls, precision: str, strategy: str, device: torch.device, init_scale: float = 2.0**16) -> LossScaler:
+        """The scaler train.precision asks for under the data-parallel `strategy`, from train.loss_scale_init."""
+        return cls(precision == "fp16", sharded=strategy in ("fsdp", "hsdp"), device=device, init_scale=init_scale)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss multiplied by the current scale, for backward."""

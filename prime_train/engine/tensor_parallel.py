@@ -229,7 +229,14 @@ def _block_plan(sequence_parallel: bool, qk_norm: bool) -> dict[str, Any]:
 
 def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> None:
     """Split the native decoder's blocks over `tp_mesh` in place (the plan in the module docstring)."""
-    tp = tp_mesh.size()
+    # a pipeline stage (engine/pipeline.py StageModule) holds some of the modules: its layers in a ModuleDict, the
+    # embedding only on the first stage, norm and lm_head only on the last (sequence parallel is refused there)
+    if model.model.embed_tokens is None or model.lm_head is None:
+        for module in (model.model.embed_tokens, model.model.norm, model.lm_head):
+            if module is not None:
+                parallelize_module(module, tp_mesh, Replicated())
+        _split_blocks(model.model.layers.values(), tp_mesh, sequence_parallel)
+        return
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     if sequence_parallel:
         parallelize_module(
@@ -248,7 +255,13 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> None
     if tied:  # distributing the embedding gave it a new Parameter: lm_head shares it again
         model.lm_head.weight = model.model.embed_tokens.weight
     parallelize_module(model.lm_head, tp_mesh, Replicated())
-    for layer in model.model.layers:
+    _split_blocks(model.model.layers, tp_mesh, sequence_parallel)
+
+
+def _split_blocks(layers, tp_mesh, sequence_parallel: bool) -> None:
+    """The block plan on each decoder layer; each rank then attends with its own heads."""
+    tp = tp_mesh.size()
+    for layer in layers:
         attn = layer.self_attn
         parallelize_module(layer, tp_mesh, _block_plan(sequence_parallel, attn.q_norm is not None))
         # each rank attends with its own heads: the grouping ratio num_heads / num_kv_heads is unchanged

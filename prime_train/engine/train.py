@@ -140,8 +140,8 @@ class SFTJob(TrainingJob):
         self.state.step += 1
         self.state.tokens_seen += step_tokens
         out: dict[str, float | torch.Tensor] = {
-            # a tensor-parallel group's ranks each hold the whole loss; of a pipeline's, only the last stage has it
-            "loss": loss_sum / (global_labels * (1 if self.pipeline is not None else copies)),
+            # a tensor-parallel group's ranks each hold the whole loss; of a pipeline's, its last stage's (tp) ranks
+            "loss": loss_sum / (global_labels * (cfg.distributed.tp_size if self.pipeline is not None else copies)),
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens": self.state.tokens_seen,

@@ -41,6 +41,17 @@ TIGHT_FRACTION = 0.10  # headroom under this fraction of the GPU's memory is fla
 # ---------------------------------------------------------------- inputs
 
 
+def engine_strategy(cfg: Config, world_size: int) -> str:
+    """distributed.strategy as the engine resolves "auto" on `world_size` processes: nothing to wrap without
+    data-parallel replicas, FSDP2 where ZeRO options are set or beside tensor parallelism, else DDP."""
+    d = cfg.distributed
+    if d.strategy != "auto":
+        return d.strategy
+    replicas = world_size // (d.tp_size * d.pp_size)
+    sharded = d.zero_stage is not None or d.cpu_offload
+    return "none" if replicas <= 1 else "fsdp" if sharded or d.tp_size > 1 else "ddp"
+
+
 def inputs_from_config(cfg: Config, **overrides: Any) -> MemoryInputs:
     """MemoryInputs for a run config, as the embedded engine would run it on GPUs; `overrides` win.
 
@@ -60,10 +71,8 @@ def inputs_from_config(cfg: Config, **overrides: Any) -> MemoryInputs:
             raise MemoryInputError(f"the model's shape is unknown: {source}")
     gpus_per_node = overrides.get("gpus_per_node") or cfg.distributed.nproc_per_node or 1
     nodes = overrides.get("num_nodes") or cfg.distributed.nnodes
-    strategy = cfg.distributed.strategy
-    sharded = cfg.distributed.zero_stage is not None or cfg.distributed.cpu_offload
-    if strategy == "auto":
-        strategy = ("fsdp" if sharded else "ddp") if gpus_per_node * nodes > 1 else "none"
+    d = cfg.distributed
+    strategy = engine_strategy(cfg, gpus_per_node * nodes)
     attention = {"flash_attention_2": "flash"}.get(cfg.model.attn_implementation, cfg.model.attn_implementation)
     values: dict[str, Any] = {
         "model": hf,
@@ -82,8 +91,11 @@ def inputs_from_config(cfg: Config, **overrides: Any) -> MemoryInputs:
         # the engine runs one process unwrapped: neither stage nor offload then applies
         "zero_stage": cfg.distributed.zero_stage if strategy in ("fsdp", "hsdp") else None,
         "cpu_offload": cfg.distributed.cpu_offload and strategy in ("fsdp", "hsdp"),
-        "tp_size": cfg.distributed.tp_size,
-        "pp_size": cfg.distributed.pp_size,
+        "tp_size": d.tp_size,
+        "sequence_parallel": d.sequence_parallel,
+        "pp_size": d.pp_size,
+        "pp_schedule": d.pp_schedule,
+        "pp_microbatches": d.pp_microbatches,
         "lora_rank": cfg.lora.rank,
         "lora_targets": cfg.lora.target_modules,
         "lora_quantize": cfg.lora.quantize,
@@ -277,7 +289,7 @@ def estimate(params: MemoryInputs, *, gpu_table: GpuTable | None = None) -> Memo
                      "optimizer states")  # fmt: skip
     if params.strategy in ("none", "ddp") and params.half:
         notes.append(f"none/ddp in {params.precision}: fp32 weights under autocast, as the embedded engine runs them")
-    notes += precision_notes(params)
+    notes += precision_notes(params) + model_parallel_notes(params, trainer)
     if params.world_size == 1 and params.strategy not in ("none",):
         notes.append(f"strategy {params.strategy} on one GPU shards nothing")
     verdicts = gpu_verdicts(params, shape, trainer, inf, table)
@@ -316,13 +328,36 @@ def precision_notes(params: MemoryInputs) -> list[str]:
     if params.cpu_offload:
         notes.append("cpu_offload: the sharded weights, gradients and optimizer states live in host memory "
                      "(trainer host_bytes, per process); the optimizer steps on the CPU")  # fmt: skip
-    if params.tp_size > 1 or params.pp_size > 1:
-        sizes = (("tp_size", params.tp_size), ("pp_size", params.pp_size))
-        split = " and ".join(f"{k} = {v}" for k, v in sizes if v > 1)
-        notes.append(f"{split} is not modelled yet: these figures are for {params.strategy} over all "
-                     f"{params.world_size} GPUs with each rank running whole micro-batches through every layer, which "
-                     "overstates activations (TP splits them, PP holds one stage's) and understates what TP keeps "
-                     "whole on every rank (embeddings, norms, lm_head)")  # fmt: skip
+    return notes
+
+
+def model_parallel_notes(params: MemoryInputs, trainer: TrainerMemory | None) -> list[str]:
+    """What tensor and pipeline parallelism change in the estimate (memory_parallel.py), and which rank it is for."""
+    notes = []
+    t, p = params.tp_size, params.pp_size
+    if t > 1:
+        sp = "split too (sequence parallel)" if params.sequence_parallel else "whole on every rank"
+        notes.append(f"tp_size = {t}: q/k/v/o and gate/up/down, their gradients and optimizer states split over {t} "
+                     "ranks; embeddings, norms and lm_head whole on every rank, as the engine keeps them (the loss "
+                     f"is computed in full on each); attention and MLP activations split, the norms' and the residual "
+                     f"stream's {sp}")  # fmt: skip
+    if p > 1 and trainer is not None and trainer.rank_totals:
+        totals = ", ".join(f"{b / GIB:,.2f}" for b in trainer.rank_totals)
+        notes.append(f"pp_size = {p} ({params.pp_schedule}): figures for pipeline rank {trainer.pp_rank}, the "
+                     f"busiest (GiB per rank: {totals}); rank 0 holds the embeddings, rank {p - 1} the final norm, "
+                     "lm_head and the loss")  # fmt: skip
+    if p > 1 and params.strategy == "fsdp" and params.pp_schedule == "interleaved_1f1b":
+        notes.append(f"pp_size = {p} with fsdp: counted as FSDP2 over each stage's dp replicas would hold it; the "
+                     "engine runs FSDP beside 1f1b and gpipe pipelines only (lint and the engine refuse "
+                     "interleaved_1f1b with it)")  # fmt: skip
+    if t > 1 and p > 1 and (params.dp_size > 1 or params.sequence_parallel):
+        notes.append(
+            "tp with pp: counted as if it ran; the engine runs one pipeline of tp × pp processes, "
+            "without sequence parallel (lint and the engine refuse replicas of it and sequence_parallel)"
+        )
+    if t > 1 or p > 1:
+        notes.append(f"{params.strategy} over dp = {params.dp_size} replica(s) of the {t} × {p} (tp × pp) ranks; the "
+                     "ZeRO stage table is for data parallelism alone and is left out")  # fmt: skip
     return notes
 
 
@@ -348,7 +383,7 @@ def zero_stages(params: MemoryInputs, shape: ModelShape) -> list[dict[str, Any]]
     """Per-GPU trainer memory at each ZeRO stage and with CPU offload, the rest of `params` as given: as the engine
     runs each stage on FSDP2 (fp32 parameters), and as DeepSpeed's ZeRO accounts it (half-precision weights, fp32
     master copy in the optimizer states). Empty for LoRA with NF4, which cannot be sharded."""
-    if params.lora_quantize == "nf4":
+    if params.lora_quantize == "nf4" or params.tp_size > 1 or params.pp_size > 1:
         return []
     rows = []
     base = {"zero_stage": None, "cpu_offload": False, "hsdp_shard_size": None}
@@ -435,8 +470,9 @@ def render_memory(report: MemoryReport, console: Console) -> None:
     job = f"{p.job}, {p.rl_algorithm}" if p.job == "rl" else p.job
     pairs = " pair(s)" if p.sequences_per_sample == 2 else ""
     loss = "from a score head" if p.job == "reward" else "chunked" if p.chunked_loss else "on whole logits"
+    mesh = f" = dp {p.dp_size} × tp {p.tp_size} × pp {p.pp_size}" if p.tp_size * p.pp_size > 1 else ""
     console.print(
-        f"training ({job}): {p.strategy} over {p.world_size} GPU(s) ({p.gpus_per_node}/node × {p.num_nodes}), "
+        f"training ({job}): {p.strategy} over {p.world_size} GPU(s){mesh} ({p.gpus_per_node}/node × {p.num_nodes}), "
         f"{p.precision}, {p.optimizer}, micro-batch {p.micro_batch}{pairs} × seq {p.seq_len}, "
         f"checkpointing {p.activation_checkpointing}, attention {p.attention}, loss {loss}"
     )

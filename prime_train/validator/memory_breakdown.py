@@ -137,6 +137,13 @@ from prime_train.validator.memory_inputs import (
     MemoryInputs,
     ModelShape,
 )
+from prime_train.validator.memory_parallel import (
+    in_flight,
+    microbatches,
+    rank_layers,
+    rank_shape,
+    sequence_parallel_activations,
+)
 from prime_train.validator.param_count import AdapterCount
 
 # optimizer states per parameter besides master weights: AdamW's m and v, 8-bit AdamW's quantised m and v,
@@ -183,6 +190,9 @@ class TrainerMemory:
     shard_group: int
     per_micro_batch_bytes: int  # how much one more sequence of micro-batch adds: the linear part
     host_bytes: int = 0  # what CPU offload keeps in each process's host memory instead
+    # with pipeline parallelism: the rank these figures are for (the busiest) and every pipeline rank's total
+    pp_rank: int | None = None
+    rank_totals: list[int] | None = None
     trainable_params: int = 0  # what trains: every parameter, or with LoRA the adapters only
     total_params: int = 0  # the model's parameters, adapters included
 
@@ -233,6 +243,7 @@ class TrainerMemory:
             "trainable_params": self.trainable_params,
             "total_params": self.total_params,
             "trainable_fraction": round(self.trainable_fraction, 6),
+            **({"pp_rank": self.pp_rank, "rank_totals": self.rank_totals} if self.rank_totals else {}),
         }
 
 
@@ -416,8 +427,11 @@ def _lora_activations(inputs: MemoryInputs, m: ModelShape, ad: AdapterCount | No
 
 
 def trainer_memory(inputs: MemoryInputs, m: ModelShape, *, micro_batch: int | None = None) -> TrainerMemory:
-    """Per-GPU bytes of a training process, part by part (see the module docstring for every rule)."""
+    """Per-GPU bytes of a training process, part by part (see the module docstring for every rule); with tensor or
+    pipeline parallelism, the busiest rank's (memory_parallel.py)."""
     mb = micro_batch if micro_batch is not None else inputs.micro_batch
+    if inputs.tp_size > 1 or inputs.pp_size > 1:
+        return busiest_rank_memory(inputs, m, mb)
     m = job_shape(inputs, m)
     per = bytes_per_param(inputs.strategy, inputs.precision, inputs.optimizer)
     ad = inputs.adapters
@@ -432,17 +446,7 @@ def trainer_memory(inputs: MemoryInputs, m: ModelShape, *, micro_batch: int | No
     lora = _lora_activations(inputs, m, ad)
     seqs = inputs.sequences_per_sample
     tokens = mb * seqs * inputs.seq_len
-    layer = act["norms"] + act["attention"] + act["scores"] + act["mlp"] + lora.layer
-    ckpt = inputs.activation_checkpointing
-    if ckpt == "full":
-        per_token = m.layers * act["layer_input"] + layer
-        how = f"{m.layers} layer inputs + one layer recomputed"
-    elif ckpt == "selective":
-        per_token = m.layers * (act["selective"] + lora.selective)
-        how = f"{m.layers} layers' inputs, matmul and attention outputs; the rest recomputed"
-    else:
-        per_token = m.layers * layer
-        how = f"{m.layers} layers"
+    per_token, how = layers_per_token(inputs, m.layers, act, lora)
     if ad is not None:
         how += "; frozen weights' own needs left out, the adapters' added"
     per_token += act["final_norm"] + act["indices"] + lora.outside
@@ -465,6 +469,79 @@ def trainer_memory(inputs: MemoryInputs, m: ModelShape, *, micro_batch: int | No
         trainable_params=(ad.trainable if ad else m.num_params) + heads,
         total_params=m.num_params + (ad.trainable if ad else 0) + heads,
     )
+
+
+def layers_per_token(
+    inputs: MemoryInputs, layers: int, act: dict[str, float], lora: _LoraActivations | None = None
+) -> tuple[float, str]:
+    """Bytes a token leaves in `layers` decoder layers under the run's activation checkpointing, and how counted."""
+    lora = lora or _LoraActivations(0.0, 0.0, 0.0)
+    layer = act["norms"] + act["attention"] + act["scores"] + act["mlp"] + lora.layer
+    ckpt = inputs.activation_checkpointing
+    if ckpt == "full":
+        return layers * act["layer_input"] + layer, f"{layers} layer inputs + one layer recomputed"
+    if ckpt == "selective":
+        how = f"{layers} layers' inputs, matmul and attention outputs; the rest recomputed"
+        return layers * (act["selective"] + lora.selective), how
+    return layers * layer, f"{layers} layers"
+
+
+# ---------------------------------------------------------------- tensor and pipeline parallel (memory_parallel.py)
+
+
+def rank_memory(inputs: MemoryInputs, m: ModelShape, rank: int, layers: int, mb: int) -> TrainerMemory:
+    """Per-GPU bytes of pipeline rank `rank` (any rank of its tensor-parallel group: they hold the same)."""
+    p, n = inputs.pp_size, microbatches(inputs)
+    first, last = rank == 0, rank == p - 1
+    mr = rank_shape(inputs, m, rank, layers)
+    per = bytes_per_param(inputs.strategy, inputs.precision, inputs.optimizer)
+    parts = _state_parts(inputs, mr, per)
+    if p > 1 or inputs.dp_size == 1:  # a pipeline averages in place; no replicas, no reduction
+        parts = [part for part in parts if part.name != "DDP gradient buckets"]
+    host = 0
+    if inputs.cpu_offload:
+        parts, host = _offloaded(parts)
+    act = sequence_parallel_activations(inputs, mr, _activation_bytes_per_token(inputs, mr))
+    kept, how = layers_per_token(inputs, layers, act)
+    once = 0.0
+    if inputs.activation_checkpointing == "full":  # one layer rebuilt at a time, for one microbatch
+        once = act["norms"] + act["attention"] + act["scores"] + act["mlp"]
+        kept -= once
+    kept += (act["final_norm"] if last else 0) + (act["indices"] if first else 0)
+    flight = in_flight(inputs, rank)
+    rows = mb / n  # rows of one pipeline microbatch (the whole micro-batch without a pipeline)
+    split = f", split over tp {inputs.tp_size}" + (" with sequence parallel" if inputs.sequence_parallel else "")
+    where = f"{flight:g} of {n} pipeline microbatches in flight ({inputs.pp_schedule}); " if p > 1 else ""
+    parts.append(Part(
+        "activations", int(rows * inputs.seq_len * (flight * kept + once)),
+        f"{where}{mb} × {inputs.seq_len} tokens; {how}{split if inputs.tp_size > 1 else ''}",
+    ))  # fmt: skip
+    loss_per_seq = 0.0
+    if last:
+        loss_flight = n if inputs.pp_schedule == "gpipe" or p == 1 else 1
+        loss, per_token_loss = _loss_part(inputs, mr, act, int(rows * loss_flight * inputs.seq_len))
+        parts.append(loss)
+        loss_per_seq = per_token_loss * inputs.seq_len * loss_flight / n
+    parts.append(Part("runtime", RUNTIME_OVERHEAD_BYTES, "CUDA context, cuBLAS workspaces, NCCL buffers"))
+    return TrainerMemory(
+        parts=parts,
+        bytes_per_param={k: float(v) for k, v in per.items()},
+        shard_group=inputs.shard_group,
+        per_micro_batch_bytes=int(inputs.seq_len * (flight * kept + once) / n + loss_per_seq),
+        host_bytes=host,
+        trainable_params=m.num_params,
+        total_params=m.num_params,
+        pp_rank=rank if p > 1 else None,
+    )
+
+
+def busiest_rank_memory(inputs: MemoryInputs, m: ModelShape, mb: int) -> TrainerMemory:
+    """The pipeline rank that needs the most memory, with every rank's total beside it."""
+    ranks = [rank_memory(inputs, m, r, layers, mb) for r, layers in enumerate(rank_layers(inputs, m.layers))]
+    busiest = max(ranks, key=lambda t: t.total)
+    if inputs.pp_size > 1:
+        busiest.rank_totals = [t.total for t in ranks]
+    return busiest
 
 
 # What FSDP2's CPUOffloadPolicy moves to host memory: the sharded states (the gathered units stay on the GPU)

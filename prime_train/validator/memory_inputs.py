@@ -34,6 +34,7 @@ KV_CACHE_DTYPES = {"auto": None, "bf16": 2, "fp16": 2, "fp8": 1, "fp8_e4m3": 1, 
 INFERENCE_DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 ZERO_FAMILY = ("zero1", "zero2", "zero3")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # run.job, and rl.algorithm for the rl job; dpo and reward train on preference pairs, two sequences (chosen and
 # rejected) for each pair micro_batch_size counts
 JOBS = ("sft", "pretrain", "rl", "dpo", "reward")
@@ -186,9 +187,13 @@ class MemoryInputs:
     cpu_offload: bool = False
     # train.float8: torchao's float8 linear layers (compute only: see memory_breakdown's docstring)
     float8: bool = False
-    # distributed.tp_size / pp_size: not modelled yet (the estimate says so), carried so the report can say it
+    # distributed.tp_size, sequence_parallel, pp_size, pp_schedule, pp_microbatches (memory_parallel.py): the GPUs
+    # form (pp, dp, tp); the data-parallel strategy shards over dp = GPUs / (tp × pp)
     tp_size: int = 1
+    sequence_parallel: bool = False
     pp_size: int = 1
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None  # unset: pp_size, as the engine
     # inference (vLLM); off unless max_model_len is set
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -237,6 +242,7 @@ class MemoryInputs:
             raise MemoryInputError(f"hsdp_shard_size = {self.hsdp_shard_size!r}: must be ≥ 1")
         self._check_lora()
         self._check_sharding()
+        self._check_model_parallel()
         if self.rl_algorithm != "grpo" and self.job != "rl":
             raise MemoryInputError(f"rl_algorithm = {self.rl_algorithm!r} is for job 'rl', not {self.job!r}")
         if self.reference and self.job not in REFERENCE_JOBS:
@@ -257,6 +263,36 @@ class MemoryInputs:
                 f"cpu_offload with strategy {self.strategy!r}: offload moves sharded states, so it needs fsdp, hsdp "
                 "or zero3"
             )
+
+    def _check_model_parallel(self) -> None:
+        """What the engine refuses with tensor or pipeline parallelism, refused here with the same key."""
+        for key in ("tp_size", "pp_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise MemoryInputError(f"{key} = {value!r}: must be a whole number ≥ 1")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise MemoryInputError(f"pp_schedule = {self.pp_schedule!r}: must be one of {', '.join(PP_SCHEDULES)}")
+        if self.pp_microbatches is not None and self.pp_microbatches < 1:
+            raise MemoryInputError(f"pp_microbatches = {self.pp_microbatches!r}: must be ≥ 1")
+        if self.tp_size == 1 and self.pp_size == 1:
+            return
+        split = f"tp_size = {self.tp_size}, pp_size = {self.pp_size}"
+        if self.world_size % (self.tp_size * self.pp_size):
+            raise MemoryInputError(f"{split}: tp × pp must divide the {self.world_size} GPUs (gpus_per_node × nodes)")
+        if self.lora_rank or self.job not in ("sft", "pretrain"):
+            raise MemoryInputError(f"{split}: the engine splits full SFT and pretraining only (no LoRA, no "
+                                   f"{self.job} job); set tp_size and pp_size to 1")  # fmt: skip
+        if self.strategy in ("hsdp", *ZERO_FAMILY):
+            raise MemoryInputError(f"{split} with strategy {self.strategy!r}: the engine shards beside tensor and "
+                                   "pipeline parallelism with fsdp (and its zero_stage) only")  # fmt: skip
+        if self.strategy == "ddp" and self.tp_size > 1 and self.dp_size > 1:
+            raise MemoryInputError(f"{split} with strategy 'ddp': DDP cannot reduce tensor-parallel parameters; the "
+                                   "engine runs fsdp over the data-parallel replicas")  # fmt: skip
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: the GPUs that hold the same layers and the same tensor shards."""
+        return self.world_size // (self.tp_size * self.pp_size)
 
     @property
     def half(self) -> bool:
@@ -332,7 +368,7 @@ class MemoryInputs:
         if self.strategy == "hsdp":
             return min(self.hsdp_shard_size or self.gpus_per_node, self.world_size)
         if self.strategy in ("zero1", "zero2", "zero3", "fsdp"):
-            return self.world_size
+            return self.dp_size  # with TP or PP, FSDP2 shards over the "dp" mesh dimension only
         return 1
 
 

@@ -2,7 +2,7 @@
 
 The engine (engine/pipeline.py) refuses the same things when the job starts (exit 78); these say it first, with the
 file and line. What lint checks: the processes make whole pipelines of pp_size ranks (replicated across pipelines as
-DDP replicates; FSDP or HSDP across them is not supported yet), the job is SFT or pretraining on the native decoder
+DDP replicates, or each stage sharded over them by FSDP2; not HSDP), the job is SFT or pretraining on the native decoder
 without LoRA or torch.compile, embeddings are untied, every stage gets a layer (and how they split when uneven), each
 micro-batch cuts into whole pipeline microbatches, and the schedule accepts that many microbatches (torch's own
 rules: 1F1B needs at least pp_size, interleaved 1F1B a multiple of its rounds). Never imports torch.
@@ -111,13 +111,13 @@ def _placement(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
                 "(distributed.nproc_per_node x nnodes); make the processes a multiple of it",
             )
         ]
-    if world > d.pp_size and d.strategy not in ("auto", "ddp"):
+    if world > d.pp_size and d.strategy not in ("auto", "ddp", "fsdp"):
         return [
             (
                 ("distributed", "strategy"),
                 f"distributed.strategy = {d.strategy!r} across {world // d.pp_size} pipelines "
-                f"(distributed.pp_size = {d.pp_size}) is not supported yet: pipelines are replicated as DDP "
-                "replicates (gradients all-reduced); set distributed.strategy = 'auto' or 'ddp'",
+                f"(distributed.pp_size = {d.pp_size}) is not supported: pipelines are replicated ('auto' or "
+                "'ddp': gradients all-reduced) or each stage is sharded over its replicas ('fsdp'); set one of those",
             )
         ]
     return []

@@ -32,7 +32,7 @@ from prime_train.kit.gpu import ENV_GPU_REPLAY, replayed_probe
 from prime_train.launch import node_rank, procs_per_node, rendezvous_endpoint, visible_gpu_count
 from prime_train.validator.checks import FAIL, PASS, WARN, CheckResult
 from prime_train.validator.lora_checks import adapters, check_lora
-from prime_train.validator.memory import estimate, inputs_from_config
+from prime_train.validator.memory import engine_strategy, estimate, inputs_from_config
 from prime_train.validator.memory_breakdown import STATE_PARTS
 from prime_train.validator.memory_inputs import MemoryInputError
 from prime_train.validator.model_shape import model_shape
@@ -579,10 +579,7 @@ def check_secrets(cfg: Config) -> CheckResult:
 
 
 def _strategy(cfg: Config, world_size: int) -> str:
-    strategy = cfg.distributed.strategy
-    if strategy == "auto":
-        return "ddp" if world_size > 1 else "none"
-    return strategy if world_size > 1 else "none"
+    return engine_strategy(cfg, world_size) if world_size > 1 else "none"
 
 
 def estimate_memory(cfg: Config, hf: dict[str, Any], *, on_gpu: bool) -> dict[str, Any]:
