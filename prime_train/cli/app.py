@@ -17,7 +17,7 @@ import typer
 from typer.core import TyperGroup
 
 from prime_train import __version__
-from prime_train.cli import ckpt, config, errors, inference, init, output, plan, run, spot, watch
+from prime_train.cli import ckpt, config, errors, inference, init, output, plan, run, spot, sweep, watch
 from prime_train.cli.common import OVERRIDES
 
 
@@ -101,6 +101,7 @@ app.command(context_settings=OVERRIDES)(config.lint)
 app.add_typer(config.config_app, name="config")
 app.command(context_settings=OVERRIDES)(run.train)
 app.command(context_settings=OVERRIDES)(run.run)
+app.command(context_settings=OVERRIDES)(sweep.sweep)
 app.add_typer(spot.spot_app, name="spot")
 app.add_typer(inference.inference_app, name="inference")
 app.command(context_settings=OVERRIDES)(spot.monitor)
