@@ -275,6 +275,15 @@ class Event(enum.StrEnum):
     INFERENCE_HEALTHY = "inference_healthy"  # a worker answers /health
     INFERENCE_WEDGED = "inference_wedged"  # a worker stopped answering /health
     INFERENCE_DIED = "inference_died"  # a worker died or is wedged: restarted on its own
+    # a sweep's own events.jsonl (in the sweep directory), and PBT's in the trial's run directory
+    SWEEP_STARTED = "sweep_started"  # a sweep process joined the study: its pid and storage
+    SWEEP_TRIAL_STARTED = "sweep_trial_started"  # a new trial: its number and parameters
+    SWEEP_TRIAL_ADOPTED = "sweep_trial_adopted"  # an interrupted trial taken over: its run resumes
+    SWEEP_TRIAL_ENDED = "sweep_trial_ended"  # a trial told to the study: complete, pruned or failed
+    SWEEP_TRIAL_INTERRUPTED = "sweep_trial_interrupted"  # stopped with a checkpoint, left RUNNING to resume
+    SWEEP_ENDED = "sweep_ended"  # this sweep process is done: its exit code and the best trial
+    PBT_EXPLOIT = "pbt_exploit"  # a trial copied a better trial's checkpoint, to resume from it
+    PBT_EXPLORE = "pbt_explore"  # ... and perturbed its hyper-parameters: before and after
 
 
 # ---------------------------------------------------------------- the run directory

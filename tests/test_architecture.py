@@ -28,6 +28,7 @@ SUPERVISOR_SIDE = (
     "prime_train.kit",
     "prime_train.validator",
     "prime_train.integrations",
+    "prime_train.sweep",
     "prime_train.cli",
 )
 TORCH_FREE = (*SUPERVISOR_SIDE, "prime_train.config")
@@ -258,6 +259,7 @@ LAYERS = (
     ("launch",),
     ("validator",),
     ("resilience",),
+    ("sweep",),
     ("cli",),
     ("__main__",),
 )

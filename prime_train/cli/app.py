@@ -32,6 +32,7 @@ from prime_train.cli import (
     run,
     runs,
     spot,
+    sweep,
     watch,
 )
 from prime_train.cli.common import OVERRIDES
@@ -117,6 +118,7 @@ app.command(context_settings=OVERRIDES)(config.lint)
 app.add_typer(config.config_app, name="config")
 app.command(context_settings=OVERRIDES)(run.train)
 app.command(context_settings=OVERRIDES)(run.run)
+app.command(context_settings=OVERRIDES)(sweep.sweep)
 app.add_typer(spot.spot_app, name="spot")
 app.add_typer(inference.inference_app, name="inference")
 app.command(context_settings=OVERRIDES)(spot.monitor)

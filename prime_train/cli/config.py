@@ -40,7 +40,8 @@ def lint(
         Optional[str], typer.Option("--format", hidden=True, help="Deprecated: text or json; use --json.")
     ] = None,
 ) -> None:
-    """Check run configs: every mistake with file:line:col, the key and what to do.
+    """Check run configs (and SWEEP.toml files, by their [sweep]): every mistake with file:line:col, the key and
+    what to do.
 
     Exit 0 when clean, 78 (bad input) when there are errors (or warnings with --strict).
 
@@ -52,6 +53,7 @@ def lint(
 
       prime-train lint --json --strict configs/*.toml
     """
+    from prime_train.sweep.spec import is_sweep_file, load_spec
     from prime_train.validator.lint import has_errors, lint_files
 
     as_json = _json_or_format(as_json, fmt, "text")
@@ -61,6 +63,9 @@ def lint(
     groups = [paths] if merge else [[p] for p in paths]
     problems = []
     for group in groups:
+        if len(group) == 1 and is_sweep_file(group[0]):
+            problems.extend(load_spec(group[0], overrides)[1])
+            continue
         found, _ = lint_files(group, overrides)
         problems.extend(found)
     if as_json:

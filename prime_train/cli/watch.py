@@ -24,7 +24,8 @@ def status(
     run_dir: Annotated[Path, typer.Argument(help="A run directory (<output_dir>/<name>).")],
     as_json: JsonFlag = False,
 ) -> None:
-    """Show a running or finished run: state, step, attempts, last failure, recent events.
+    """Show a running or finished run (state, step, attempts, last failure, recent events), or a sweep directory
+    (every trial: parameters, state, step, metric; the best).
 
     Every attempt counts: a failure the run recovered from is still its last failure, and an external
     job's checkpoints are read from its job.checkpoint_dir. Exit 78 for a directory that holds no run.
@@ -36,7 +37,15 @@ def status(
       prime-train status runs/tiny-sft --json
     """
     from prime_train.resilience.status import check_run_dir, run_status
+    from prime_train.sweep.spec import is_sweep_dir
 
+    if is_sweep_dir(run_dir):
+        from prime_train.cli.sweep import render_sweep_status
+        from prime_train.sweep.record import sweep_status
+
+        swept = sweep_status(run_dir)
+        output.emit(json_safe(swept), as_json, lambda console: render_sweep_status(swept, console))
+        return
     check_run_dir(run_dir)  # a directory that holds no run is bad input, named with the runs near it
     state = run_status(run_dir)
     output.emit(json_safe(state) if as_json else state, as_json, lambda console: render_status(state, console))

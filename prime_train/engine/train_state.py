@@ -131,9 +131,18 @@ class TrainState(Stateful):
         else:
             set_model_state_dict(self.model, state_dict["model"])
         if self.scheduler is not None and "scheduler" in state_dict:
+            configured = list(self.scheduler.base_lrs)
             self.scheduler.load_state_dict(_unpack(state_dict["scheduler"]))
+            lrs = self.scheduler.get_last_lr()
+            if hasattr(self.scheduler, "lr_lambdas") and len(configured) == len(self.scheduler.base_lrs):
+                # train.lr is this start's, not the checkpoint's: a resume with a changed lr (a sweep's PBT explore,
+                # a hand-tuned restart) trains at it, at the same point of the schedule
+                self.scheduler.base_lrs = configured
+                epoch = self.scheduler.last_epoch
+                lrs = [base * f(epoch) for base, f in zip(configured, self.scheduler.lr_lambdas, strict=True)]
+                self.scheduler._last_lr = lrs  # what get_last_lr() reports (torch keeps no public setter)
             groups = self.optimizer.param_groups if self.optimizer is not None else []
-            for group, lr in zip(groups, self.scheduler.get_last_lr()[: len(groups)], strict=True):
+            for group, lr in zip(groups, lrs[: len(groups)], strict=True):
                 group["lr"] = lr  # what the groups hold, unless Checkpointer.load kept this start's (another layout)
         if self.dataloader is not None and self.dataloader_key in state_dict:
             self.dataloader.load_state_dict(json.loads(state_dict[self.dataloader_key]))

@@ -70,6 +70,7 @@ class RunRequest:
     resume: bool = False  # --resume: train a finished run on (after raising train.max_steps)
     skip_preflight: bool = False  # run: launch even if preflight fails
     verbose_inference: bool = False  # run: stream the inference workers' logs whole
+    own_signals: bool = True  # run: SIGINT/SIGTERM stop this run; False when a caller (a sweep) owns them
 
 
 def _silent(_: str) -> None:
@@ -137,6 +138,14 @@ class RunService:
         self.cfg = cfg
         self.request = request or RunRequest()
         self.reporter = reporter or Reporter()
+        self.supervisor: Supervisor | None = None  # `supervise`'s, once made: what `request_stop` reaches
+        self._stop_reason: str | None = None
+
+    def request_stop(self, reason: str) -> None:
+        """Checkpoint and stop (75), from any thread: now if the supervisor runs, else as soon as it is made."""
+        self._stop_reason = reason
+        if self.supervisor is not None:
+            self.supervisor.request_stop(reason)
 
     # ------------------------------------------------------------------ prime-train run
 
@@ -146,6 +155,9 @@ class RunService:
 
         options = SupervisorOptions(verbose_inference=self.request.verbose_inference)
         sup = Supervisor(self.cfg, self.reporter.observer, options)
+        self.supervisor = sup
+        if self._stop_reason is not None:  # asked before the supervisor existed
+            sup.request_stop(self._stop_reason)
         try:
             # before preflight: a second run into this directory is refused at once, and an orphaned job of a killed
             # supervisor is ended before preflight counts its ports and GPU memory as taken
@@ -192,7 +204,8 @@ class RunService:
 
         self.reporter.starting(str(self.cfg.run_dir))
         with self.reporter.live:
-            _stop_on_signals(sup)
+            if self.request.own_signals:
+                _stop_on_signals(sup)
             code = sup.run()
         written_since = started if sup.state == SupervisorState.DONE else None
         results = final_results(sup.run_dir, written_since=written_since)
