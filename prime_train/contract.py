@@ -786,23 +786,3 @@ def read_lock_holder(run_dir: RunDir) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return obj if isinstance(obj, dict) else None
-
-
-def newest_external_checkpoint(directory: Path, pattern: str) -> tuple[int, Path] | None:
-    """The highest-step entry of an external job's checkpoint directory whose name matches `pattern` (group 1:
-    the step); entries ending in .tmp are unfinished saves and never count."""
-    if not directory.is_dir():
-        return None
-    regex = re.compile(pattern)
-    best: tuple[int, Path] | None = None
-    for entry in directory.iterdir():
-        m = regex.search(entry.name)
-        if not m or entry.name.endswith(".tmp"):
-            continue
-        try:
-            step = int(m.group(1))
-        except (IndexError, ValueError):
-            continue
-        if best is None or step > best[0]:
-            best = (step, entry)
-    return best

@@ -384,3 +384,23 @@ def venv_prefix_problem(prefix: str | os.PathLike[str], *, managed: bool) -> str
 def mark_venv(prefix: str | os.PathLike[str], what: str) -> None:
     """Record in `prefix` that an install command made this venv (`what`: 'vllm', 'skypilot')."""
     write_json_atomic(Path(prefix) / VENV_MARKER, {"made_by": "prime-train", "for": what, "time": time.time()})
+
+
+def newest_external_checkpoint(directory: Path, pattern: str) -> tuple[int, Path] | None:
+    """The highest-step entry of an external job's checkpoint directory whose name matches `pattern` (group 1:
+    the step); entries ending in .tmp are unfinished saves and never count."""
+    if not directory.is_dir():
+        return None
+    regex = re.compile(pattern)
+    best: tuple[int, Path] | None = None
+    for entry in directory.iterdir():
+        m = regex.search(entry.name)
+        if not m or entry.name.endswith(".tmp"):
+            continue
+        try:
+            step = int(m.group(1))
+        except (IndexError, ValueError):
+            continue
+        if best is None or step > best[0]:
+            best = (step, entry)
+    return best

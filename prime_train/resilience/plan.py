@@ -29,7 +29,6 @@ from prime_train.contract import (
     Phase,
     best_checkpoint_step,
     newest_checkpoint,
-    newest_external_checkpoint,
     replace_file_atomic,
 )
 from prime_train.kit.gpu import GpuHealthWatcher, GpuRecorder, GpuSource, gpu_source, visible_devices
@@ -49,6 +48,7 @@ from prime_train.resilience.watchers import (
     RankLogs,
     detect_cloud,
 )
+from prime_train.retention import newest_external_checkpoint
 from prime_train.rl.client import worker_url
 from prime_train.rl.workers import InferenceHealthWatcher, gpu_plan, inference_specs, worker_name
 from prime_train.rl.workers import never_starts as worker_never_starts

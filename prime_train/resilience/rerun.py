@@ -33,11 +33,11 @@ from prime_train.contract import (
     fsync_dir,
     list_checkpoints,
     newest_checkpoint,
-    newest_external_checkpoint,
     read_heartbeat,
     read_json,
     write_json_atomic,
 )
+from prime_train.retention import newest_external_checkpoint
 
 # The old run's outputs, moved aside by --fresh; what remains (events.jsonl, logs/, gpu.jsonl) is history.
 # The heartbeat first: it is what says "finished", and a move cut short after it can never read as a finished run.
