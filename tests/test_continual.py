@@ -117,7 +117,7 @@ def test_a_continual_run_evaluates_the_previous_data_and_resumes_with_its_ewc_an
     assert baseline["eval_previous_exact_match"] > 0.5 and "eval_previous_loss" in baseline
     assert all(r["ewc_penalty"] > 0 for r in rows if r["step"] > 0)  # after each step: the weights left the anchor
     # trained on: the anchor comes back from the checkpoint, not from an estimate at step 5's weights
-    more = run(tmp_path, "cont", **keys, **{"train.max_steps": 8})
+    more = run(tmp_path, "cont", "--resume", **keys, **{"train.max_steps": 8})
     out = more.stdout + more.stderr
     assert more.returncode == 0, out[-3000:]
     assert "resumed from" in out and "EWC: Fisher information" not in out
