@@ -187,6 +187,48 @@ class DataConfig(Section):
         "stream with bounded memory (row groups, packing in a bounded buffer); several datasets are mixed per "
         "micro-batch by sampling_probs.",
     )
+    curriculum: Literal["none", "length", "difficulty"] = Field(
+        "none",
+        description="Easy sequences first: by token count ('length'), or by data.difficulty_field / a built-in "
+        "task's answer length ('difficulty'). The easiest data.curriculum_start of the rows at step 0, all of them "
+        "by data.curriculum_steps; deterministic and resumable (engine/curriculum.py).",
+    )
+    curriculum_start: float = Field(0.2, gt=0.0, le=1.0, description="Fraction of the rows drawn from at step 0.")
+    curriculum_steps: int | None = Field(
+        None, ge=1, description="Steps until every row is drawn from; unset: half of train.max_steps."
+    )
+    difficulty_field: str | None = Field(
+        None, description="A numeric record field giving each example's difficulty (data.curriculum = 'difficulty')."
+    )
+
+
+class ContinualConfig(Section):
+    previous: list[DatasetConfig] = Field(
+        default_factory=list,
+        description="The datasets the starting model was trained on ([[continual.previous]], like data.datasets): "
+        "replayed, used for the EWC estimate, and evaluated at each eval (eval_previous_loss, "
+        "eval_previous_exact_match) to show what is forgotten.",
+    )
+    replay: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Fraction of the training sequences drawn from continual.previous (in expectation per batch; "
+        "exactly per epoch of the mixed order).",
+    )
+    ewc_lambda: float = Field(
+        0.0,
+        ge=0.0,
+        description="Elastic Weight Consolidation: adds ewc_lambda/2 · Σ F·(θ - θ_start)², F the diagonal Fisher "
+        "information of continual.previous at the starting weights, estimated at the run's start and checkpointed.",
+    )
+    fisher_batches: int = Field(16, ge=1, le=100_000, description="Micro-batches of continual.previous for F.")
+
+    @model_validator(mode="after")
+    def _previous_when_used(self) -> ContinualConfig:
+        if (self.replay > 0 or self.ewc_lambda > 0) and not self.previous:
+            raise ValueError("continual.replay and continual.ewc_lambda need continual.previous: the earlier datasets")
+        return self
 
 
 class TrainConfig(Section):
@@ -699,6 +741,9 @@ class Config(Section):
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA / QLoRA: train small adapters only.")
     dpo: DPOConfig = Field(default_factory=DPOConfig, description="Direct preference optimisation (run.job = 'dpo').")
     data: DataConfig = Field(default_factory=DataConfig, description="The training data.")
+    continual: ContinualConfig = Field(
+        default_factory=ContinualConfig, description="Continual learning: replay and EWC of earlier datasets."
+    )
     train: TrainConfig = Field(default_factory=TrainConfig, description="The optimisation loop.")
     distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="Processes and parallelism.")
     ckpt: CkptConfig = Field(default_factory=CkptConfig, description="Checkpoints, retention and export.")

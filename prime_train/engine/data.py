@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from prime_train import tasks
+from prime_train.engine.curriculum import Curriculum, buckets, content_difficulty
 from prime_train.engine.documents import Document, Encoder
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.packing import Batch, PackedRows, PackingStats, build_rows, concat_rows
@@ -79,9 +80,12 @@ def _dataset_contents(
     keep_all: bool = False,
     limit: int | None = None,
     streaming: bool = False,
+    difficulties: list[float] | None = None,
+    difficulty_field: str | None = None,
 ) -> tuple[str, list[Any]]:
     """(format, contents) of this rank's training records (all of them when `keep_all`), or of all
-    held-out records when `held_out`; reading stops after `limit` contents when given."""
+    held-out records when `held_out`; reading stops after `limit` contents when given. With `difficulties`, each
+    kept content's difficulty (data.curriculum = 'difficulty') is appended to it."""
     # Held-out records are read from every shard by every rank, so all ranks agree on the eval set.
     records, sharded = read_records(ds, index, seed, rank, world_size, split_by_rank=not held_out, streaming=streaming)
     fmt: str | None = None
@@ -98,6 +102,10 @@ def _dataset_contents(
             if (kept - 1) % world_size != rank:
                 continue
         contents.append(content)
+        if difficulties is not None:
+            difficulties.append(
+                content_difficulty(content, record.fields, record.where, difficulty_field, bool(ds.task))
+            )
         if limit is not None and len(contents) >= limit:
             break
     return fmt or "text", contents
@@ -114,8 +122,14 @@ def _splits_by_shard(ds: DatasetConfig, world_size: int) -> bool:
 
 
 def _rank_rows(
-    data: DataConfig, tokenizer: PreTrainedTokenizerBase, job: str, rank: int, world_size: int, seed: int
-) -> tuple[list[PackedRows], bool]:
+    data: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    job: str,
+    rank: int,
+    world_size: int,
+    seed: int,
+    replayed: list[DatasetConfig] | None = None,
+) -> tuple[list[PackedRows], bool, np.ndarray | None]:
     """Packed training rows of each dataset, and whether they are the global rows every rank shares.
 
     Data that fits in memory and is not split by shards is packed whole on every rank, identically,
@@ -123,14 +137,40 @@ def _rank_rows(
     then the same rows whatever the world size, so 1 process and N processes train alike.
     """
     encoder = Encoder(tokenizer, job)
-    shared = not any(_splits_by_shard(ds, world_size) for ds in data.datasets)
-    parts = []
-    for index, ds in enumerate(data.datasets):
+    datasets = [*data.datasets, *(replayed or [])]  # continual.previous after this run's own
+    shared = not any(_splits_by_shard(ds, world_size) for ds in datasets)
+    parts, row_difficulty = [], []
+    for index, ds in enumerate(datasets):
+        scores: list[float] | None = [] if data.curriculum == "difficulty" else None
         fmt, contents = _dataset_contents(
-            ds, index, seed, data.held_out_fraction, rank, world_size, held_out=False, keep_all=shared
-        )
-        parts.append(build_rows(encoder.encode(fmt, contents), data.seq_len, tokenizer.pad_token_id, data.packing))
-    return parts, shared
+            ds, index, seed, data.held_out_fraction, rank, world_size, held_out=False, keep_all=shared,
+            difficulties=scores, difficulty_field=data.difficulty_field,
+        )  # fmt: skip
+        docs = encoder.encode(fmt, contents)
+        if data.curriculum == "none":
+            parts.append(build_rows(docs, data.seq_len, tokenizer.pad_token_id, data.packing))
+            continue
+        if scores is None:  # by length: the document's tokens
+            scores = [float(len(doc.ids)) for doc in docs]
+        groups = buckets(scores)
+        # packed within each group: a row holds documents of one difficulty
+        rows = [build_rows([docs[i] for i in g], data.seq_len, tokenizer.pad_token_id, data.packing) for g in groups]
+        parts.append(concat_rows(rows) if rows else build_rows([], data.seq_len, tokenizer.pad_token_id, data.packing))
+        row_difficulty += [
+            np.full(len(r.lengths), np.mean([scores[i] for i in g])) for r, g in zip(rows, groups, strict=True)
+        ]
+    difficulty = np.concatenate(row_difficulty) if data.curriculum != "none" and row_difficulty else None
+    return parts, shared, difficulty
+
+
+def _replay_probs(probs: list[float] | None, sizes: list[int], own: int, replay: float) -> list[float]:
+    """Mixing probabilities of this run's `own` datasets (data.sampling_probs, else by size) scaled to 1 - replay,
+    then of the replayed ones (by size) scaled to replay."""
+    if sum(sizes[own:]) == 0:
+        raise EngineConfigError("continual.previous has no training sequences to replay")
+    mine = probs if probs is not None else [s / max(1, sum(sizes[:own])) for s in sizes[:own]]
+    theirs = [s / sum(sizes[own:]) for s in sizes[own:]]
+    return [p * (1 - replay) for p in mine] + [p * replay for p in theirs]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -203,12 +243,16 @@ class _BatchesAt(Dataset):
         # shared rows: this rank's p-th sequence is position p * stride + offset of the common order
         self.stride = stride
         self.offset = offset
+        self.curriculum: Curriculum | None = None  # data.curriculum: the first positions draw easy rows
+
+    def _row(self, g: int) -> int:
+        if self.curriculum is not None and g < self.curriculum.horizon:
+            return self.curriculum.row(g)
+        return int(self.order.rows(g // self.order.length)[g % self.order.length])
 
     def __getitem__(self, position: int) -> Batch:
-        length = self.order.length
         shared = (p * self.stride + self.offset for p in range(position, position + self.micro_batch_size))
-        picked = [self.order.rows(g // length)[g % length] for g in shared]
-        return self.rows.batch(np.asarray(picked, dtype=np.int64))
+        return self.rows.batch(np.asarray([self._row(g) for g in shared], dtype=np.int64))
 
 
 class _PositionSampler(Sampler[int]):
@@ -364,8 +408,13 @@ def build_train_loader(
     world_size: int,
     seed: int,
     device: torch.device,
+    replayed: list[DatasetConfig] | None = None,
+    replay: float = 0.0,
+    global_batch_size: int | None = None,
+    max_steps: int | None = None,
 ) -> TrainLoader:
-    """This rank's endless, resumable stream of packed training micro-batches."""
+    """This rank's endless, resumable stream of packed training micro-batches; with `replay` > 0 a fraction `replay`
+    of the sequences comes from the `replayed` datasets (continual learning), mixed into the same epoch order."""
     _check_data_config(data)
     if data.streaming:
         return build_streaming_loader(  # type: ignore[return-value]
@@ -374,9 +423,20 @@ def build_train_loader(
         )  # fmt: skip
     if micro_batch_size < 1:
         raise EngineConfigError(f"train.micro_batch_size must be at least 1, got {micro_batch_size}")
-    parts, shared = _rank_rows(data, tokenizer, job, rank, world_size, seed)
+    if replay > 0 and data.streaming:
+        raise EngineConfigError("continual.replay needs data that fits in memory: set data.streaming = false")
+    replayed = replayed if replay > 0 else None
+    if data.curriculum != "none" and data.streaming:
+        raise EngineConfigError("data.curriculum needs data that fits in memory: set data.streaming = false")
+    parts, shared, difficulty = _rank_rows(data, tokenizer, job, rank, world_size, seed, replayed)
     rows = concat_rows(parts)
-    order = _EpochOrder([len(p.lengths) for p in parts], data.sampling_probs, seed, 0 if shared else rank)
+    sizes = [len(p.lengths) for p in parts]
+    probs = (
+        data.sampling_probs
+        if replayed is None
+        else _replay_probs(data.sampling_probs, sizes, len(data.datasets), replay)
+    )
+    order = _EpochOrder(sizes, probs, seed, 0 if shared else rank)
     if order.length < (world_size if shared else 1):
         raise EngineConfigError(
             f"rank {rank} of {world_size} has no training sequences: the datasets are too small for this many "
@@ -384,8 +444,18 @@ def build_train_loader(
         )
     logger.info("rank %d: %s", rank, rows.stats.describe())
     num_workers = _default_num_workers() if data.num_workers is None else data.num_workers
+    batches = _BatchesAt(rows, order, micro_batch_size, *((world_size, rank) if shared else (1, 0)))
+    if difficulty is not None:
+        steps = data.curriculum_steps or max(1, (max_steps or 2) // 2)
+        # the schedule runs over global positions when the ranks share one order, else over this rank's own
+        sequences = steps * (global_batch_size or micro_batch_size * world_size) // (1 if shared else world_size)
+        batches.curriculum = Curriculum(difficulty, data.curriculum_start, sequences, seed)
+        logger.info(
+            "curriculum by %s: the easiest %.0f%% of %d sequences at step 0, all of them from step %d",
+            data.curriculum, 100 * data.curriculum_start, len(difficulty), steps,
+        )  # fmt: skip
     return TrainLoader(
-        _BatchesAt(rows, order, micro_batch_size, *((world_size, rank) if shared else (1, 0))),
+        batches,
         num_workers=num_workers,
         device=device,
         stats=rows.stats,

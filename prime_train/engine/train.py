@@ -31,7 +31,10 @@ class SFTJob(TrainingJob):
     loss_scaling = True
     supports_tensor_parallel = True
     supports_pipeline = True
-    eval_keys = ("eval_loss", "eval_exact_match", "eval_mc_accuracy", "eval_env_reward", "eval_env_pass_rate")
+    eval_keys = (
+        "eval_loss", "eval_exact_match", "eval_mc_accuracy", "eval_env_reward", "eval_env_pass_rate",
+        "eval_previous_loss", "eval_previous_exact_match",
+    )  # fmt: skip
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)
@@ -52,6 +55,43 @@ class SFTJob(TrainingJob):
                 cfg.distributed.pp_size,
             )
             self.eval_examples, self._env = [], None
+        self._continual_setup(common)
+
+    def _continual_setup(self, common: dict) -> None:
+        """continual.previous: its held-out eval (what is forgotten), and EWC's state in the checkpoint."""
+        from prime_train.engine.continual import ElasticWeights
+
+        cfg = self.cfg
+        self.previous_data = None
+        self.ewc: ElasticWeights | None = None
+        if not cfg.continual.previous:
+            return
+        if self.pipeline is not None:
+            raise EngineConfigError(
+                "continual.previous is not supported with distributed.pp_size > 1: train the new data without "
+                "a pipeline, or unset continual.previous"
+            )
+        self.previous_data = cfg.data.model_copy(update={"datasets": cfg.continual.previous, "sampling_probs": None})
+        self.previous_eval_batches = build_eval_batches(
+            self.previous_data, self.tokenizer, max_batches=cfg.train.eval_batches, **common
+        )
+        self.previous_examples = held_out_examples(self.previous_data, cfg.run.seed, 64)
+        if cfg.continual.ewc_lambda > 0:
+            self.ewc = ElasticWeights(self.model, cfg.continual.ewc_lambda)
+            self.state.ewc = self.ewc
+
+    def before_training(self) -> None:
+        super().before_training()
+        if self.ewc is not None and not self.ewc.ready:
+            if self.state.step > 0:
+                logger.warning(
+                    "EWC: the checkpoint resumed from holds no EWC state; estimating it at step %d's weights, not "
+                    "at the run's start", self.state.step,
+                )  # fmt: skip
+            previous = build_train_loader(
+                self.previous_data, self.tokenizer, device=torch.device("cpu"), **self._data_args()
+            )
+            self.ewc.estimate(self.model, previous, self.cfg.continual.fisher_batches, self._autocast, self.dist.device)
 
     def configure(self) -> None:
         """The environment train.eval_environment names, if any: greedy answers scored by its reward at each eval."""
@@ -79,7 +119,12 @@ class SFTJob(TrainingJob):
 
     def build_batch_source(self):
         # batches stay on the host: train_step counts their tokens there, then copies them (no device-to-host sync)
-        return build_train_loader(self.cfg.data, self.tokenizer, device=torch.device("cpu"), **self._data_args())
+        continual = self.cfg.continual
+        return build_train_loader(
+            self.cfg.data, self.tokenizer, device=torch.device("cpu"), replayed=continual.previous,
+            replay=continual.replay, global_batch_size=self.cfg.train.global_batch_size,
+            max_steps=self.cfg.train.max_steps, **self._data_args(),
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ one step
 
@@ -129,6 +174,8 @@ class SFTJob(TrainingJob):
                 self.pipeline.reduce_gradients()  # over the pipelines' replicas, when there are several
         with timer("optimizer"):
             self.scaler.unscale_(self.optimizer)  # fp16: clip and report the true gradients
+            if self.ewc is not None:
+                self.ewc.add_gradient()  # EWC's penalty enters as its gradient (engine/continual.py)
             grad_norm = self.clip_grad_norm()
             if not self.scaler.step(self.optimizer):
                 grad_norm = torch.zeros_like(grad_norm)  # an overflow skipped the step: nothing was applied
@@ -148,9 +195,18 @@ class SFTJob(TrainingJob):
             "global_batch": accum * cfg.train.micro_batch_size * dist.dp_size,
             **self.scaler.metrics(),
         }
+        if self.ewc is not None:
+            out["ewc_penalty"] = self._ewc_penalty()
         if dist.device.type == "cuda":
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated(dist.device) / 2**30  # allocator stats: no sync
         return out
+
+    def _ewc_penalty(self) -> torch.Tensor:
+        """EWC's penalty over the whole model: shards summed under FSDP (replicas counted once); no host sync."""
+        local = self.ewc.local_penalty().to(self.dist.device)
+        if self.strategy in ("fsdp", "hsdp"):
+            return parallel.all_reduce_sum(local.reshape(1), self.dist)[0] / parallel.replica_count(self.dist, self.cfg)
+        return local
 
     def throughput(self, tokens: int, seconds: float) -> dict[str, float]:
         out = super().throughput(tokens, seconds)
@@ -194,11 +250,29 @@ class SFTJob(TrainingJob):
             self.metrics.log_text(
                 self.state.step, "samples", "\n".join(f"{p!r} -> {o!r} ({a!r})" for p, a, o in samples)
             )
+        if self.previous_data is not None:
+            out.update(self._previous_eval())
         if self._env is not None:
             out.update(self._environment_eval())
         if self.cfg.train.mc_eval_path and self.pipeline is None:
             out["eval_mc_accuracy"] = multiple_choice(
                 self.model, self.tokenizer, self.cfg.train.mc_eval_path, self.dist, self._autocast
+            )
+        return out
+
+    def _previous_eval(self) -> dict[str, float]:
+        """continual.previous's held-out loss and exact match: what the new data makes the model forget."""
+        from prime_train.engine.evaluate import eval_loss, exact_match
+        from prime_train.tasks import get_task
+
+        out = {}
+        if self.previous_eval_batches:
+            measured = eval_loss(self.model, self.previous_eval_batches, self.dist, self._autocast)
+            out["eval_previous_loss"] = measured.get("eval_loss", float("nan"))
+        if self.previous_examples:
+            task = get_task(next(d.task for d in self.cfg.continual.previous if d.task))
+            out["eval_previous_exact_match"], _ = exact_match(
+                self.model, self.tokenizer, self.previous_examples, task.score, self.dist, self._autocast
             )
         return out
 

@@ -83,6 +83,7 @@ class TrainState(Stateful):
         self.tokens_seen = 0
         self.scaler = None  # fp16's loss scaler (engine/precision.py): its scale resumes with the run
         self.judges = None  # early stopping and the best checkpoint (engine/best.py): what they have seen
+        self.ewc = None  # continual.ewc_lambda (engine/continual.py): the starting weights and their Fisher
 
     @property
     def dataloader_key(self) -> str:
@@ -110,6 +111,8 @@ class TrainState(Stateful):
         sd[self.rng_key] = _pack(_rng_state())
         if self.scaler is not None and self.scaler.enabled:
             sd["loss_scaler"] = _pack(self.scaler.state_dict())
+        if self.ewc is not None:
+            sd["ewc"] = self.ewc.state_dict()
         if self.judges is not None and (judged := self.judges.state_dict()):
             sd["judges"] = json.dumps(judged)
         sd["step"] = self.step
@@ -150,6 +153,8 @@ class TrainState(Stateful):
             _set_rng_state(_unpack(state_dict[self.rng_key]))
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(_unpack(state_dict["loss_scaler"]))
+        if self.ewc is not None and "ewc" in state_dict:
+            self.ewc.loaded()  # DCP loaded the tensors in place
         if self.judges is not None and isinstance(state_dict.get("judges"), str):
             self.judges.load_state_dict(json.loads(state_dict["judges"]))
         self.step = int(state_dict.get("step", self.step))

@@ -130,6 +130,7 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
         _schedule_problems,
         _keep_and_resume_problems,
         _judging_problems,
+        _curriculum_problems,
         _data_problems,
         _context_problems,
         _output_dir_problems,
@@ -276,6 +277,28 @@ def _judging_problems(cfg: Config, sources: Sources) -> list[Problem]:
             )
         )
     return problems
+
+
+def _curriculum_problems(cfg: Config, sources: Sources) -> list[Problem]:
+    """data.curriculum orders data held in memory; 'difficulty' needs a number per record or a built-in task."""
+    data, found = cfg.data, []
+    if data.curriculum != "none" and data.streaming:
+        why = "data.curriculum needs data that fits in memory: set data.streaming = false or data.curriculum = 'none'"
+        found.append((("data", "curriculum"), "error", why))
+    untasked = [i for i, ds in enumerate(data.datasets) if ds.task is None]
+    if data.curriculum == "difficulty" and data.difficulty_field is None and untasked:
+        why = (
+            "data.curriculum = 'difficulty' needs data.difficulty_field (a numeric field of each record) for "
+            f"data.datasets[{untasked[0]}], which is not a built-in task; or use data.curriculum = 'length'"
+        )
+        found.append((("data", "curriculum"), "error", why))
+    if data.curriculum_steps is not None and data.curriculum_steps > cfg.train.max_steps:
+        why = (
+            f"data.curriculum_steps = {data.curriculum_steps} is beyond train.max_steps = {cfg.train.max_steps}: "
+            "the run ends before it sees all of its data"
+        )
+        found.append((("data", "curriculum_steps"), "warning", why))
+    return [sources.problem(key, severity, why) for key, severity, why in found]
 
 
 def _data_problems(cfg: Config, sources: Sources) -> list[Problem]:
