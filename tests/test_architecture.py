@@ -53,6 +53,7 @@ RL_TRAINING = (
     "prime_train.rl.train",
     "prime_train.rl.generation",
     "prime_train.rl.worker",
+    "prime_train.rl.pairs",
 )
 HEAVY = ("torch", "transformers", "safetensors", "numpy", "tokenizers", "wandb", "boto3", "vllm", "sky")
 

@@ -17,7 +17,7 @@ import typer
 from typer.core import TyperGroup
 
 from prime_train import __version__
-from prime_train.cli import ckpt, config, errors, inference, init, output, plan, run, spot, watch
+from prime_train.cli import ckpt, config, errors, inference, init, output, pairs, plan, run, spot, watch
 from prime_train.cli.common import OVERRIDES
 
 
@@ -109,6 +109,7 @@ app.add_typer(plan.models_app, name="models")
 app.command(context_settings=OVERRIDES)(plan.memory)
 app.command(context_settings=OVERRIDES)(plan.cost)
 app.command(context_settings=OVERRIDES)(run.profile)
+app.command("sample-pairs", context_settings=OVERRIDES)(pairs.sample_pairs)
 app.command()(init.init)
 app.command(context_settings=OVERRIDES)(run.preflight)
 app.command()(watch.diagnose)
