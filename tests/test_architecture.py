@@ -54,6 +54,7 @@ RL_TRAINING = (
     "prime_train.rl.train",
     "prime_train.rl.generation",
     "prime_train.rl.worker",
+    "prime_train.rl.pairs",
 )
 HEAVY = (
     "torch",

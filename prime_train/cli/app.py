@@ -28,6 +28,7 @@ from prime_train.cli import (
     inference,
     init,
     output,
+    pairs,
     plan,
     run,
     runs,
@@ -127,6 +128,7 @@ app.add_typer(plan.models_app, name="models")
 app.command(context_settings=OVERRIDES)(plan.memory)
 app.command(context_settings=OVERRIDES)(plan.cost)
 app.command(context_settings=OVERRIDES)(run.profile)
+app.command("sample-pairs", context_settings=OVERRIDES)(pairs.sample_pairs)
 app.command()(init.init)
 app.command(context_settings=OVERRIDES)(run.preflight)
 app.command()(watch.diagnose)

@@ -377,8 +377,9 @@ class Handler(BaseHTTPRequestHandler):
 # ---------------------------------------------------------------- startup
 
 
-def build_engine(cfg, *, device=None) -> Engine:
-    """Load the tokenizer and model of `cfg` (published weights first) into an Engine."""
+def build_engine(cfg, *, device=None, published: bool = True) -> Engine:
+    """Load the tokenizer and model of `cfg` into an Engine: the run's newest published weights over model.path's
+    when `published` (a worker of a running RL job), model.path's alone when not."""
     import torch
 
     from prime_train.engine.metrics import EngineConfigError
@@ -408,7 +409,7 @@ def build_engine(cfg, *, device=None) -> Engine:
         device=device,
         served_name=served,
     )
-    for step, path in latest_published_weights(cfg.run_dir):
+    for step, path in latest_published_weights(cfg.run_dir) if published else []:
         try:
             engine.load_weights(str(path), step)
             break
