@@ -2,10 +2,11 @@
 
     python bench/cli_startup.py [--runs 10] [--config configs/examples/ddp-2proc-cpu.toml] [--imports 15]
 
-Runs `prime-train --help` and `prime-train lint CONFIG` in fresh subprocesses, together with
-`python -c pass` measured the same way as the baseline, and prints the median, min and max wall
-time of each and its ratio to the baseline. The goal is a median under 0.3 s for both commands, so
-that lint is cheap in a pre-commit hook and --help feels instant. With --imports N it also lists
+Runs `prime-train --help`, a mistyped flag (`prime-train run --no-such-flag`, exit 78) and
+`prime-train lint CONFIG` in fresh subprocesses, together with `python -c pass` measured the same
+way as the baseline, and prints the median, min and max wall time of each and its ratio to the
+baseline. The goal is a median under 0.3 s for each command, so that lint is cheap in a pre-commit
+hook and --help and a usage error feel instant. With --imports N it also lists
 the N slowest imports of `lint` (python -X importtime) to show where the time goes.
 """
 
@@ -32,7 +33,11 @@ def prime_train_argv() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "prime_train"]
 
 
-def time_once(argv: list[str]) -> tuple[float, float]:
+# the exit code each command must end with; any other aborts the benchmark
+EXPECTED_EXIT = {"prime-train run --no-such-flag": 78}
+
+
+def time_once(argv: list[str], expected: int = 0) -> tuple[float, float]:
     """(wall, CPU) seconds of one run of argv in a fresh process; a non-zero exit aborts the benchmark.
 
     CPU time (user + system of the child) barely moves when other jobs share the machine, so it
@@ -43,19 +48,19 @@ def time_once(argv: list[str]) -> tuple[float, float]:
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - start
     child.returncode = os.waitstatus_to_exitcode(status)
-    if child.returncode != 0:
+    if child.returncode != expected:
         raise SystemExit(f"{' '.join(argv)} exited {child.returncode}; run it by hand to see why")
     return wall, usage.ru_utime + usage.ru_stime
 
 
 def measure(commands: dict[str, list[str]], runs: int) -> dict[str, list[tuple[float, float]]]:
     """Round-robin the commands so drift in machine load hits each of them alike."""
-    for argv in commands.values():
-        time_once(argv)  # warm the page cache and write .pyc files before timing
+    for name, argv in commands.items():
+        time_once(argv, EXPECTED_EXIT.get(name, 0))  # warm the page cache and write .pyc files before timing
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
     for _ in range(runs):
         for name, argv in commands.items():
-            times[name].append(time_once(argv))
+            times[name].append(time_once(argv, EXPECTED_EXIT.get(name, 0)))
     return times
 
 
@@ -88,6 +93,7 @@ def main() -> None:
     commands = {
         "python -c pass": [sys.executable, "-c", "pass"],
         "prime-train --help": [*cli, "--help"],
+        "prime-train run --no-such-flag": [*cli, "run", "--no-such-flag"],
         f"prime-train lint {args.config}": [*cli, "lint", args.config],
     }
     os.environ.setdefault("COLUMNS", "100")  # rich sizes --help to the terminal; keep the work the same

@@ -108,6 +108,9 @@ class Heartbeat:
     max_steps: int | None = None
     tokens: int | None = None
     loss: float | None = None
+    # the step `loss` was read at: the loss is read from the device every logging.log_interval steps, so between
+    # two reads the heartbeat carries the older one (the live view says how old)
+    loss_step: int | None = None
     tokens_per_s: float | None = None
     step_time_s: float | None = None
     reward: float | None = None  # RL: the mean sampled reward of the last step
@@ -152,7 +155,9 @@ class Heartbeat:
         if step is None and phase is None:
             return None
         hb = cls(step=step, phase=phase or Phase.STEP)
-        for name in ("pid", "max_steps", "tokens", "exit_code", "resumed_from", "weights_step", "workers_reloaded"):
+        for name in (
+            "pid", "max_steps", "tokens", "exit_code", "resumed_from", "weights_step", "workers_reloaded", "loss_step",
+        ):  # fmt: skip
             setattr(hb, name, _int(obj.get(name)))
         for name in ("time", "loss", "tokens_per_s", "step_time_s", "reward", "weight_reload_s"):
             setattr(hb, name, _float(obj.get(name)))
@@ -225,6 +230,7 @@ class Event(enum.StrEnum):
     ORPHAN_ENDED = "orphan_ended"  # a process a killed predecessor left running was ended
     RUN_SET_ASIDE_STARTED = "run_set_aside_started"  # --fresh begins moving the old outputs into previous/
     RUN_SET_ASIDE = "run_set_aside"  # --fresh moved the old outputs into previous/<time>/
+    CONFIG_CHANGED = "config_changed"  # a re-run's config differs from the run's: changes, kept_run_values
     ENV_WARNING = "env_warning"  # an environment variable that does not do what it is believed to
     ATTEMPT_STARTED = "attempt_started"  # an attempt begins: its number and the step it resumes from
     PROCESS_STARTED = "process_started"  # a child started (or a rollout worker restarted): its pid and masked argv
@@ -271,6 +277,7 @@ class Event(enum.StrEnum):
     GPU_ECC = "gpu_ecc"  # uncorrectable ECC errors
     GPU_THROTTLE = "gpu_throttle"  # a GPU throttles (power, heat)
     GPU_EMPTY = "gpu_empty"  # a role's GPUs back at their baseline memory, 0 %, while its process lives
+    CPU_THREADS = "cpu_threads"  # the CPU threads each trainer process gets (OMP_NUM_THREADS), and why
     GPU_PLAN = "gpu_plan"  # how the GPUs were split between the trainer and the workers, when it is not as asked
     INFERENCE_HEALTHY = "inference_healthy"  # a worker answers /health
     INFERENCE_WEDGED = "inference_wedged"  # a worker stopped answering /health

@@ -84,6 +84,31 @@ class LaunchPlan:
     env: dict[str, str] = field(default_factory=dict)
     world_size: int = 1
     uses_torchrun: bool = False
+    threads: tuple[int, str] = (1, "")  # OMP_NUM_THREADS of each process, and why that many
+
+
+def cpu_threads(cfg: Config, nproc: int) -> tuple[int, str]:
+    """CPU threads for each of the node's `nproc` trainer processes, and why: an exported OMP_NUM_THREADS, else
+    train.threads, else the cores free now. torch sizes its pool to every core whatever else runs; on a busy
+    machine its threads then wait on each other (the trial: 3x the CPU time a step at load average 5 on 2
+    cores), so a shared machine slows the job in proportion to what is free, not 3x."""
+    exported = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if exported.isdigit() and int(exported) > 0:
+        return int(exported), f"OMP_NUM_THREADS={exported} exported"
+    if cfg.train.threads:
+        return cfg.train.threads, "train.threads"
+    try:
+        cores = len(os.sched_getaffinity(0))  # the CPUs this process may run on (taskset, cgroups' cpusets)
+    except AttributeError:  # macOS
+        cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = 0.0
+    free = max(1, min(cores, int(cores - load + 0.5)))
+    split = f", split between {nproc} processes" if nproc > 1 else ""
+    why = f"{free} of {cores} cores free (load average {load:.1f}){split}; set train.threads to choose"
+    return max(1, free // nproc), why
 
 
 def plan_engine_launch(
@@ -97,11 +122,10 @@ def plan_engine_launch(
     nnodes = cfg.distributed.nnodes
     job = [JOB_MODULES[cfg.run.job], "--config", config_path]
     env = {"PYTHONUNBUFFERED": "1"}
-    # torch's default of 1 thread per rank is safe but slow on CPU; split the cores between local ranks instead
-    cores = os.cpu_count() or 1
-    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
+    threads = cpu_threads(cfg, nproc)
+    env["OMP_NUM_THREADS"] = str(threads[0])
     if nproc == 1 and nnodes == 1:
-        return LaunchPlan([sys.executable, "-m", *job], env)
+        return LaunchPlan([sys.executable, "-m", *job], env, threads=threads)
     argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if nnodes == 1:
         argv.append("--standalone")
@@ -124,7 +148,7 @@ def plan_engine_launch(
     if log_dir:
         argv += [f"--log-dir={log_dir}", "--tee=3"]
     argv += ["-m", *job]
-    return LaunchPlan(argv, env, world_size=nproc * nnodes, uses_torchrun=True)
+    return LaunchPlan(argv, env, world_size=nproc * nnodes, uses_torchrun=True, threads=threads)
 
 
 def job_exit_code(returncode: int, heartbeat: Heartbeat | None, started_at: float) -> int:

@@ -133,8 +133,8 @@ def test_keep_best_keeps_the_best_eval_out_of_retention_and_exports_it(tmp_path)
     assert best == {"step": best_step, "metric": "eval_loss", "value": evals[best_step], "direction": "maximize"}
     assert best_step != 16
     kept = [c.step for c in list_checkpoints(run_dir / "checkpoints")]
-    # keep_last 1 keeps the newest, step-12 (the last step is exported, not checkpointed); the best stays beside it
-    assert kept == [best_step, 12]
+    # keep_last 1 keeps the newest, the last step's (ckpt.resumable_final_save); the best stays beside it
+    assert kept == [best_step, 16]
     # final/ is the best checkpoint's model, not the last step's
     dcp_to_hf(run_dir / "checkpoints" / f"step-{best_step}", tmp_path / "best-hf")
     exported = load_file(run_dir / "final" / "model.safetensors")

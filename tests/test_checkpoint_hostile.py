@@ -227,7 +227,9 @@ FAST = {"data.datasets.0.num_examples": 400, "supervisor.poll_interval_s": 0.5, 
 def test_a_run_whose_newest_checkpoint_carries_a_payload_resumes_from_the_one_before(tmp_path):
     """The reported attack: `run --resume` ran the payload, then crash-looped on "resuming from step N"."""
     marker = tmp_path / "pwned"
-    over = tiny_overrides(tmp_path, "hostile", **FAST, **{"train.max_steps": 6, "ckpt.interval": 2})
+    # no save at the last step: step-4 is the newest checkpoint, the one the payload goes into
+    last = {"train.max_steps": 6, "ckpt.interval": 2, "ckpt.resumable_final_save": "false"}
+    over = tiny_overrides(tmp_path, "hostile", **FAST, **last)
     trained = run_cli("train", str(TINY), *over, timeout=300)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     run_dir = tmp_path / "hostile"
@@ -235,7 +237,7 @@ def test_a_run_whose_newest_checkpoint_carries_a_payload_resumes_from_the_one_be
     assert steps[-2:] == [2, 4], steps
     plant_step_payload(run_dir / "checkpoints" / "step-4", marker)
 
-    over = tiny_overrides(tmp_path, "hostile", **FAST, **{"train.max_steps": 8, "ckpt.interval": 2})
+    over = tiny_overrides(tmp_path, "hostile", **FAST, **{**last, "train.max_steps": 8})
     result = run_cli("run", str(TINY), "--resume", *over, timeout=300)
     assert not marker.exists(), "the payload in step-4 ran"
     assert result.returncode == 0, result.stdout[-4000:]
@@ -251,7 +253,10 @@ def test_a_run_whose_only_checkpoint_carries_a_payload_starts_over_in_the_next_a
     """The model is half loaded when the only checkpoint fails to load: that start ends in words (exit 1, its reason
     in the heartbeat), and the supervisor's next attempt trains from step 0 to the end."""
     marker = tmp_path / "pwned"
-    over = tiny_overrides(tmp_path, "only", **FAST, **{"train.max_steps": 3, "ckpt.interval": 2})
+    # no save at the last step: step-2 is the only checkpoint
+    over = tiny_overrides(
+        tmp_path, "only", **FAST, **{"train.max_steps": 3, "ckpt.interval": 2, "ckpt.resumable_final_save": "false"}
+    )
     trained = run_cli("train", str(TINY), *over, timeout=300)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     run_dir = tmp_path / "only"

@@ -25,7 +25,6 @@ from typer.testing import CliRunner
 from prime_train import __version__
 from prime_train.cli import app
 from prime_train.config.loader import load_config, to_toml_dict
-from prime_train.config.schema import Config
 from prime_train.contract import ExitCode
 
 FSDP = REPO / "configs" / "examples" / "fsdp-2proc-cpu.toml"
@@ -47,9 +46,9 @@ def registered(group: typer.Typer, path: tuple[str, ...] = ()) -> Iterator[tuple
 
 
 def listed_commands(help_text: str) -> list[str]:
-    """Command names in the 'Commands' panel of a rich --help screen."""
-    panel = help_text.split("─ Commands ", 1)[1].split("╰", 1)[0]
-    return re.findall(r"^│ (\S+)\s{2,}", panel, flags=re.MULTILINE)
+    """Command names in the 'Commands:' section of a --help screen (click's plain help)."""
+    section = help_text.split("\nCommands:\n", 1)[1]
+    return re.findall(r"^  (\S+)(?:\s{2,}|$)", section, flags=re.MULTILINE)
 
 
 def defines(module: str, name: str) -> bool:
@@ -116,6 +115,17 @@ def test_every_command_help_has_an_examples_section(path, function):
     assert "Examples" in result.stdout
     after = result.stdout.split("Examples", 1)[1]
     assert f"prime-train {' '.join(path)}" in after, "the examples should show the command itself"
+
+
+@pytest.mark.parametrize(("path", "function"), LEAVES, ids=[" ".join(p) for p, _ in LEAVES])
+def test_every_example_in_help_is_shown_whole_on_a_narrow_terminal(path, function):
+    # click rewraps paragraphs: `--prices my-prices.toml` came out as `my-` and `prices.toml` on two lines
+    examples = [
+        line.strip() for line in (inspect.getdoc(function) or "").splitlines() if line.startswith("  prime-train")
+    ]
+    shown = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "60"}).stdout
+    for example in examples:
+        assert example in shown, (example, shown)
 
 
 # Rich reads "[word]" as markup and drops it; help texts are literal, so every such bracket must survive.
@@ -191,6 +201,34 @@ def test_lint_leaves_every_other_commands_imports_for_later():
     assert loaded == "LOADED=", result.stderr
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["run", "--no-such-flag"], ["--no-such-flag"]])
+def test_help_and_a_usage_error_never_import_rich_help(argv):
+    # typer's rich help (rich_utils, rich's markdown) was 0.3 s of --help's 0.5 s; bench/cli_startup.py times it
+    probe = (
+        "import sys\n"
+        f"sys.argv = ['prime-train', *{argv!r}]\n"
+        "from prime_train.cli import main\n"
+        "try:\n    main()\nexcept SystemExit as exc:\n    code = exc.code\n"
+        "print('LOADED=' + ','.join(m for m in ('typer.rich_utils', 'rich.markdown', 'prime_train.config.schema')"
+        " if m in sys.modules), 'CODE=%s' % code)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    [loaded] = [line for line in result.stdout.splitlines() if line.startswith("LOADED=")]
+    assert loaded == f"LOADED= CODE={0 if '--help' in argv else 78}", result.stderr
+    if "--help" in argv:
+        assert ("<bool>" not in result.stdout and "--json" in result.stdout) or argv == ["--help"], result.stdout
+    else:
+        assert "no such option: --no-such-flag" in result.stderr.lower(), result.stderr
+
+
+@pytest.mark.parametrize("name", ["tiny-sft.toml", "tiny-rl.toml"])
+def test_the_configs_copy_of_a_default_is_a_file_equal_to_the_packaged_one(name):
+    # a link into the package would make an edit of the "copy" change what `prime-train run` runs by default
+    copy, packaged = REPO / "configs" / name, REPO / "prime_train" / "configs" / name
+    assert not copy.is_symlink() and not packaged.is_symlink()
+    assert copy.read_bytes() == packaged.read_bytes(), f"configs/{name} and prime_train/configs/{name} differ"
+
+
 def test_version_prints_the_package_version():
     result = run_cli("--version")
     assert result.returncode == 0
@@ -211,10 +249,18 @@ def test_config_show_prints_toml_that_parses_and_reloads_to_the_same_config(tmp_
     assert load_config([copy]) == load_config([FSDP], ["--train.lr", "1e-4", "--run.name", "shown"])
 
 
-def test_config_show_without_files_prints_the_defaults():
+def test_config_show_without_files_prints_what_run_runs_without_files_and_every_key():
+    from prime_train.cli.common import default_config
+
     result = invoke("config", "show")
-    assert result.exit_code == 0
-    assert tomllib.loads(result.stdout) == to_toml_dict(Config())
+    assert result.exit_code == 0, result.output
+    assert tomllib.loads(result.stdout) == to_toml_dict(load_config([default_config()]))
+    # the keys TOML cannot hold unset are there as comments, each in its own table
+    model = result.stdout.split("[model]\n", 1)[1].split("\n[", 1)[0]
+    for key in ("path", "tokenizer"):
+        assert f"# {key} =   (unset)" in model, model
+    dataset = result.stdout.split("[[data.datasets]]\n", 1)[1].split("\n[", 1)[0]
+    assert "# path =   (unset)" in dataset and "# hub =   (unset)" in dataset, dataset
 
 
 def test_config_show_of_a_broken_config_exits_with_the_config_error_code(tmp_path):
@@ -335,3 +381,24 @@ def test_config_diff_piped_at_80_columns_shows_whole_keys_and_whole_headers():
     assert "│ data.datasets[0].task" in result.stdout and "…" not in result.stdout, result.stdout
     table = [line for line in result.stdout.splitlines() if line[:1] in "┏┃┡│└"]
     assert max(len(line) for line in table) <= 80
+
+
+def test_the_readme_rl_demo_trains_its_own_60_step_sft_model_first():
+    # after the 300-step quickstart, `run configs/tiny-rl.toml` started at reward 1.0 and showed nothing
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    block = readme.split("Then RL:", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0].strip()
+    sft, rl = (part.split() for part in block.split(" && "))
+    assert sft[:2] == ["prime-train", "run"] and "configs/" not in " ".join(sft)  # the default SFT job
+    name, steps = sft[sft.index("--run.name") + 1], int(sft[sft.index("--train.max_steps") + 1])
+    assert steps == 60 and name != "tiny-sft"  # not the quickstart's finished run, which would not train again
+    assert rl[:3] == ["prime-train", "run", "configs/tiny-rl.toml"]
+    assert rl[rl.index("--model.path") + 1] == f"runs/{name}/final"
+
+
+def test_the_readme_states_the_own_data_formats_and_points_at_the_jsonl_example():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    own = readme.split("Your own data:", 1)[1].split("\n## ", 1)[0]
+    assert "configs/examples/sft-jsonl.toml" in own and "configs/examples/data/spell-numbers.jsonl" in own
+    assert (REPO / "configs/examples/data/spell-numbers.jsonl").is_file()
+    for fmt in ("prompt_completion", "chat", "text", "preference"):
+        assert f"| `{fmt}` |" in own, fmt

@@ -362,3 +362,18 @@ def test_lora_costs_4n_for_the_frozen_base_and_6_per_adapter_parameter(tmp_path)
     assert report.rows[0].step_time_s[1] == pytest.approx(ratio * whole.rows[0].step_time_s[1], rel=1e-12)
     assert any("4N + 6 × adapters" in n for n in report.notes)
     assert not any("4N" in n for n in whole.notes)
+
+
+def test_an_rl_config_of_a_registry_model_is_priced_offline_from_its_shipped_shape(tmp_path, monkeypatch):
+    # the trial: `cost` on an RL config refused "shape unknown" offline though the model is in the registry
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    rl = Config.model_validate(
+        {"run": {"job": "rl"}, "model": {"path": "Qwen/Qwen2.5-0.5B-Instruct"}, "distributed": {"nproc_per_node": 1}}
+    )
+    hf, source = model_shape(rl)
+    assert hf is not None and hf["hidden_size"] == 896 and "shipped config.json" in source
+    report = estimate_cost(rl, gpu="H100", step_time_s=30.0, steps=100)
+    assert report.num_params == 494_032_768 and report.rows[0].wall_hours[1] == pytest.approx(100 * 30.0 / 3600)
+    unknown = Config.model_validate({"run": {"job": "rl"}, "model": {"path": "some-org/not-in-the-registry"}})
+    assert model_shape(unknown)[0] is None

@@ -93,6 +93,19 @@ def test_default_data_packs_above_97_percent_without_truncation(tok, caplog):
     assert "documents" in summary[0] and "truncated tokens" in summary[0] and "packing efficiency" in summary[0]
 
 
+def test_one_document_a_row_is_explained_when_no_two_fit(tok, tmp_path):
+    # the trial: "391 documents, 391 sequences, packing efficiency 55.7%" with packing on, and no word why
+    records = [{"prompt": f"Spell out {n}: ", "completion": "x" * 40} for n in range(100, 140)]
+    data = DataConfig(seq_len=96, held_out_fraction=0.0, datasets=[
+        DatasetConfig(path=write_jsonl(tmp_path / "d.jsonl", records), format="prompt_completion")])  # fmt: skip
+    stats = loader(tok, data).stats
+    assert stats.num_sequences == stats.num_documents == 40 and stats.efficiency < 0.7
+    line = stats.describe()
+    assert "one document a row, as they average 56 tokens, over half of data.seq_len = 96" in line, line
+    # documents that share rows are not explained away
+    assert "one document a row" not in loader(tok, DataConfig(), mbs=16, seed=1234).stats.describe()
+
+
 def test_documents_are_never_split_across_rows(tok):
     train = loader(tok, task_data(300), mbs=1)
     docs = one_epoch(train, tok)

@@ -234,3 +234,31 @@ def test_eval_loss_is_mean_next_token_loss_over_labelled_positions(tokenizer, di
     assert result["eval_loss"] == pytest.approx(total / count, rel=1e-5)
     assert result["eval_ppl"] == pytest.approx(math.exp(result["eval_loss"]), rel=1e-9)
     assert model.training  # eval_loss puts the model back in the mode it found it in
+
+
+def test_held_out_completions_split_own_data_at_the_first_labelled_token(tokenizer, dist, autocast):
+    # a run on own prompt/completion data logged no sample generations: these are its prompts and answers
+    from prime_train.engine.evaluate import held_out_completions
+
+    data = DataConfig(
+        seq_len=96,
+        held_out_fraction=0.5,
+        datasets=[DatasetConfig(path="configs/examples/data/spell-numbers.jsonl", format="prompt_completion")],
+    )
+    batches = build_eval_batches(
+        data, tokenizer, job="sft", micro_batch_size=4, rank=0, world_size=1, seed=0, max_batches=1
+    )
+    pairs = held_out_completions(batches, limit=3)
+    assert len(pairs) == 3
+    for prompt, expected in pairs:
+        assert tokenizer.decode(prompt, skip_special_tokens=True).startswith("Spell out ")
+        assert tokenizer.decode(prompt, skip_special_tokens=True).endswith(": ")
+        assert any(w in tokenizer.decode(expected, skip_special_tokens=True) for w in ("hundred", "ty", "teen"))
+    # the ids go to greedy decoding as they are, no re-tokenizing
+    outputs = greedy_complete(tiny_llama(tokenizer), tokenizer, [p for p, _ in pairs], dist, autocast, 4)
+    assert len(outputs) == 3 and all(isinstance(o, str) for o in outputs)
+    # pretraining takes loss on every token: no prompt, no sample
+    text = DataConfig(seq_len=64, held_out_fraction=0.5, datasets=[DatasetConfig(task="reverse-text")])
+    plain = build_eval_batches(text, tokenizer, job="pretrain", micro_batch_size=4, rank=0, world_size=1, seed=0,
+                               max_batches=1)  # fmt: skip
+    assert held_out_completions(plain) == []

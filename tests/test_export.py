@@ -101,6 +101,19 @@ def test_export_hf_with_a_small_max_shard_size_writes_shards_and_an_index(tmp_pa
     assert torch.equal(logits(loaded), logits(model))
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_every_exported_file_has_the_mode_open_gives_under_the_umask(tmp_path, umask):
+    # safetensors writes its file 0o600: model.safetensors was unreadable where config.json beside it was not
+    old = os.umask(umask)
+    try:
+        out = export_hf(tiny_llama(0, tie=True), tiny_tokenizer(), tmp_path / "final", rank=0)
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert modes["model.safetensors"] == oct(0o666 & ~umask)
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
+
+
 class BrokenTokenizer:
     """Fails half-way through an export, after the weights are written."""
 

@@ -36,9 +36,9 @@ def events(run_dir: Path, name: str | None = None) -> list[dict]:
 
 
 def test_a_truncated_newest_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(tmp_path):
-    trained = run_cli(
-        "train", str(TINY), *tiny_overrides(tmp_path, "damaged", **FAST, **{"train.max_steps": 6, "ckpt.interval": 2})
-    )
+    # no save at the last step: step-4 is the newest checkpoint, the one damaged below
+    last = {"train.max_steps": 6, "ckpt.interval": 2, "ckpt.resumable_final_save": "false"}
+    trained = run_cli("train", str(TINY), *tiny_overrides(tmp_path, "damaged", **FAST, **last))
     assert trained.returncode == 0, trained.stdout[-3000:]
     run_dir = tmp_path / "damaged"
     data = next((run_dir / "checkpoints" / "step-4").glob("*.distcp"))
@@ -46,7 +46,7 @@ def test_a_truncated_newest_checkpoint_is_set_aside_and_the_run_resumes_from_the
 
     result = run_cli(  # --resume: the run is finished, a raised train.max_steps is trained on only when asked
         "run", str(TINY), "--resume",
-        *tiny_overrides(tmp_path, "damaged", **FAST, **{"train.max_steps": 8, "ckpt.interval": 2}),
+        *tiny_overrides(tmp_path, "damaged", **FAST, **{**last, "train.max_steps": 8}),
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:]
     assert len(events(run_dir, "attempt_started")) == 1 and not events(run_dir, "failure"), "no crash, no loop"
@@ -232,7 +232,7 @@ def test_sigterm_during_start_up_is_a_stop_and_no_earlier_final_is_announced(tmp
     # on a loaded machine the signal can land after the resumed trainer's first step; either way it is a stop
     # that names where the next run resumes, never a crash
     assert (
-        "before the attempt's first step: nothing new to checkpoint; the next run resumes from step-2" in out
+        "before the attempt's first step: nothing new to checkpoint; the next run resumes from step-4" in out
         or re.search(r"stopped \(SIGTERM\) at step \d+; the next run resumes from step-\d+", out)
     ), out[-4000:]
     assert "model (HF format)" not in out, "final/ is from the earlier run, not this one"
@@ -252,6 +252,6 @@ def test_a_later_run_numbers_its_attempts_after_the_earlier_ones_and_its_table_s
     assert (logs / "attempt-1" / "trainer.log").read_bytes() == before, "a separate run appended to attempt-1"
     assert "resumed from" in (logs / "attempt-2" / "trainer.log").read_text()
     assert (logs / "latest").resolve() == (logs / "attempt-2").resolve()
-    # the second run resumed from step-2 (step 4 was the first run's last and was not saved): 2 → 6, not 0 → 6
-    assert re.search(r"│ 2\s+│ [^│]+│ 2 → 6\s+│ 0 ", second.stdout), second.stdout[-2000:]
+    # the second run resumed from step-4, the first run's last (ckpt.resumable_final_save): 4 → 6, not 0 → 6
+    assert re.search(r"│ 2\s+│ [^│]+│ 4 → 6\s+│ 0 ", second.stdout), second.stdout[-2000:]
     assert "model (HF format)" in second.stdout

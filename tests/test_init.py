@@ -111,6 +111,14 @@ def test_a_local_model_is_read_for_its_size(tmp_path):
     assert "activation_checkpointing = true" in text and 'strategy = "fsdp"' in text
 
 
+def test_a_model_of_unknown_size_is_never_said_to_fit(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    text = build_config(Answers(job="sft", model="some-org/not-cached-model", hardware="H100:8"))
+    assert "size unknown here" in text
+    assert "fits one GPU" not in text and 'strategy = "ddp"' in text, text
+
+
 def test_gpu_memory_comes_from_the_shipped_table_and_decides_sharding(tmp_path):
     import json
 

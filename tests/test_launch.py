@@ -172,3 +172,22 @@ def test_an_external_command_gets_no_launch_plan_variables(tmp_path):
     cfg = Config.model_validate({"run": {"output_dir": str(tmp_path), "name": "env"}})
     env = job_environment(cfg, cfg.layout, attempt=2, supervisor_token="1:2.0", launch_env=None, extra={"A": "b"})
     assert set(env) == {"PYTHONUNBUFFERED", ENV_RUN_DIR, ENV_ATTEMPT, ENV_SUPERVISOR, "A"}
+
+
+def test_cpu_threads_are_the_cores_free_at_launch_unless_the_user_says(monkeypatch):
+    # the trial: at load average 5 on 2 cores torch's 2 threads a process tripled the CPU time of a step
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr("os.getloadavg", lambda: (5.2, 4.0, 3.0))
+    one = plan_engine_launch(Config(), "c.toml")
+    assert one.env["OMP_NUM_THREADS"] == "3" and one.threads[1].startswith("3 of 8 cores free (load average 5.2)")
+    two = plan_engine_launch(Config.model_validate({"distributed": {"nproc_per_node": 2}}), "c.toml")
+    assert two.env["OMP_NUM_THREADS"] == "1" and "split between 2 processes" in two.threads[1]
+    monkeypatch.setattr("os.getloadavg", lambda: (40.0, 40.0, 40.0))  # a saturated machine: one thread, never 0
+    assert plan_engine_launch(Config(), "c.toml").env["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setattr("os.getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert plan_engine_launch(Config(), "c.toml").env["OMP_NUM_THREADS"] == "8"
+    chosen = plan_engine_launch(Config.model_validate({"train": {"threads": 2}}), "c.toml")
+    assert (chosen.env["OMP_NUM_THREADS"], chosen.threads[1]) == ("2", "train.threads")
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert plan_engine_launch(Config(), "c.toml").threads == (5, "OMP_NUM_THREADS=5 exported")

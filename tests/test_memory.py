@@ -460,6 +460,12 @@ def test_a_gpu_without_bf16_is_flagged_when_the_run_is_bf16():
     bf16 = estimate(inputs_from_flags(shape, precision="bf16", gpus=["T4", "H100"]))
     assert [v.gpu for v in bf16.gpus] == ["T4", "H100 SXM"]
     assert any(n.startswith("T4: no bf16") for n in bf16.notes)
+    # the table does not mark T4 "fits" beside that note: the run cannot start there at all
+    assert [(v.gpu, v.cannot_start) for v in bf16.gpus] == [("T4", "no bf16"), ("H100 SXM", None)]
+    console = Console(record=True, width=200)
+    render_memory(bf16, console)
+    [t4] = [line for line in console.export_text().splitlines() if line.startswith("│ T4 ")]
+    assert "cannot start (no bf16)" in t4 and "fits" not in t4, t4
     fp32 = estimate(inputs_from_flags(shape, precision="fp32", gpus=["T4"]))
     assert not any("no bf16" in n for n in fp32.notes)
 

@@ -406,3 +406,52 @@ def test_log_many_writes_buffered_steps_in_order_as_rows(tmp_path):
     metrics.log_many([(1, {"loss": 2.0}), (2, {"loss": float("nan")}), (3, {"loss": 1.0})])
     rows = read_metrics(run_dir)
     assert [(r["step"], r["loss"]) for r in rows] == [(1, 2.0), (2, None), (3, 1.0)]
+
+
+def test_the_heartbeat_says_which_step_its_loss_was_read_at_and_the_live_line_shows_it(tmp_path):
+    # the trial: the live view showed step 6's loss for steps 6-21, as if each step's (read every log_interval)
+    import torch
+
+    from prime_train.contract import Heartbeat
+    from prime_train.engine.metrics import MetricsBuffer
+    from prime_train.resilience.console import status_line
+
+    cfg = make_config(tmp_path)
+    buffer = MetricsBuffer(
+        MetricsLogger(make_run_dir(cfg), cfg, enabled=True), interval=5, heartbeat_keys=("loss", "reward"),
+        throughput=lambda tokens, seconds: {},
+    )  # fmt: skip
+    for step in range(1, 8):
+        m = {"loss": torch.tensor(10.0 - step), "reward": 0.1 * step}  # the loss on the device, the reward on the host
+        buffer.record(step, m, tokens=step)
+        if buffer.due(step, last=False):
+            buffer.flush()
+        beat = buffer.heartbeat(m)
+        if step == 7:
+            assert beat["loss"] == 5.0 and beat["loss_step"] == 5 and beat["reward"] == pytest.approx(0.7)
+    hb = Heartbeat.from_dict(Heartbeat.now(7, max_steps=10, phase="step", **beat).to_dict())
+    line = status_line({"attempt": 1, "step": 7, "max_steps": 10, "loss": hb.loss, "loss_step": hb.loss_step,
+                        "reward": hb.reward})  # fmt: skip
+    assert "loss 5.0000 (step 5)" in line and "reward 0.700" in line, line
+    assert "(step" not in status_line({"step": 5, "loss": 5.0, "loss_step": 5})
+
+
+def test_a_heartbeat_between_steps_carries_the_last_steps_loss_and_reward():
+    # an RL step is mostly rollout wait: its heartbeats had no loss or reward, so the live view showed neither
+    from types import SimpleNamespace
+
+    from prime_train.contract import Phase
+    from prime_train.engine.loop import TrainingJob
+
+    beats: list[dict] = []
+    job = SimpleNamespace(
+        state=SimpleNamespace(step=7, tokens_seen=70), resumed_from=0,
+        _beat=lambda step, phase, **fields: beats.append({"phase": phase, **fields}),
+    )  # fmt: skip
+    TrainingJob.heartbeat(job, Phase.ROLLOUT_WAIT)  # before the first step: nothing to carry
+    job._step_fields = {"loss": 0.25, "loss_step": 5, "reward": 0.5}
+    TrainingJob.heartbeat(job, Phase.ROLLOUT_WAIT)
+    TrainingJob.heartbeat(job, Phase.DONE, loss=0.125)  # what a phase says itself wins
+    assert "loss" not in beats[0]
+    assert (beats[1]["loss"], beats[1]["loss_step"], beats[1]["reward"]) == (0.25, 5, 0.5)
+    assert (beats[2]["loss"], beats[2]["reward"]) == (0.125, 0.5)

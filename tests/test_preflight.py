@@ -486,6 +486,37 @@ def test_run_preflight_uses_the_injected_probe_for_gpu_memory(tmp_path, monkeypa
     assert by_name["memory_fit"].status == FAIL and "one GPU's memory" in by_name["memory_fit"].message
 
 
+def cache_hub_files(cache: Path, repo_id: str, *names: str) -> None:
+    """Lay out `names` of `repo_id` in an HF hub cache as huggingface_hub stores them (refs/main -> snapshot)."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    for name in names:
+        (snapshot / name).write_text("{}")
+
+
+@pytest.mark.parametrize("key", ["path", "tokenizer"])
+def test_an_uncached_hub_model_fails_preflight_offline_in_seconds(tmp_path, monkeypatch, key):
+    from prime_train.validator.preflight import check_model_source
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = check_model_source(Config.model_validate({"model": {key: "Qwen/Qwen2.5-0.5B"}}))
+    assert result.status == FAIL
+    assert (
+        f"model.{key} = 'Qwen/Qwen2.5-0.5B'" in result.message
+        and "not in the local Hugging Face cache" in result.message
+    )
+    # a single-name hub id (gpt2) is a hub id: looked up, not refused as a malformed path
+    result = check_model_source(Config.model_validate({"model": {key: "gpt2"}}))
+    assert result.status == FAIL and "not a hub id" not in result.message and "HF_HUB_OFFLINE" in result.message
+    cache_hub_files(tmp_path / "hub", "gpt2", "config.json", "tokenizer_config.json")
+    assert check_model_source(Config.model_validate({"model": {key: "gpt2"}})).status == PASS
+
+
 def test_model_source_that_does_not_exist_fails_with_the_key_and_the_working_directory(tmp_path, monkeypatch):
     from prime_train.validator.preflight import check_model_source
 
@@ -494,7 +525,10 @@ def test_model_source_that_does_not_exist_fails_with_the_key_and_the_working_dir
     result = check_model_source(missing)
     assert result.status == FAIL
     assert "model.path = 'runs/tiny-sft/final' does not exist" in result.message and str(tmp_path) in result.fix
-    # a hub id is left to the loader (it may be in the cache, or online); an existing directory passes
+    # a hub id in the local HF cache passes, offline too; an existing directory passes
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache_hub_files(tmp_path / "hub", "Qwen/Qwen2.5-0.5B", "config.json")
     assert check_model_source(Config.model_validate({"model": {"path": "Qwen/Qwen2.5-0.5B"}})).status == PASS
     (tmp_path / "m").mkdir()
     # an empty directory is not a model: the engine's from_pretrained would refuse it after start-up

@@ -17,8 +17,8 @@ from prime_train.engine.metrics import rewind_metrics
 from prime_train.kit.events import read_events
 from prime_train.resilience.rerun import RerunRefused, plan_rerun
 
-# a checkpoint at step 3 only: the last step is exported, not checkpointed (ckpt.resumable_final_save is off)
-SHORT = {"train.max_steps": 6, "ckpt.interval": 3}
+# checkpoints at step 4 and (ckpt.resumable_final_save, on by default) at the last step, 6
+SHORT = {"train.max_steps": 6, "ckpt.interval": 4}
 
 
 def run_again(tmp_path: Path, *flags: str, **overrides) -> subprocess.CompletedProcess[str]:
@@ -54,13 +54,13 @@ def test_finished_run_is_left_alone_and_resume_trains_on_from_its_checkpoint_wit
     assert raised.returncode == 0 and "--resume trains on" in raised.stdout
     assert len(attempts_started(run_dir)) == 1
 
-    # --resume: from step-3, the newest checkpoint, said so; the steps after it are trained again, recorded once
+    # --resume: from step-6, the checkpoint the end of the run saved (none is trained again), one row per step
     resumed = run_again(tmp_path, "--resume", **{"train.max_steps": 8})
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-2000:]
-    assert "resuming from step 3" in resumed.stdout
-    assert "3 → 8" in resumed.stdout  # the summary table: this attempt's steps
+    assert "resuming from step 6" in resumed.stdout and "trained again" not in resumed.stdout
+    assert "6 → 8" in resumed.stdout  # the summary table: this attempt's steps
     started = attempts_started(run_dir)
-    assert [(e["attempt"], e["resume_from"]) for e in started] == [(1, 0), (2, 3)]
+    assert [(e["attempt"], e["resume_from"]) for e in started] == [(1, 0), (2, 6)]
     assert steps_recorded(run_dir) == list(range(9))
     assert read_json(run_dir / "progress.json")["step"] == 8
 
@@ -140,6 +140,20 @@ def test_finished_external_job_is_read_from_the_supervisors_record(tmp_path):
     assert plan_rerun(cfg, fresh=False, resume=True).launch
 
 
+def test_resume_of_a_finished_run_without_a_last_checkpoint_says_which_steps_are_trained_again(tmp_path):
+    cfg = _config(tmp_path, train={"max_steps": 400})
+    RunDir(cfg.run_dir).create()
+    (Path(cfg.run_dir) / "progress.json").write_text(json.dumps({"step": 300, "phase": "done"}))
+    plan = plan_rerun(cfg, fresh=False, resume=True)
+    assert (
+        plan.launch and "resumes from step 0: it has no checkpoint, and steps 1-300 are trained again" in plan.message
+    )
+    (Path(cfg.run_dir) / "checkpoints" / "step-200").mkdir(parents=True)
+    (Path(cfg.run_dir) / "checkpoints" / "step-200" / ".metadata").write_bytes(b"")
+    plan = plan_rerun(cfg, fresh=False, resume=True)
+    assert "from step-200, its newest checkpoint, and steps 201-300 are trained again" in plan.message, plan.message
+
+
 def test_resume_of_a_run_already_at_max_steps_launches_nothing(tmp_path):
     cfg = _config(tmp_path, train={"max_steps": 300})
     RunDir(cfg.run_dir).create()
@@ -177,3 +191,38 @@ def test_rewind_keeps_rows_up_to_the_resumed_step_byte_for_byte(tmp_path):
     assert rewind_metrics(run_dir, 3) == 0
     # a start from step 0 writes its baseline again: nothing of an earlier run stays
     assert rewind_metrics(run_dir, 0) == 4 and run_dir.metrics_path.read_text() == ""
+
+
+def test_a_rerun_with_a_changed_config_says_what_differs_and_keeps_the_runs_values_unless_resume(tmp_path):
+    # the trial: `run --resume --train.max_steps 340` stopped at 218, then a plain `run` rewrote config.toml to 300
+    from prime_train.launch import write_run_config
+    from prime_train.resilience.service import Reporter, RunRequest, RunService
+
+    run_cfg = _config(tmp_path, train={"max_steps": 340, "lr": 1e-3})
+    write_run_config(run_cfg)
+    (Path(run_cfg.run_dir) / "progress.json").write_text(json.dumps({"step": 218, "phase": "stopped"}))
+    asked = _config(tmp_path, train={"max_steps": 300, "lr": 1e-3})
+    said: list[str] = []
+    events = tmp_path / "events.jsonl"
+
+    def serve(**request) -> RunService:
+        service = RunService(asked, RunRequest(**request), Reporter(say=said.append))
+        service._drift = service._config_drift()
+        from prime_train.kit.events import EventLog
+
+        service._say_drift(EventLog(events))
+        return service
+
+    plain = serve()
+    assert plain.cfg.train.max_steps == 340 and plain.cfg == run_cfg  # the run's own values, whole
+    assert "train.max_steps: 340 -> 300" in said[-1] and "Resuming with the run's values" in said[-1], said
+    resumed = serve(resume=True)
+    assert resumed.cfg.train.max_steps == 300 and "the new values apply: train.max_steps: 340 -> 300" in said[-1]
+    recorded = [e for e in read_events(events) if e["event"] == "config_changed"]
+    assert [(e["kept_run_values"], e["changes"]) for e in recorded] == [
+        (kept, [{"key": "train.max_steps", "old": 340, "new": 300}]) for kept in (True, False)
+    ]
+    # the same config, or --fresh: nothing to say
+    said.clear()
+    assert RunService(run_cfg)._config_drift() is None
+    assert serve(fresh=True).cfg.train.max_steps == 300 and not said

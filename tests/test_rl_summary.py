@@ -79,3 +79,13 @@ def test_the_sparkline_spans_the_curves_own_range():
     assert sparkline([0.0, 0.5, 1.0]) == "▁▅█"
     assert sparkline([0.3, 0.3]) == "▁▁" and sparkline([]) == ""
     assert sparkline([2.0, 1.0]) == "█▁"  # falls show as falls
+
+
+def test_the_sparklines_range_holds_the_latest_value_its_row_shows(tmp_path):
+    # 29 rising steps binned into 24 means: the last bin's mean (0.495) is below the latest reward (0.500)
+    [reward] = [
+        row
+        for label, row in status_rows(rl_summary(write_rl_metrics(tmp_path).metrics_path))
+        if "sampled)" in label and "reward" in label
+    ]
+    assert reward.startswith("0.500 at step 30") and reward.endswith("-0.50"), reward

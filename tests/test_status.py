@@ -169,6 +169,18 @@ def test_status_of_a_directory_that_holds_no_run_is_bad_input_naming_the_runs_ne
     assert as_json.exit_code == 78 and json.loads(as_json.stdout)["ok"] is False
 
 
+def test_status_of_a_name_near_no_run_names_the_runs_that_exist(tmp_path):
+    runs = tmp_path / "runs"
+    for name in ("tiny-sft", "tiny-rl"):
+        RunDir(runs / name).create()
+    result = invoke("status", str(runs / "nope"))
+    assert result.exit_code == 78, result.output
+    assert f"the runs in {runs}: {runs / 'tiny-rl'}, {runs / 'tiny-sft'}" in result.stderr, result.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert f"{empty} holds no runs" in invoke("status", str(empty / "nope")).stderr
+
+
 def invoke(*args: str):
     """The CLI in-process (fast), on a wide colourless terminal."""
     from enginetools import WIDE
@@ -293,3 +305,28 @@ def test_status_of_a_run_that_logged_no_parameter_counts_says_nothing_of_them(tm
     shown, document = status_both_ways(make_run(tmp_path, supervisor='{"state": "running"}'))
     assert document["parameters"] is None
     assert "trainable" not in shown
+
+
+def test_status_of_a_finished_run_shows_its_eval_its_model_and_its_duration_not_a_growing_age(tmp_path):
+    run = RunDir(tmp_path / "done")
+    run.create()
+    run.supervisor_path.write_text(json.dumps({"state": "done", "attempt": 2, "step": 300, "final": True}))
+    run.progress_path.write_text(json.dumps({"step": 300, "max_steps": 300, "phase": "done", "time": 1_700_000_090.0}))
+    t0 = 1_700_000_000.0
+    run.events_path.write_text("".join(json.dumps(e) + "\n" for e in [
+        {"time": t0, "event": "attempt_started", "attempt": 1}, {"time": t0 + 50, "event": "attempt_ended"},
+        {"time": t0 + 900, "event": "attempt_started", "attempt": 2}, {"time": t0 + 932.5, "event": "attempt_ended"},
+    ]))  # fmt: skip
+    run.metrics_path.write_text(
+        '{"step": 200, "loss": 0.5, "eval_loss": 0.61, "eval_exact_match": 0.75}\n{"step": 250, "loss": 0.4}\n'
+        '{"step": 300, "loss": 0.3, "eval_loss": 0.42, "eval_exact_match": 0.97}\n'
+    )
+    (run.final_dir).mkdir()
+    (run.final_dir / "config.json").write_text("{}")
+    shown, document = status_both_ways(run.root)
+    assert document["heartbeat_age_s"] is None  # a finished run is not late
+    assert document["duration_s"] == 82.5  # the two attempts, the pause between them left out
+    assert document["eval"] == {"step": 300, "eval_loss": 0.42, "eval_exact_match": 0.97}
+    assert document["final_dir"] == str(run.final_dir)
+    assert "exact_match 0.97" in shown and "(step 300)" in shown and str(run.final_dir) in shown
+    assert "0h01m22s" in shown

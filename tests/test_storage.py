@@ -572,7 +572,10 @@ def test_engine_resumes_from_a_checkpoint_restored_from_the_bucket(s3_endpoint, 
 
     from prime_train.contract import newest_checkpoint
 
-    first = run_train(tmp_path, "first", **{"train.max_steps": 10, "ckpt.interval": 4})
+    # no save at the last step: step-8 is the newest checkpoint
+    first = run_train(
+        tmp_path, "first", **{"train.max_steps": 10, "ckpt.interval": 4, "ckpt.resumable_final_save": "false"}
+    )
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     newest = newest_checkpoint(tmp_path / "first" / "checkpoints")
     assert newest is not None and newest.step == 8, newest
@@ -602,7 +605,9 @@ def test_supervised_run_backs_up_and_a_new_machine_resumes_from_the_bucket(s3_en
               "--ckpt.heartbeat_interval_s", "1", "--supervisor.poll_interval_s", "0.5"]  # fmt: skip
 
     def run(name: str, steps: int) -> subprocess.CompletedProcess:
-        args = tiny_overrides(tmp_path, name, **{"train.max_steps": steps, "ckpt.interval": 10})
+        # no save at the last step: step-10 is the newest checkpoint the bucket holds
+        last = {"train.max_steps": steps, "ckpt.interval": 10, "ckpt.resumable_final_save": "false"}
+        args = tiny_overrides(tmp_path, name, **last)
         return subprocess.run(cli("run", str(TINY), *args, *remote), env=env(), capture_output=True, text=True,
                               timeout=600)  # fmt: skip
 

@@ -335,8 +335,9 @@ def test_offline_without_a_local_copy_says_so_and_asks_for_a_path(tmp_path, monk
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    # a registry model whose config.json prime-train does not ship (Qwen2.5-0.5B-Instruct's it does)
     with pytest.raises(ModelConfigNotFound) as err:
-        verify_model("Qwen/Qwen2.5-0.5B-Instruct")
+        verify_model("Qwen/Qwen2.5-1.5B-Instruct")
     message = str(err.value)
     assert "not in the local Hugging Face cache" in message and "offline" in message
     assert "local path" in message and str(tmp_path / "hf") in message
@@ -474,12 +475,12 @@ def _closed_port() -> int:
 def test_an_unreachable_hub_is_called_offline_at_once_not_a_missing_config(tmp_path):
     """Connection refused (the machine is offline, or HF_ENDPOINT points nowhere): no retries for ~25 s, and the
     error says offline / hub unreachable and what to do, in the JSON too; not "has no config.json on the hub"."""
-    run, seconds = _verify_cli(tmp_path, "Qwen/Qwen2.5-0.5B-Instruct", "--json",
+    run, seconds = _verify_cli(tmp_path, "Qwen/Qwen2.5-1.5B-Instruct", "--json",
                                endpoint=f"http://127.0.0.1:{_closed_port()}")  # fmt: skip
     assert run.returncode == 78, run.stdout + run.stderr
     error = json.loads(run.stdout)["error"]
     assert error.startswith("offline / hub unreachable: 127.0.0.1:") and "has no config.json" not in error
-    assert "pass a local model directory" in error.lower() and "hf download Qwen/Qwen2.5-0.5B-Instruct" in error
+    assert "pass a local model directory" in error.lower() and "hf download Qwen/Qwen2.5-1.5B-Instruct" in error
     assert "Retrying" not in run.stderr, "huggingface_hub's retries never started"
     assert seconds < 15, f"took {seconds:.1f} s"  # main took ~25 s retrying
 
@@ -504,7 +505,7 @@ def test_a_hub_that_accepts_but_never_answers_is_unreachable_after_one_probe(tmp
 
     threading.Thread(target=accept, daemon=True).start()
     try:
-        run, seconds = _verify_cli(tmp_path, "Qwen/Qwen2.5-0.5B-Instruct",
+        run, seconds = _verify_cli(tmp_path, "Qwen/Qwen2.5-1.5B-Instruct",
                                    endpoint=f"http://127.0.0.1:{listener.getsockname()[1]}")  # fmt: skip
     finally:
         listener.close()
@@ -679,3 +680,31 @@ def test_verify_model_cli_takes_the_gpu_and_shows_the_lora_row(tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert bad.returncode == 78 and "--gpu names a GPU type" in bad.stderr
+
+
+def test_the_shipped_configs_are_the_hubs_files_in_tests_data():
+    shipped = json.loads((Path(registry.__file__).parent / "data" / "model_configs.json").read_text(encoding="utf-8"))[
+        "configs"
+    ]
+    assert shipped, "no shipped configs"
+    for model_id, config in shipped.items():
+        assert registry.lookup(model_id) is not None, f"{model_id} is not a registry model"
+        assert config == config_of(model_id.split("/")[1]), model_id
+
+
+def test_a_registry_model_offline_and_uncached_is_verified_from_its_shipped_config(tmp_path, monkeypatch):
+    # the trial: `verify-model` of a registry model offline exited 78 instead of showing what the registry knows
+    from typer.testing import CliRunner
+
+    from prime_train.cli import app
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    result = CliRunner().invoke(app, ["verify-model", "Qwen/Qwen2.5-0.5B-Instruct", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["num_parameters"] == 494_032_768 and report["tested"]["model_id"] == "Qwen/Qwen2.5-0.5B-Instruct"
+    # a registry model whose config.json is not shipped: bad input still, with the registry's entry said
+    result = CliRunner().invoke(app, ["verify-model", "Qwen/Qwen2.5-1.5B-Instruct"])
+    assert result.exit_code == 78
+    assert "HF_HUB_OFFLINE" in result.stderr and "tested-model registry: family qwen2.5" in result.stderr, result.stderr

@@ -1,9 +1,8 @@
 """The `prime-train` command tree: every command and group, in the order `--help` lists them.
 
 A command parses its arguments, calls one function of the package, and prints through
-prime_train/cli/output.py. The root group (`PrimeTrainGroup`) does the two things every command needs:
-it runs each command under the one error handler (prime_train/cli/errors.py), and it makes every help
-text literal, so `[spot]` in a docstring is shown as `[spot]` instead of being taken for rich markup.
+prime_train/cli/output.py. The root group (`PrimeTrainGroup`) runs each command under the one error handler
+(prime_train/cli/errors.py). Help is click's plain text (no rich markup), so `[spot]` in a docstring stays `[spot]`.
 
 Command modules import only typer and this package at the top; what a command needs (the validator,
 the supervisor, torch through the engine) is imported inside it, so `--help` and `lint` stay fast.
@@ -40,12 +39,12 @@ from prime_train.cli.common import OVERRIDES
 
 
 class PrimeTrainGroup(TyperGroup):
-    """The root command group: literal help text everywhere below it, and the error handler around every command."""
+    """The root command group: the error handler around every command, and examples in help kept as written."""
 
     def __init__(self, **attrs: Any) -> None:
         super().__init__(**attrs)
-        # typer builds the whole tree (fresh objects) before the root, so one walk escapes each help text once
-        _escape_help(self)
+        # typer builds the whole tree (fresh objects) before the root, so one walk marks each help text once
+        _keep_indented_paragraphs(self)
 
     def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
         # the root: one invocation begins (its output mode, -q/-v moved in front of the command to be parsed here)
@@ -62,19 +61,18 @@ class PrimeTrainGroup(TyperGroup):
             errors.handle(exc)
 
 
-def _escape_help(command: Any) -> None:
-    """Escape rich markup in the help of `command`, its parameters and every command below it."""
-    from rich.markup import escape
-
-    for attr in ("help", "short_help", "epilog"):
-        text = getattr(command, attr, None)
-        if text:
-            setattr(command, attr, escape(text))
-    for param in command.params:
-        if getattr(param, "help", None):
-            param.help = escape(param.help)  # type: ignore[attr-defined]
+def _keep_indented_paragraphs(command: Any) -> None:
+    """Mark each indented paragraph of a help text (the examples) with click's \\b, so that click's plain help does
+    not rewrap it: an example broken at a hyphen (`my-\\nprices.toml`) cannot be copied."""
+    text = getattr(command, "help", None)
+    if text:
+        paragraphs = text.split("\n\n")
+        command.help = "\n\n".join(
+            "\b\n" + p if p.strip() and all(line.startswith(" ") for line in p.splitlines() if line) else p
+            for p in paragraphs
+        )
     for sub in getattr(command, "commands", {}).values():
-        _escape_help(sub)
+        _keep_indented_paragraphs(sub)
 
 
 app = typer.Typer(
@@ -82,7 +80,9 @@ app = typer.Typer(
     cls=PrimeTrainGroup,
     help="Keeps LLM training jobs alive and says why they die.",
     no_args_is_help=True,
-    rich_markup_mode="rich",
+    # plain click help: typer's rich help imports rich_utils and rich's markdown on every --help and usage error
+    # (0.3 s of 0.5 s, bench/cli_startup.py), and shows a <bool> metavar beside every flag
+    rich_markup_mode=None,
     pretty_exceptions_enable=False,
 )
 

@@ -44,8 +44,6 @@ def reject_unknown_flags(tokens: list[str]) -> None:
     but is none: an override always names a section and a key (`--train.lr`), a flag never has a dot."""
     import difflib
 
-    from prime_train.config.loader import is_number
-
     ctx = click_context()
     if ctx is None:
         return
@@ -56,13 +54,22 @@ def reject_unknown_flags(tokens: list[str]) -> None:
         if token.startswith("--") and "." in name:  # an override; its value follows unless written with =
             i += 1 if "=" in token else 2
             continue
-        if token.startswith("-") and token != "-" and not is_number(token):
+        if token.startswith("-") and token != "-" and not _is_number(token):
             known = [o for p in ctx.command.params for o in (*p.opts, *p.secondary_opts) if o.startswith("-")]
             near = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
             hint = f"; did you mean {' or '.join(near)}?" if near else f"; see `{ctx.command_path} --help`"
             no_such = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
             raise no_such(f"no such option: {name}{hint} (overrides name a section and a key: --train.lr 3e-4)", ctx)
         i += 1
+
+
+def _is_number(text: str) -> bool:
+    """Whether a token is a number ("-1e-4" is a value, not a flag); here, as the config loader is slow to import."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def click_context():

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from prime_train.cli import output
-from prime_train.cli.common import OVERRIDES, JsonFlag, load, split_overrides
+from prime_train.cli.common import OVERRIDES, JsonFlag, default_config, load, split_overrides
 from prime_train.cli.errors import BAD_INPUT
 from prime_train.contract import ExitCode
 
@@ -71,7 +71,7 @@ def lint(
     if as_json:
         output.print_json([p.to_dict() for p in problems])
     else:
-        output.problems(problems)
+        output.problems(problems, stderr=False)  # the findings are lint's result
         if not problems:
             output.success("ok", f"{len(paths)} file(s), no problems")
     raise typer.Exit(BAD_INPUT if has_errors(problems, strict) else ExitCode.OK)
@@ -83,11 +83,14 @@ def config_show(
     files: Annotated[Optional[list[str]], typer.Argument(help="Config files merged in order.")] = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Print the resolved config (defaults, files and overrides merged) as TOML (or JSON).
+    """Print the resolved config (defaults, files and overrides merged) as TOML (or JSON), every key: the unset
+    ones as comments. With no file, the config `prime-train run` runs with no file (the tiny CPU default).
 
     Secret values are shown as ***, as a run directory's config.toml keeps them.
 
     Examples:
+
+      prime-train config show
 
       prime-train config show configs/tiny-sft.toml
 
@@ -95,14 +98,16 @@ def config_show(
     """
     import tomllib
 
+    from prime_train.config.show import with_unset_keys
     from prime_train.kit.redact import Redactor
 
-    cfg = load(*split_overrides(files, ctx.args))
+    paths, overrides = split_overrides(files, ctx.args)
+    cfg = load(paths or [default_config()], overrides)  # what `run` runs with the same arguments
     text = Redactor.for_run(cfg).masked_config(cfg).text  # secret values as ***, never printed
     if as_json:
         output.print_json(tomllib.loads(text))
         return
-    sys.stdout.write(text)
+    sys.stdout.write(with_unset_keys(text, cfg))
 
 
 @config_app.command("diff")

@@ -136,11 +136,12 @@ def document(text: str) -> None:
     sys.stdout.flush()
 
 
-def problems(found: Iterable[Problem]) -> None:
-    """Config problems as `file:line:col: error: message` on stderr, as `prime-train lint` prints them."""
+def problems(found: Iterable[Problem], *, stderr: bool = True) -> None:
+    """Config problems as `file:line:col: error: message`, on stderr where they are why a command stopped, on
+    stdout where they are the command's result (`prime-train lint x.toml > out` keeps them)."""
     from rich.text import Text
 
-    err = console(stderr=True)
+    err = console(stderr=stderr)
     for p in found:
         where = p.file if p.line <= 0 else f"{p.file}:{p.line}:{p.column}"
         colour = "red" if p.severity == "error" else "yellow"

@@ -107,9 +107,9 @@ def run(
 
       prime-train run --spot configs/examples/spot.toml --dry-run
     """
+    paths, overrides = split_overrides(files, ctx.args)  # first: a mistyped flag is told before the imports
     from prime_train.resilience.service import RunRequest, RunService
 
-    paths, overrides = split_overrides(files, ctx.args)
     if spot:
         from prime_train.cli.spot import run_spot
 

@@ -17,7 +17,10 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.text import Text
 
-STATUS_FIELDS = ("state", "attempt", "restarts", "step", "max_steps", "phase", "loss", "heartbeat_age_s", "checkpoints")
+STATUS_FIELDS = (
+    "state", "attempt", "restarts", "step", "max_steps", "phase", "loss", "heartbeat_age_s", "duration_s",
+    "checkpoints",
+)  # fmt: skip
 
 
 def status(
@@ -68,6 +71,9 @@ def _cell(key: str, value: object) -> str:
         return "-"
     if key == "loss" and isinstance(value, float):
         return f"{value:.4g}"
+    if key == "duration_s" and isinstance(value, int | float):
+        minutes, seconds = divmod(int(value), 60)
+        return f"{value:.1f} s" if value < 60 else f"{minutes // 60}h{minutes % 60:02d}m{seconds:02d}s"
     if key == "checkpoints" and isinstance(value, list):
         return ", ".join(map(str, value)) or "none"
     return str(value)
@@ -106,6 +112,12 @@ def render_status(s: dict, console: Console) -> None:
         node = s["node"]
         rank = "?" if node["node_rank"] is None else node["node_rank"]
         table.add_row("node", literal(f"{rank} of {node['nnodes']} (metrics and the export are on node 0)"))
+    if s.get("eval"):  # the newest evaluation's figures
+        figures = {k: v for k, v in s["eval"].items() if k != "step"}
+        shown = ", ".join(f"{k.removeprefix('eval_')} {v:.4g}" for k, v in figures.items())
+        table.add_row("eval", literal(f"{shown} (step {s['eval'].get('step')})"))
+    if s.get("final_dir"):
+        table.add_row("final model", literal(s["final_dir"]))
     for key, value in status_rows(s.get("rl")):  # an RL run's reward and pass rate, and their trend
         table.add_row(key, literal(value))
     if s["last_failure"]:

@@ -265,6 +265,14 @@ class TrainConfig(Section):
         "(Ada, Hopper and newer) only; lm_head and layers whose dims are not multiples of 16 stay as they are.",
     )
     compile: bool = Field(False, description="torch.compile each decoder layer.")
+    threads: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="CPU threads of each trainer process (torch's intra-op threads). Unset: the cores free at launch "
+        "(this process's CPUs less the load average) split between the node's processes; an exported "
+        "OMP_NUM_THREADS wins over both.",
+    )
     eval_interval: int = Field(100, ge=1, description="Steps between evaluations.")
     eval_batches: int = Field(4, ge=1, description="Micro-batches per held-out evaluation.")
     batch_ramp_tokens: int | None = Field(
@@ -399,7 +407,11 @@ class CkptConfig(Section):
         "auto", description="'auto': newest whole checkpoint; 'never': start fresh; or a step-N directory."
     )
     export_final: bool = Field(True, description="Write final/ in HF format (safetensors) at the end.")
-    resumable_final_save: bool = Field(False, description="Also write a full DCP checkpoint at the last step.")
+    resumable_final_save: bool = Field(
+        True,
+        description="Also write a full DCP checkpoint at the last step (unless ckpt.interval just saved it), so "
+        "`run --resume --train.max_steps <more>` continues from there instead of training the last steps again.",
+    )
     keep_best: KeepBestConfig = Field(
         default_factory=KeepBestConfig, description="Keep the checkpoint of the best evaluation out of retention."
     )

@@ -7,6 +7,7 @@ on one rank while another still needs the model).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -62,17 +63,18 @@ def eval_loss(model, batches, dist: DistInfo, autocast: Callable[[], AbstractCon
 def greedy_complete(
     model,
     tokenizer,
-    prompts: Sequence[str],
+    prompts: Sequence[str] | Sequence[list[int]],
     dist: DistInfo,
     autocast: Callable[[], AbstractContextManager],
     max_new_tokens: int = 16,
 ) -> list[str]:
-    """Greedy completions of `prompts`, decoded up to the first eos; a fixed number of forward passes."""
+    """Greedy completions of `prompts` (texts, or token ids as the data rendered them), decoded up to the first
+    eos; a fixed number of forward passes."""
     if not prompts:
         return []
     was_training = model.training
     model.eval()
-    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    encoded = [p if isinstance(p, list) else tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     width = max(len(e) for e in encoded)
     pad = tokenizer.pad_token_id
     # left-pad so every row's next token sits in the last column; positions count real tokens only
@@ -99,6 +101,25 @@ def greedy_complete(
             row = row[: row.index(tokenizer.eos_token_id)]
         texts.append(tokenizer.decode(row, skip_special_tokens=True))
     return texts
+
+
+def held_out_completions(batches, limit: int = 3) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, expected completion ids) of the first `limit` held-out documents that have a prompt: the tokens
+    before the first labelled one (a prompt_completion record's prompt, a chat record's turns up to the answer, as
+    the data rendered them) and the labelled ones after. Plain text (loss on every token) has none."""
+    found: list[tuple[list[int], list[int]]] = []
+    for batch in batches:
+        for ids, labels, positions in zip(
+            batch.input_ids.tolist(), batch.labels.tolist(), batch.position_ids.tolist(), strict=True
+        ):
+            starts = [i for i, p in enumerate(positions) if p == 0] + [len(ids)]
+            for begin, end in itertools.pairwise(starts):
+                labelled = [i for i in range(begin, end) if labels[i] != -100]
+                if labelled and labelled[0] - begin >= 2:  # a prompt of its own, not just the document's first token
+                    found.append((ids[begin : labelled[0]], [ids[i] for i in labelled]))
+                if len(found) >= limit:
+                    return found
+    return found
 
 
 def exact_match(

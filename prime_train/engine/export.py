@@ -239,10 +239,28 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
+def _umask() -> int:
+    """The process umask, read without changing it where Linux shows it (os.umask can only swap it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _fsync_tree(path: Path) -> None:
+    """fsync every file under `path`, and give each the mode open() would (0o666 less the umask): safetensors writes
+    its files 0o600, which left model.safetensors unreadable to the group that can read config.json beside it."""
+    mode = 0o666 & ~_umask()
     for dirpath, _, files in os.walk(path):
         for name in files:
             with open(os.path.join(dirpath, name), "rb") as f:
+                os.fchmod(f.fileno(), mode)
                 os.fsync(f.fileno())
 
 

@@ -268,6 +268,7 @@ class TrainingJob:
         )
         self.timer = self.profile.timer
         self.stopping = StopAgreement(self.stop, self.dist)
+        self._step_fields: dict[str, Any] = {}  # the newest step's heartbeat metrics (loss and when, reward)
         self.buffer = MetricsBuffer(
             self.metrics,
             interval=1 if self.profile.active else cfg.logging.log_interval,
@@ -409,6 +410,8 @@ class TrainingJob:
         force=False (the steps' own heartbeat) writes only when the phase changes or about once a second.
         """
         tokens, resumed = self.state.tokens_seen, self.resumed_from
+        if phase is not Phase.STEP:  # between steps (an RL step's rollout wait): the last step's loss and reward
+            fields = {**getattr(self, "_step_fields", {}), **fields}  # none before the first step
         self._beat(self.state.step, phase, force=force, tokens=tokens, resumed_from=resumed, **fields)
 
     def fit(self) -> int:
@@ -475,12 +478,13 @@ class TrainingJob:
             if self.buffer.param_norm_due(step, last=last):
                 m["param_norm"] = self.param_norm()
             if evaluating:
-                self.heartbeat(Phase.EVAL, loss=m.get("loss"))
+                self.heartbeat(Phase.EVAL, loss=m.get("loss"), loss_step=step)
                 m.update(self.evaluator.run())
                 best, ending = self._judge(step, m)
                 saving = saving or best
             self.buffer.write()
-        self.heartbeat(Phase.STEP, force=reading, **self.buffer.heartbeat(m))
+        self._step_fields = self.buffer.heartbeat(m)
+        self.heartbeat(Phase.STEP, force=reading, **self._step_fields)
         if logging_step:
             self._log_line(step, m)
         if saving:

@@ -197,6 +197,7 @@ class MetricsBuffer:
         self._pending: list[tuple[int, dict[str, Any]]] = []  # steps recorded, not yet read from the device
         self.last: dict[str, Any] = {}  # the heartbeat fields of the newest step read
         self.last_loss: float | None = None
+        self._step: int | None = None  # the newest step recorded
         self.start(0, 0)
 
     def start(self, step: int, tokens: int) -> None:
@@ -212,6 +213,7 @@ class MetricsBuffer:
         """A step trained; `tokens` is the run's count after it."""
         self._pending.append((step, metrics))
         self._tokens = tokens
+        self._step = step
 
     def due(self, step: int, *, last: bool) -> bool:
         """Whether `step` is read and logged now; also a step whose host values already say it diverged."""
@@ -231,7 +233,11 @@ class MetricsBuffer:
         return elapsed / max(1, step - self._start_step) * (max_steps - step)
 
     def heartbeat(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """The heartbeat's step metrics: those of the newest step read, and this step's own where they are on the
+        host already; `loss_step` says which step the loss is from."""
         host = {k: metrics[k] for k in self.heartbeat_keys if isinstance(metrics.get(k), float)}
+        if "loss" in host and self._step is not None:
+            host["loss_step"] = self._step
         return {**self.last, **host}
 
     def flush(self, *, write: bool = True) -> Divergence | None:
@@ -257,6 +263,8 @@ class MetricsBuffer:
                 return Divergence(step, m, names)
         self.last_loss = newest.get("loss")
         self.last = {k: newest[k] for k in self.heartbeat_keys if k in newest}
+        if "loss" in self.last:
+            self.last["loss_step"] = self._pending[-1][0]
         if write:
             self.write()
         return None

@@ -67,13 +67,22 @@ class PackingStats:
     num_tokens: int
     num_truncated_tokens: int
     efficiency: float  # non-pad fraction of all positions
+    seq_len: int = 0  # the rows' length (data.seq_len); 0 where unknown
 
     def describe(self) -> str:
-        """One log line."""
-        return (
+        """One log line; when every row holds one document, why (packing is on, and nothing fits beside it)."""
+        line = (
             f"{self.num_documents} documents, {self.num_sequences} sequences, {self.num_tokens} tokens, "
             f"{self.num_truncated_tokens} truncated tokens, packing efficiency {self.efficiency:.1%}"
         )
+        mean = self.num_tokens / max(1, self.num_documents)
+        if self.num_documents > 1 and self.num_sequences == self.num_documents and 2 * mean > self.seq_len > 0:
+            line += (
+                f": one document a row, as they average {mean:.0f} tokens, over half of data.seq_len = {self.seq_len}"
+                ", so no two fit in a row and the rest is padding; a data.seq_len near the longest document (or "
+                "several times it) wastes less"
+            )
+        return line
 
 
 def pack_best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -125,6 +134,7 @@ class PackedRows:
             num_tokens=num_tokens,
             num_truncated_tokens=self.num_truncated_tokens,
             efficiency=num_tokens / max(1, self.ids.size),
+            seq_len=int(self.ids.shape[1]) if self.ids.ndim == 2 else 0,
         )
 
     def batch(self, rows: np.ndarray) -> Batch:

@@ -22,6 +22,7 @@ from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.model import flops_per_token, num_parameters, peak_flops
 
 logger = logging.getLogger("prime_train.engine")
+SAMPLES = 3  # held-out prompts of own data answered at each eval, logged beside their expected completions
 
 
 class SFTJob(TrainingJob):
@@ -250,6 +251,8 @@ class SFTJob(TrainingJob):
             self.metrics.log_text(
                 self.state.step, "samples", "\n".join(f"{p!r} -> {o!r} ({a!r})" for p, a, o in samples)
             )
+        elif self.eval_batches and self.pipeline is None:
+            self._log_own_data_samples()
         if self.previous_data is not None:
             out.update(self._previous_eval())
         if self._env is not None:
@@ -275,6 +278,29 @@ class SFTJob(TrainingJob):
                 self.model, self.tokenizer, self.previous_examples, task.score, self.dist, self._autocast
             )
         return out
+
+    def _log_own_data_samples(self) -> None:
+        """Greedy answers to a few held-out prompts of the run's own data (prompt_completion, chat) beside the
+        completions the data holds: what the model says, not only its loss. Every rank decodes (a sharded model
+        needs all of them), only when every rank has the samples."""
+        from prime_train.engine.evaluate import greedy_complete, held_out_completions
+        from prime_train.engine.parallel import all_reduce_sum
+
+        pairs = held_out_completions(self.eval_batches, limit=SAMPLES)
+        ready = all_reduce_sum(torch.tensor([float(len(pairs) == SAMPLES)]), self.dist)
+        if int(ready.item()) != self.dist.world_size:
+            return
+        outputs = greedy_complete(
+            self.model, self.tokenizer, [p for p, _ in pairs], self.dist, self._autocast, max_new_tokens=48
+        )
+        decode = self.tokenizer.decode
+        shown = [
+            (decode(p, skip_special_tokens=True)[-200:], decode(e, skip_special_tokens=True), o)
+            for (p, e), o in zip(pairs, outputs, strict=True)
+        ]
+        for prompt, expected, output in shown:
+            logger.info("  sample %r -> %r (expected %r)", prompt, output, expected)
+        self.metrics.log_text(self.state.step, "samples", "\n".join(f"{p!r} -> {o!r} ({e!r})" for p, e, o in shown))
 
     def _environment_eval(self) -> dict[str, float]:
         """Greedy answers to an environment's held-out prompts, scored by its reward (as RL evaluates)."""

@@ -37,8 +37,12 @@ def status_line(s: dict[str, Any]) -> str:
     parts.append(f"step {step if step is not None else '-'}/{max_steps or '?'}")
     if s.get("phase") and s.get("phase") != Phase.STEP:
         parts.append(str(s["phase"]))
+    if isinstance(s.get("reward"), int | float):  # RL
+        parts.append(f"reward {s['reward']:.3f}")
     if isinstance(s.get("loss"), int | float):
-        parts.append(f"loss {s['loss']:.4f}")
+        at = s.get("loss_step")
+        # read every logging.log_interval steps: an older step's loss says so, not to pass for this step's
+        parts.append(f"loss {s['loss']:.4f}" + (f" (step {at})" if isinstance(at, int) and at != step else ""))
     if isinstance(s.get("tokens_per_s"), int | float):
         parts.append(f"{s['tokens_per_s'] / 1e3:.1f}k tok/s")
     if s.get("eta_s") is not None:

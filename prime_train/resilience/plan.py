@@ -290,6 +290,8 @@ class EnginePlan(JobPlan):
         launch = plan_engine_launch(
             self.cfg, config_path, log_dir=str(self.layout.rank_logs(attempt)), num_gpus=len(trainer_gpus)
         )
+        count, why = launch.threads
+        tell(note(Event.CPU_THREADS, threads=count, why=why), f"note: {count} CPU thread(s) per trainer process: {why}")
         # the trainer's GPUs by name: the GPU watcher judges exactly these, and a user's CUDA_VISIBLE_DEVICES=4,5
         # stays 4,5
         gpus = {"CUDA_VISIBLE_DEVICES": ",".join(trainer_gpus)} if trainer_gpus else {}

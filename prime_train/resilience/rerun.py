@@ -7,6 +7,9 @@
   and `train` alike); for an external command, the supervisor's own record (supervisor.json) says `done`.
 - `--resume` continues a finished run: the one meaningful case is a raised `train.max_steps`. A finished engine
   run already at its `train.max_steps` has nothing to continue, and is left alone.
+- A config that differs from the run's own (its config.toml) is said key by key (`key: old -> new`) and recorded
+  in events.jsonl (`config_changed`). Resuming a stopped run keeps the run's values, so a plain re-run never
+  changes a run's schedule half way; `--resume` applies the new ones (`config_drift`).
 - `--fresh` starts over in the same directory: the old run's outputs are moved, never deleted, to
   `previous/<UTC time>/` (checkpoints, metrics, heartbeat, final/, TensorBoard, the W&B id); events.jsonl and
   logs/ stay, so the directory's history is whole and the new attempts are numbered after the old ones.
@@ -21,10 +24,14 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from prime_train.config.diff import Change, diff
+from prime_train.config.loader import MASK, to_toml_dict
 from prime_train.config.schema import Config
 from prime_train.contract import (
     Phase,
@@ -77,6 +84,74 @@ class Rerun:
     message: str | None = None
 
 
+@dataclass(frozen=True)
+class ConfigDrift:
+    """How the config asked for now differs from the run directory's config.toml, and which one the run uses."""
+
+    changes: list[Change]
+    kept: bool  # True: the run's own values (cfg is its config.toml's); False: the new ones apply
+    cfg: Config  # the config to run
+
+    def describe(self) -> str:
+        listed = "; ".join(f"{c.key}: {_shown(c.old)} -> {_shown(c.new)}" for c in self.changes)
+        if self.kept:
+            return (
+                f"this config differs from the run's own (config.toml): {listed}. Resuming with the run's values; "
+                "--resume applies the new ones, --fresh starts over"
+            )
+        return f"--resume with a changed config, the new values apply: {listed}"
+
+    def event_fields(self) -> dict[str, Any]:
+        changes = [{"key": c.key, "old": c.old, "new": c.new} for c in self.changes]
+        return {"changes": changes, "kept_run_values": self.kept}
+
+
+def _shown(value: Any) -> str:
+    return "(unset)" if value is None else repr(value) if isinstance(value, str) else str(value)
+
+
+def config_drift(cfg: Config, *, fresh: bool, resume: bool) -> ConfigDrift | None:
+    """None when the run directory has no config.toml or it resolves to the same config (secrets aside: they are
+    `***` in the file). Otherwise the changes, and the config to run: the run's own while a stopped run resumes
+    without --resume, the new one with --resume (or for a run with nothing to resume from)."""
+    if fresh:
+        return None
+    from prime_train.launch import masked_run_config
+
+    layout = cfg.layout
+    try:
+        stored = tomllib.loads(layout.config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # no earlier config (a new run), or one that is not TOML: nothing to compare with
+    new = tomllib.loads(masked_run_config(cfg).text)
+    changes = [c for c in diff(stored, new) if MASK not in f"{c.old}{c.new}"]
+    if not changes:
+        return None
+    resumable = (
+        read_heartbeat(layout.progress_path) is not None or newest_checkpoint(layout.checkpoints_dir) is not None
+    )
+    if resume or not resumable or finished_run(cfg) is not None:
+        return ConfigDrift(changes, kept=False, cfg=cfg)
+    try:
+        kept = Config.model_validate(_unmasked(stored, to_toml_dict(cfg)))
+    except ValueError:  # written by another version of prime-train: the new config it is, said
+        return ConfigDrift(changes, kept=False, cfg=cfg)
+    return ConfigDrift(changes, kept=True, cfg=kept)
+
+
+def _unmasked(stored: Any, current: Any) -> Any:
+    """`stored` with each `***` it holds replaced by the value at the same place in `current` (the secrets)."""
+    if isinstance(stored, dict):
+        here = current if isinstance(current, dict) else {}
+        return {k: _unmasked(v, here.get(k)) for k, v in stored.items()}
+    if isinstance(stored, list):
+        here = current if isinstance(current, list) else []
+        return [_unmasked(v, here[i] if i < len(here) else None) for i, v in enumerate(stored)]
+    if isinstance(stored, str) and MASK in stored and current is not None:
+        return current
+    return stored
+
+
 def finished_run(cfg: Config) -> Finished | None:
     """The finished run in cfg's run directory, or None when there is none (never run, or stopped part way)."""
     run_dir = cfg.layout
@@ -115,7 +190,7 @@ def plan_rerun(cfg: Config, *, fresh: bool, resume: bool) -> Rerun:
     target = cfg.train.max_steps
     if done.step is None or target > done.step:
         if resume:
-            return Rerun(True, f"{said}; --resume: training on to train.max_steps = {target}")
+            return Rerun(True, f"{said}; --resume: training on to train.max_steps = {target}{_retrained(cfg, done)}")
         # a raised train.max_steps: likely meant, but training on is asked for, never implied by a re-run
         return Rerun(
             False,
@@ -129,6 +204,22 @@ def plan_rerun(cfg: Config, *, fresh: bool, resume: bool) -> Rerun:
         )
     return Rerun(
         False, f"{said}. Nothing to do: --fresh starts over; --resume trains on (with a higher train.max_steps)"
+    )
+
+
+def _retrained(cfg: Config, done: Finished) -> str:
+    """What --resume of a finished run trains again: the steps after its newest checkpoint, when that is not its
+    last step (a run that ended with ckpt.resumable_final_save off, or before it was on by default)."""
+    if done.step is None:
+        return ""
+    newest = newest_checkpoint(cfg.layout.checkpoints_dir)
+    start = newest.step if newest is not None else 0
+    if start >= done.step:
+        return ""
+    where = f"step-{start}, its newest checkpoint" if newest is not None else "step 0: it has no checkpoint"
+    return (
+        f". It has no checkpoint at its last step (ckpt.resumable_final_save was off), so it resumes from {where}, "
+        f"and steps {start + 1}-{done.step} are trained again"
     )
 
 

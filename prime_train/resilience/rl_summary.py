@@ -128,7 +128,9 @@ def status_rows(summary: dict[str, dict] | None) -> list[tuple[str, str]]:
         row = f"{figures['latest']:.3f} at step {figures['latest_step']}, {trend}"
         curve = figures.get("curve") or []
         if len(curve) >= 2:
-            row += f"  {sparkline(curve)} {min(curve):.2f}-{max(curve):.2f}"
+            # the curve is binned means; the range also holds the latest value the row starts with
+            lo, hi = min(*curve, figures["latest"]), max(*curve, figures["latest"])
+            row += f"  {sparkline(curve)} {lo:.2f}-{hi:.2f}"
         rows.append((LABELS[key], row))
     return rows
 

@@ -37,10 +37,13 @@ from prime_train.config.schema import Config
 from prime_train.contract import Event, ExitCode, RunDir, RunDirBusy, SupervisorState, read_heartbeat
 from prime_train.kit.events import EventLog
 from prime_train.kit.ownership import claim_run_dir, end_orphans, record_processes, supervisor_token
+from prime_train.kit.redact import Redactor
 from prime_train.launch import job_environment, job_exit_code, plan_engine_launch, write_run_config
 from prime_train.resilience.rerun import (
+    ConfigDrift,
     Rerun,
     RerunRefused,
+    config_drift,
     describe_set_aside,
     finish_set_aside,
     plan_rerun,
@@ -140,6 +143,7 @@ class RunService:
         self.reporter = reporter or Reporter()
         self.supervisor: Supervisor | None = None  # `supervise`'s, once made: what `request_stop` reaches
         self._stop_reason: str | None = None
+        self._drift: ConfigDrift | None = None
 
     def request_stop(self, reason: str) -> None:
         """Checkpoint and stop (75), from any thread: now if the supervisor runs, else as soon as it is made."""
@@ -153,6 +157,7 @@ class RunService:
         """Claim, decide, preflight, set the old run aside (--fresh), then the supervisor until the run ends."""
         from prime_train.resilience.supervisor import Supervisor, SupervisorOptions
 
+        self._drift = self._config_drift()  # before the supervisor is built: it runs the config this settles
         options = SupervisorOptions(verbose_inference=self.request.verbose_inference)
         sup = Supervisor(self.cfg, self.reporter.observer, options)
         self.supervisor = sup
@@ -183,6 +188,7 @@ class RunService:
         rerun = self._decide(sup.run_dir, events, finish=owned)
         if not rerun.launch:
             return RunOutcome(ExitCode.OK, str(self.cfg.run_dir), launched=False, message=rerun.message)
+        self._say_drift(events)
         started = time.time()
         if not self.request.skip_preflight:
             code = self.reporter.preflight(self.cfg)
@@ -220,9 +226,11 @@ class RunService:
             lock = claim_run_dir(run_dir, "prime-train train")
         with lock:
             end_orphans(run_dir, self.cfg.supervisor.term_grace_s)
+            self._drift = self._config_drift()
             rerun = self._decide(run_dir, None)
             if not rerun.launch:
                 return RunOutcome(ExitCode.OK, str(self.cfg.run_dir), launched=False, message=rerun.message)
+            self._say_drift(EventLog(run_dir.events_path, Redactor.for_run(self.cfg)) if self._drift else None)
             if self.request.fresh:
                 self._set_aside(run_dir, None)
             return RunOutcome(self._train_in_foreground(), str(run_dir.root), message=rerun.message)
@@ -253,6 +261,23 @@ class RunService:
         return job_exit_code(returncode, read_heartbeat(run_dir.progress_path), started)
 
     # ------------------------------------------------------------------ the steps both take
+
+    def _config_drift(self) -> ConfigDrift | None:
+        """The run directory's config.toml against this config (resilience/rerun.py); the config to run becomes
+        the run's own where a stopped run resumes without --resume."""
+        drift = config_drift(self.cfg, fresh=self.request.fresh, resume=self.request.resume)
+        if drift is not None:
+            self.cfg = drift.cfg
+        return drift
+
+    def _say_drift(self, events: EventLog | None) -> None:
+        """What differs from the run's config.toml, said and recorded, once the run is going to launch."""
+        drift = self._drift
+        if drift is None:
+            return
+        self.reporter.say(drift.describe())
+        if events is not None:
+            events.emit(Event.CONFIG_CHANGED, **drift.event_fields())
 
     def _decide(self, run_dir: RunDir, events: EventLog | None, *, finish: bool = True) -> Rerun:
         """Launch or not (resilience/rerun.py), said; call it owning the run directory. A --fresh killed part way

@@ -85,6 +85,10 @@ def check_run_dir(run_dir: Path) -> None:
     near = near_run_dirs(run_dir)
     if near:
         message += f"; did you mean {' or '.join(near)}?"
+    elif run_dir.parent.is_dir():  # no name is close: say which runs are there, or that there are none
+        there = _runs_in(run_dir.parent)
+        listed = ", ".join(str(p) for p in there[:8]) + (f" and {len(there) - 8} more" if len(there) > 8 else "")
+        message += f"; the runs in {run_dir.parent}: {listed}" if there else f"; {run_dir.parent} holds no runs"
     raise NotARunDir(message)
 
 
@@ -194,6 +198,35 @@ def _parameters(metrics_path: Path, notes: list[str]) -> dict | None:
     return found
 
 
+def _last_eval(metrics_path: Path, notes: list[str]) -> dict | None:
+    """The newest evaluation the job logged: its step and eval_* figures (loss, exact match, reward); None if none."""
+    found = None
+    for record in bounded.records(metrics_path, notes, contains=(b'"eval_',)):
+        figures = {k: v for k, v in record.items() if k.startswith("eval_") and isinstance(v, int | float)}
+        if figures and not isinstance(record.get("step"), bool):
+            found = {"step": _int_or_none(record.get("step")), **figures}
+    return found
+
+
+def _training_time(events_path: Path, notes: list[str], live: bool) -> float | None:
+    """Seconds the attempts ran, from attempt_started to attempt_ended in events.jsonl, summed (a resume's pauses
+    left out); an attempt still running counts up to now. None when no attempt is recorded."""
+    total, started = 0.0, None
+    for event in bounded.records(events_path, notes, contains=(b'"attempt_',)):
+        when = event.get("time")
+        if not isinstance(when, int | float) or isinstance(when, bool) or not math.isfinite(when):
+            continue
+        if event.get("event") == "attempt_started":
+            started = when
+        elif event.get("event") == "attempt_ended" and started is not None:
+            total, started = total + max(0.0, when - started), None
+    if started is not None and live:
+        total += max(0.0, time.time() - started)
+    elif started is None and total == 0.0:
+        return None
+    return round(total, 1)
+
+
 def run_status(run_dir: Path, redactor: Redactor | None = None) -> dict:
     """A run's state from its files, every string redacted (the environment's credential values included).
 
@@ -211,7 +244,11 @@ def run_status(run_dir: Path, redactor: Redactor | None = None) -> dict:
     if state in LIVE_STATES and not _alive(sup.get("pid")):
         state = "dead (supervisor not running)"
     events = _recent_events(rd.events_path, notes)
+    live = state in LIVE_STATES
+    finished = state == "done" or (hb is not None and hb.phase.value == "done")
     age = time.time() - hb.time if hb is not None and hb.time is not None and math.isfinite(hb.time) else None
+    if finished and not live:
+        age = None  # a finished run's heartbeat is not late: its age would only grow
     status = {
         "run_dir": str(rd.root),
         "state": state,
@@ -222,7 +259,10 @@ def run_status(run_dir: Path, redactor: Redactor | None = None) -> dict:
         "phase": hb.phase.value if hb is not None else None,
         "loss": hb.loss if hb is not None else None,
         "heartbeat_age_s": round(age, 1) if age is not None else None,
+        "duration_s": _training_time(rd.events_path, notes, live),  # the attempts' time, pauses between left out
         "checkpoints": _checkpoint_steps(rd, job),
+        "eval": _last_eval(rd.metrics_path, notes),  # the newest evaluation: step and eval_* figures
+        "final_dir": str(rd.final_dir) if (rd.final_dir / "config.json").is_file() else None,
         "parameters": _parameters(rd.metrics_path, notes),  # trainable of total: LoRA trains a fraction
         "node": _node(config),
         "last_failure": _newest_failure(sup, events, rd.events_path, notes),

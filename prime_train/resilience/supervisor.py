@@ -625,6 +625,8 @@ class Supervisor:
             "max_steps": hb.max_steps or self.plan.max_steps,
             "phase": progress.phase,
             "loss": hb.loss,
+            "loss_step": hb.loss_step,  # the step the loss was read at (every logging.log_interval steps)
+            "reward": hb.reward,  # RL: the mean sampled reward of the last step
             "tokens_per_s": hb.tokens_per_s,
             "disk": values.get(StatusKey.DISK),
             "gpu": values.get(StatusKey.GPU),

@@ -151,6 +151,8 @@ class GpuVerdict:
     inference_verdict: str | None = None  # fits | limited | fails
     # trainer and vLLM sharing this GPU
     colocation: dict[str, Any] | None = None
+    # why the run cannot start on this GPU whatever its memory (a bf16 run on a GPU without bf16), or None
+    cannot_start: str | None = None
 
     @property
     def headroom_gib(self) -> float:
@@ -295,9 +297,12 @@ def estimate(params: MemoryInputs, *, gpu_table: GpuTable | None = None) -> Memo
     verdicts = gpu_verdicts(params, shape, trainer, inf, table)
     if params.precision == "bf16":
         no_bf16 = [v.gpu for v in verdicts if not table.find(v.gpu).bf16]
+        for v in verdicts:
+            if v.gpu in no_bf16:
+                v.cannot_start = "no bf16"
         if no_bf16:
-            notes.append(f"{', '.join(no_bf16)}: no bf16, so these verdicts are for a run that cannot start there; "
-                         "train in fp32 (--precision fp32) for theirs")  # fmt: skip
+            notes.append(f"{', '.join(no_bf16)}: no bf16, so a bf16 run cannot start there (its memory figures are "
+                         "what it would take); train in fp32 (--precision fp32) for theirs")  # fmt: skip
     if inf is not None and params.colocate:
         notes.append(
             "colocated: vLLM takes gpu_memory_utilization × the GPU and the trainer gets the rest; start vLLM "
@@ -501,6 +506,8 @@ def render_memory(report: MemoryReport, console: Console) -> None:
         verdicts.add_column("vLLM full-length seqs", justify="right")
     for g in report.gpus:
         fit = "[yellow]tight[/]" if g.tight else "[green]fits[/]" if g.trainer_fits else "[red]does not fit[/]"
+        if g.cannot_start:
+            fit = f"[red]cannot start ({g.cannot_start})[/]"
         row = [g.gpu, f"{g.memory_bytes / GIB:,.1f}", fit, f"{g.headroom_gib:+,.2f}", str(g.max_micro_batch)]
         if inf is not None:
             colour = {"fits": "green", "limited": "yellow", "fails": "red"}[g.inference_verdict or "fails"]

@@ -177,6 +177,30 @@ def _from_hub(repo_id: str, offline: bool) -> ModelFiles:
     return ModelFiles(config, tokenizer_config, _template_text(tokenizer_config, extra), source, repo_id)
 
 
+def hub_model_unavailable(repo_id: str, filenames: tuple[str, ...] = ("config.json",)) -> str | None:
+    """Why the hub model `repo_id` cannot be loaded here, or None: one of `filenames` is in the local HF cache, or
+    the hub answers (HF_HUB_OFFLINE unset). Seconds at most (one HEAD request); nothing is downloaded."""
+    try:
+        import huggingface_hub
+    except ImportError:
+        return f"{repo_id!r} is not a local directory and huggingface_hub is not installed to look it up"
+    cache = _hf_cache_dir()
+    for name in filenames:
+        try:
+            if isinstance(huggingface_hub.try_to_load_from_cache(repo_id, name, cache_dir=str(cache)), str):
+                return None
+        except Exception:  # a malformed id: left to the lookup below
+            continue
+    if hub_offline():
+        return (
+            f"{repo_id} is not in the local Hugging Face cache ({cache}) and the hub is offline (HF_HUB_OFFLINE is "
+            f"set): fetch it once with network access (`hf download {repo_id}`), or pass a local model directory"
+        )
+    endpoint = _endpoint_of_hub().rstrip("/")
+    why = hub_unreachable(f"{endpoint}/{repo_id}/resolve/main/{filenames[0]}")
+    return None if why is None else _offline_message(repo_id, cache, why)
+
+
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
     def redirect_request(self, req, fp, code, msg, headers, newurl):
         return None  # a redirect is an answer: the hub is there
@@ -287,4 +311,23 @@ def find_model_files(name_or_path: str, *, offline: bool | None = None) -> Model
         raise ModelConfigNotFound(f"{name} is a file, not a model directory with config.json")
     if _looks_like_path(name) or not _REPO_ID.match(name):
         raise ModelConfigNotFound(f"no directory {name}, and it is not a hub id (owner/name): check the path")
-    return _from_hub(name, offline)
+    try:
+        return _from_hub(name, offline)
+    except ModelConfigNotFound as exc:
+        return _from_registry(name, exc)
+
+
+def _from_registry(repo_id: str, why: ModelConfigNotFound) -> ModelFiles:
+    """A registry model the hub and the cache cannot give: its config.json as prime-train ships it (no tokenizer
+    files, so no chat template), else `why` raised again with what the registry knows of it."""
+    from prime_train.validator.registry import describe_entry, lookup, shipped_config
+
+    config = shipped_config(repo_id)
+    entry = lookup(repo_id) if "/" in repo_id else None
+    if config is None:
+        if entry is None:
+            raise why
+        raise ModelConfigNotFound(f"{why}. {describe_entry(entry)}; its config.json is not shipped") from None
+    first = str(why).split(":")[0]
+    source = f"prime-train's shipped copy of its config.json (not read from the hub or the cache: {first})"
+    return ModelFiles(config, None, None, source, repo_id)

@@ -64,6 +64,11 @@ def model_shape(cfg: Config) -> tuple[dict[str, Any] | None, str]:
     # os.path.isfile, not Path.is_file: a name the filesystem refuses (too long) is no local file, not an OSError
     path = str(local) if os.path.isfile(local) else _hub_config_path(m.path)
     if path is None:
+        from prime_train.validator.registry import shipped_config
+
+        shipped = shipped_config(m.path)  # a registry model: its shape is known before the download
+        if shipped is not None:
+            return shipped, f"{m.path} (prime-train's shipped config.json; not downloaded yet)"
         return None, f"model.path {m.path!r} has no local config.json (not downloaded yet)"
     try:
         hf = json.loads(Path(path).read_text(encoding="utf-8"))

@@ -35,6 +35,7 @@ from prime_train.validator.lora_checks import adapters, check_lora
 from prime_train.validator.memory import engine_strategy, estimate, inputs_from_config
 from prime_train.validator.memory_breakdown import STATE_PARTS
 from prime_train.validator.memory_inputs import MemoryInputError
+from prime_train.validator.model_files import hub_model_unavailable
 from prime_train.validator.model_shape import model_shape
 from prime_train.validator.param_count import count_parameters
 from prime_train.validator.precision_checks import check_float8
@@ -291,7 +292,9 @@ def check_cuda(cfg: Config, gpu_probe: GpuProbe | None = None) -> CheckResult:
 # ---------------------------------------------------------------- model source
 
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# 'namespace/name', or a bare name such as gpt2 (the hub's older models have no namespace)
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+HUB_FILES = {"path": ("config.json",), "tokenizer": ("tokenizer_config.json", "tokenizer.json", "config.json")}
 
 
 def check_model_source(cfg: Config) -> CheckResult:
@@ -318,13 +321,20 @@ def check_model_source(cfg: Config) -> CheckResult:
                     f"point model.{key} at a model directory (a run's final/, or a hub download), or fix the path",
                 )  # fmt: skip
             continue
-        if not HUB_ID.match(value):  # one slash between names: anything else ('./x', '/x', 'a/b/c') is a path
+        if not HUB_ID.match(value):  # at most one slash between names: anything else ('./x', '/x', 'a/b/c') is a path
             return CheckResult(
                 "model_source", FAIL,
-                f"model.{key} = {value!r} does not exist here, and is not a hub id ('namespace/name')",
+                f"model.{key} = {value!r} does not exist here, and is not a hub id ('namespace/name' or 'name')",
                 f"create it first (a previous run's final/ directory: run that run), or fix the path"
                 f" (relative paths are from {os.getcwd()})",
             )  # fmt: skip
+        # the loader would find out too, after start-up and a minute of retries: the cache and one HEAD say it now
+        why = hub_model_unavailable(value, HUB_FILES[key])
+        if why is not None:
+            where = (
+                None if "/" in value else f"if {value!r} was meant as a directory, fix the path (from {os.getcwd()})"
+            )
+            return CheckResult("model_source", FAIL, f"model.{key} = {value!r}: {why}", where)
     return CheckResult("model_source", PASS, "model source found" if cfg.model.path else "random-initialised model")
 
 

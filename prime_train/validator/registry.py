@@ -16,6 +16,7 @@ from typing import Any
 REQUIRED_KEYS = ("model_id", "family", "vllm_version", "transformers_version", "tested_on", "known_issues")
 _DATA = "prime_train.validator.data"
 _FILE = "tested_models.json"
+_CONFIGS_FILE = "model_configs.json"  # the hub's config.json of some registry models: their shapes offline
 
 
 class RegistryError(ValueError):
@@ -71,6 +72,31 @@ def lookup(model_id: str | None) -> dict[str, Any] | None:
         return None
     matches = [e for e in models if str(e["model_id"]).lower().rsplit("/", 1)[-1] == bare]
     return copy.deepcopy(matches[0]) if len(matches) == 1 else None
+
+
+@functools.lru_cache(maxsize=1)
+def _configs() -> dict[str, Any]:
+    doc = json.loads(resources.files(_DATA).joinpath(_CONFIGS_FILE).read_text(encoding="utf-8"))
+    return {str(k).lower(): v for k, v in doc["configs"].items()}
+
+
+def shipped_config(model_id: str | None) -> dict[str, Any] | None:
+    """The hub's config.json of a registry model as shipped with prime-train (data/model_configs.json): its shape
+    without a download. Exact hub ids only (case-insensitive); None for any other."""
+    if not model_id:
+        return None
+    found = _configs().get(model_id.strip().rstrip("/").lower())
+    return copy.deepcopy(found) if found is not None else None
+
+
+def describe_entry(entry: dict[str, Any]) -> str:
+    """One line for a registry entry: what the registry knows of the model without its files."""
+    issues = len(entry.get("known_issues") or [])
+    return (
+        f"{entry['model_id']} is in prime-train's tested-model registry: family {entry['family']}, vLLM "
+        f"{entry['vllm_version']}, transformers {entry['transformers_version']}, {issues} known issue(s) "
+        "(`prime-train models list`)"
+    )
 
 
 def models_json() -> dict[str, Any]:

@@ -220,6 +220,11 @@ def _strategy(a: Answers, hw: Hardware, params: int | None, big: bool, world: in
         if a.nodes > 1:
             return "hsdp", "FSDP inside each node, replicas across nodes: less cross-node traffic"
         return "fsdp", "shards weights, gradients and optimizer states: the full states do not fit one GPU"
+    if params is None and a.model != TINY:  # never "fits" beside "size unknown"
+        return (
+            "ddp",
+            'replicate the model and all-reduce gradients; its size is unknown here: "fsdp" if it does not fit',
+        )
     return "ddp", "the model fits one GPU: replicate it and all-reduce gradients"
 
 
