@@ -23,6 +23,12 @@ Sides (--sides, a comma list; default all), each timed on the same batches, in a
   against RMSNorm and SwiGLU, learned positions against RoPE, and, with --mask document, plain causal attention
   against document masking; --mask causal takes that last one out).
 
+- native-gpt2: the same loop around the engine's own GPT-2 (engine/gpt2.py, what model.arch = "gpt2" trains):
+  transformers' GPT2LMHeadModel names and Conv1D layers, biases, exact GELU, learned positions, tied lm_head, the
+  chunked fused loss; plain causal like the gpt2 side, at its hidden size, depth, heads, 4x MLP and vocabulary.
+  native-gpt2 / gpt2 says whether the engine's GPT-2 is as fast as a GPT-2 written for speed; native-gpt2 /
+  native (per FLOP) compares the two architectures on the engine's path.
+
 Shapes: "tiny" is the tiny default (Llama, 2 layers, hidden 128, byte vocabulary 320), seq 256, micro-batch 16;
 "gpt2" is GPT-2-124M as a Llama (12 layers, 12 heads, hidden 768, intermediate 2048, vocabulary 50304,
 seq 1024, micro-batch 12, bf16) as in issue 17. The GPT-2 model takes the same hidden size, layers, heads and
@@ -53,21 +59,33 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import GPT2Config
 
 from prime_train.config.schema import Config
+from prime_train.engine.gpt2 import NativeGPT2
+from prime_train.engine.gpt2 import from_config as gpt2_from_config
 from prime_train.engine.llama import CausalLMOutput, NativeCausalLM
-from prime_train.engine.model import num_parameters
+from prime_train.engine.model import flops_per_token, num_parameters
 from prime_train.engine.optim import param_groups
 from prime_train.engine.train import SFTJob
 
-SIDES = ("engine", "native", "native-full", "gpt2")
+SIDES = ("engine", "native", "native-full", "gpt2", "native-gpt2")
 # the names printed; "nanoGPT-style" and "engine" are the lines the bench printed before it had more sides
-LABELS = {"engine": "engine", "native": "nanoGPT-style", "native-full": "native-full-CE", "gpt2": "GPT-2 model"}
+LABELS = {
+    "engine": "engine",
+    "native": "nanoGPT-style",
+    "native-full": "native-full-CE",
+    "gpt2": "GPT-2 model",
+    "native-gpt2": "native GPT-2",
+}
 NOTES = {
     "native": "native model, chunked fused loss",
     "native-full": "native model, full logits + F.cross_entropy",
     "gpt2": "GPT-2 architecture, full logits + F.cross_entropy, plain causal",
+    "native-gpt2": "the engine's GPT-2 (model.arch = gpt2), chunked fused loss, plain causal",
 }
+# (side, reference): ratio = reference time / side time per round, and per FLOP (each model's own FLOPs per token)
+PAIRS = (("native-gpt2", "gpt2"), ("native-gpt2", "native"))
 
 SHAPES = {
     "tiny": dict(model={}, seq=256, micro=16, vocab_multiple=64),
@@ -222,6 +240,18 @@ def gpt2_flops_per_token(model: GPT2, seq: int) -> float:
     return 6.0 * n + 12.0 * len(model.blocks) * hidden * seq
 
 
+def native_gpt2_model(job: SFTJob, seq: int) -> NativeGPT2:
+    """The engine's GPT-2 at the bench GPT-2's shape (its weights are its own: biases, GPT-2's initialisation)."""
+    c = job.hf_config
+    config = GPT2Config(
+        vocab_size=c.vocab_size, n_embd=c.hidden_size, n_layer=c.num_hidden_layers, n_head=c.num_attention_heads,
+        n_positions=seq, activation_function="gelu", attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+    )  # fmt: skip
+    model = gpt2_from_config(config, seed=0)
+    plain_causal(model)
+    return model
+
+
 def plain_causal(model: NativeCausalLM) -> None:
     """Attend causally over the whole row, ignoring document starts (SDPA's is_causal: the flash kernel on GPU)."""
 
@@ -272,7 +302,7 @@ def engine_steps(job: SFTJob, steps: int, syncs: list[tuple[int, str]] | None = 
     for _ in range(steps):
         logging_step = (job.state.step + 1) % job.cfg.logging.log_interval == 0
         if syncs is None or logging_step:
-            stopped(job, job.run_step(0, 0.0))
+            stopped(job, job.run_step())
             continue
         seen: list[str] = []
 
@@ -286,7 +316,7 @@ def engine_steps(job: SFTJob, steps: int, syncs: list[tuple[int, str]] | None = 
             warnings.showwarning = record  # called where the op ran: the stack names the line that synced
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                code = job.run_step(0, 0.0)
+                code = job.run_step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         syncs += [(job.state.step, stack) for stack in seen]
@@ -374,6 +404,12 @@ def main() -> None:
             references["gpt2"] = Reference(job, itertools.cycle(fixed), args.log_interval, model)
         else:
             del gpt2
+        if "native-gpt2" in sides:
+            model = native_gpt2_model(job, shape["seq"])
+            flops["native-gpt2"] = flops_per_token(model.config, shape["seq"])
+            references["native-gpt2"] = Reference(
+                job, itertools.cycle(fixed), args.log_interval, compiled(model.to(device))
+            )
         job.stop.startup = False
 
         def sync() -> None:
@@ -425,12 +461,12 @@ def main() -> None:
     print(f"{args.shape} shape on {name}: {tokens} tokens a step, {args.rounds} rounds x {args.steps} steps, "
           f"compile {'on' if args.compile else 'off'}, {kind} time")  # fmt: skip
     # the reference first, then the engine (the bench's lines before it had more sides), then the new sides
-    for side in sorted(sides, key=("native", "engine", "native-full", "gpt2").index):
+    for side in sorted(sides, key=("native", "engine", "native-full", "gpt2", "native-gpt2").index):
         ms = statistics.median(times[side]) / args.steps * 1e3
         line = f"  {LABELS[side]:14s} {ms:9.2f} ms/step  {tokens / ms * 1e3:12,.0f} tokens/s"
         if job.peak_flops:
             line += f"  MFU {tokens / ms * 1e3 * flops[side] / job.peak_flops:.1%}"
-        if side in ("native-full", "gpt2"):
+        if side in ("native-full", "gpt2", "native-gpt2"):
             line += f"  ({NOTES[side]})"
         print(line)
     if "engine" in sides:
@@ -438,6 +474,12 @@ def main() -> None:
             ratios = [ref / eng for ref, eng in zip(times[side], times["engine"], strict=True)]
             print(f"ratio engine speed / {LABELS[side]} ({kind} time): median {statistics.median(ratios):.3f}, "
                   f"min {min(ratios):.3f}, max {max(ratios):.3f}")  # fmt: skip
+    for side, ref in PAIRS:
+        if side in sides and ref in sides:
+            ratios = [r / t for r, t in zip(times[ref], times[side], strict=True)]
+            per_flop = statistics.median(ratios) * flops[side] / flops[ref]
+            print(f"ratio {LABELS[side]} speed / {LABELS[ref]} ({kind} time): median {statistics.median(ratios):.3f}, "
+                  f"min {min(ratios):.3f}, max {max(ratios):.3f}; per FLOP {per_flop:.3f}")  # fmt: skip
     if syncs is not None:
         report_syncs(syncs)
         assert not syncs, f"{len(syncs)} host syncs in the engine's non-logging steps"

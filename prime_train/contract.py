@@ -482,6 +482,7 @@ def newest_checkpoint(ckpt_dir: str | os.PathLike[str]) -> CheckpointInfo | None
 
 
 BEST_FILE = "best.json"  # ckpt.keep_best: {"step", "metric", "value", "direction"}; every retention keeps it
+FIRST_STEP_S, SAVE_S, EVALUATION_S = "first_step_s", "save_s", "evaluation_s"  # metrics.jsonl seconds (goodput)
 
 
 def best_checkpoint_step(ckpt_dir: str | os.PathLike[str]) -> int | None:

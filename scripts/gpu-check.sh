@@ -12,6 +12,16 @@
 # GPU_CHECK_BUDGET_S bounds the whole (default 540 s); the bench gets at most GPU_CHECK_BENCH_S (default 330 s:
 # four models to compile, 40-60 s each), the tests what it leaves. GPU_CHECK_PARTS picks the parts (default
 # "lora bench tests"; a session that measured one already can leave it out).
+#
+# Issue 35's figures (speed), in one call: GPU_CHECK_PARTS="gpt2 layers stall" (at most the 540 s budget; no
+# tests), run in this order, each cut to what the budget leaves:
+#   stall   bench/checkpoint_stall.py --shapes gpt2: async against sync DCP save of the 124M model, blocking and
+#           the step-time dip over the next 10 steps (stall.log; GPU_CHECK_STALL_S, default 110 s)
+#   gpt2    bench/vs_nanogpt.py --shape gpt2 --sides native,gpt2,native-gpt2: the native Llama, the bench's GPT-2
+#           and the engine's GPT-2 (model.arch = "gpt2") at GPT-2-124M shape, tokens/s and ratios (gpt2.log;
+#           GPU_CHECK_GPT2_S, default 170 s)
+#   layers  scripts/gpu_layers_mfu.py: 2 Llama-3-8B-shaped layers, FSDP2 + selective AC + compile, bf16 then
+#           float8, MFU and the float8 / bf16 ratio (layers.log, layers.json; GPU_CHECK_LAYERS_S, default 260 s)
 set -u
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
@@ -43,6 +53,33 @@ if [[ $parts == *" bench "* ]]; then
   ((bench_s > $(left) - 15)) && bench_s=$(($(left) - 15))  # never past the budget (the tests then get nothing)
   timeout -k 15 "$((bench_s > 1 ? bench_s : 1))" python3 bench/vs_nanogpt.py --shape gpt2 --rounds 5 --steps 20 2>&1 | tee "$OUT/bench.log"
   echo "bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
+fi
+
+# run_part NAME SECONDS COMMAND...: COMMAND under a timeout of SECONDS (never past the budget), output in NAME.log
+run_part() {
+  local name=$1 part_s=$2
+  shift 2
+  ((part_s > $(left) - 15)) && part_s=$(($(left) - 15))
+  echo "== $name: $* ($(left) s left, $part_s s for it)"
+  timeout -k 15 "$((part_s > 1 ? part_s : 1))" "$@" 2>&1 | tee "$OUT/$name.log"
+  echo "$name exit: ${PIPESTATUS[0]}" | tee -a "$OUT/$name.log"
+}
+
+if [[ $parts == *" stall "* ]]; then
+  run_part stall "${GPU_CHECK_STALL_S:-110}" python3 bench/checkpoint_stall.py --shapes gpt2 --rounds 2 --steps 10 \
+    --after 10
+fi
+
+if [[ $parts == *" gpt2 "* ]]; then
+  run_part gpt2 "${GPU_CHECK_GPT2_S:-170}" python3 bench/vs_nanogpt.py --shape gpt2 --rounds 5 --steps 20 \
+    --sides native,gpt2,native-gpt2
+fi
+
+if [[ $parts == *" layers "* ]]; then
+  layers_s=${GPU_CHECK_LAYERS_S:-260}
+  run_part layers "$layers_s" python3 scripts/gpu_layers_mfu.py --out /tmp/pt-layers --layers 2 \
+    --timeout-s $((layers_s / 2 - 10))
+  cp /tmp/pt-layers/layers.json /tmp/pt-layers/*.log "$OUT/" 2>/dev/null
 fi
 
 echo "== pytest -m gpu ($(left) s left)"

@@ -22,8 +22,9 @@ from enginetools import (
     wait_for,
 )
 
-from prime_train.contract import read_json
+from prime_train.contract import RunDir, read_json
 from prime_train.kit.events import read_events
+from prime_train.resilience.goodput import goodput
 
 
 def trainer_pids(run_dir) -> list[int]:
@@ -77,6 +78,12 @@ def test_kill9_trainer_is_resumed_and_final_weights_equal_an_uninterrupted_run(t
     assert "resuming from step 20" in out
     # the steps after step-20 that the killed attempt recorded were trained again: each is recorded once
     assert [m["step"] for m in metrics(run_dir)] == list(range(41))
+    # goodput: the kill cost a restart and the steps after step-20 trained twice; the summary names both
+    figures = goodput(RunDir(run_dir))
+    assert 0 < figures["goodput"] < 1 and figures["attempts"] == 2
+    assert figures["lost_s"]["restart"] > 0 and figures["lost_s"]["lost_steps"] > 0
+    assert figures["lost_s"]["startup"] > 0 and figures["lost_s"]["end"] > 0  # the final save and export
+    assert "goodput " in out and "restarts " in out and "lost steps " in out
     wa, wb = final_weights(tmp_path / "straight"), final_weights(run_dir)
     for key in wa:
         assert torch.equal(wa[key], wb[key]), key

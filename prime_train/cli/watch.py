@@ -93,6 +93,7 @@ def render_status(s: dict, console: Console) -> None:
     """The run's state as a two-column table, then its recent events one a line."""
     from rich.table import Table
 
+    from prime_train.resilience.goodput import goodput_line
     from prime_train.resilience.rl_summary import status_rows
 
     def literal(text: object, style: str = "") -> Text:
@@ -120,6 +121,8 @@ def render_status(s: dict, console: Console) -> None:
         table.add_row("final model", literal(s["final_dir"]))
     for key, value in status_rows(s.get("rl")):  # an RL run's reward and pass rate, and their trend
         table.add_row(key, literal(value))
+    for line in goodput_line(s.get("goodput")):  # productive time of the wall time, and where the rest went
+        table.add_row("goodput", literal(line.removeprefix("goodput ")))
     if s["last_failure"]:
         failure = s["last_failure"]
         kind, message = failure.get("kind"), failure.get("message")

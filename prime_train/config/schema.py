@@ -76,7 +76,11 @@ class ModelConfig(Section):
         description="HF model directory or hub id to start from (a previous run's final/ works). "
         "Unset: a random-initialised model built from the fields below.",
     )
-    arch: Literal["llama", "qwen2"] = Field("llama", description="Architecture of a random-initialised model.")
+    arch: Literal["llama", "qwen2", "gpt2"] = Field(
+        "llama",
+        description="Architecture of a random-initialised model; 'gpt2' is nanoGPT's family for pretraining from "
+        "scratch (LayerNorm, GELU MLP, learned positions, no dropout), trained natively (engine/gpt2.py).",
+    )
     # The upper bounds are far past any model trained (Llama-3.1-405B: hidden 16384, 126 layers, MLP 53248): a
     # value beyond them is a typo, and would make the size estimates and the engine run for hours.
     hidden_size: int = Field(128, ge=8, le=1 << 17, description="Hidden size of a random-initialised model.")
@@ -125,6 +129,8 @@ class ModelConfig(Section):
             raise ValueError(
                 f"model.hidden_size ({self.hidden_size}) must be a multiple of model.num_heads ({self.num_heads})"
             )
+        if self.arch == "gpt2" and self.num_kv_heads not in (None, self.num_heads):
+            raise ValueError("model.num_kv_heads: GPT-2 (model.arch = 'gpt2') has no grouped-query attention; unset it")
         kv = self.num_kv_heads or self.num_heads
         if self.num_heads % kv:
             raise ValueError(f"model.num_heads ({self.num_heads}) must be a multiple of model.num_kv_heads ({kv})")

@@ -443,7 +443,7 @@ def from_pretrained(
     return model
 
 
-def to_hf(model: NativeCausalLM, state_dict: dict[str, torch.Tensor] | None = None):
+def to_hf(model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None):
     """A transformers model of the same config holding the native model's own parameters (no copy).
 
     save_pretrained, generate and vLLM-compatible export then work on it; training either one moves both.
@@ -455,13 +455,14 @@ def to_hf(model: NativeCausalLM, state_dict: dict[str, torch.Tensor] | None = No
     if state_dict is None:
         # keep_vars: the Parameter objects themselves, so both models share them (tied ones stay one Parameter)
         state_dict = model.state_dict(keep_vars=True)
-    embedding = state_dict["model.embed_tokens.weight"]
+    embedding = state_dict[next(k for k in ("model.embed_tokens.weight", "transformer.wte.weight") if k in state_dict)]
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(model.config, dtype=embedding.dtype)
     hf.load_state_dict(state_dict, strict=True, assign=True)
     # HF's own non-persistent buffers (the rotary inverse frequencies) were made on meta: build them for real
-    rotary = hf.model.rotary_emb
-    hf.model.rotary_emb = type(rotary)(config=hf.config).to(embedding.device)
+    # (GPT-2 has none: its positions are parameters)
+    if (rotary := getattr(getattr(hf, "model", None), "rotary_emb", None)) is not None:
+        hf.model.rotary_emb = type(rotary)(config=hf.config).to(embedding.device)
     left = [name for name, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"to_hf left tensors on the meta device: {left[:5]}")

@@ -56,7 +56,18 @@ import torch
 
 from prime_train.config.loader import ConfigError, load_config
 from prime_train.config.schema import Config
-from prime_train.contract import BEST_FILE, ExitCode, Heartbeat, JobFailure, Phase, write_heartbeat, write_json_atomic
+from prime_train.contract import (
+    BEST_FILE,
+    EVALUATION_S,
+    FIRST_STEP_S,
+    SAVE_S,
+    ExitCode,
+    Heartbeat,
+    JobFailure,
+    Phase,
+    write_heartbeat,
+    write_json_atomic,
+)
 from prime_train.engine import parallel, tensor_parallel
 from prime_train.engine.best import Judges
 from prime_train.engine.checkpoint import Checkpointer, StartOver, TrainState
@@ -126,6 +137,7 @@ class TrainingJob:
         self.stop.install()
         watch_supervisor(self.stop.supervisor_gone)
         self.resumed_from = 0
+        self._lost_time: dict[str, float] = {}  # seconds of the last save, written on the next step's row
         self.failed = False  # set when the run ends failed: the trackers mark their run so
         self.configure()
         d = cfg.distributed
@@ -463,6 +475,8 @@ class TrainingJob:
         m = self.train_step()
         step = self.state.step
         last = step == self.cfg.train.max_steps
+        m.update(self._lost_time)  # the save before this step: its row says what it blocked (goodput)
+        self._lost_time = {}
         self.buffer.record(step, m, tokens=self.state.tokens_seen)
         if step % GC_INTERVAL_STEPS == 0:
             gc.collect(1)
@@ -477,9 +491,13 @@ class TrainingJob:
                 return self._diverged(diverged)
             if self.buffer.param_norm_due(step, last=last):
                 m["param_norm"] = self.param_norm()
+            if step == self.buffer.first_step:  # compile and warm-up: goodput counts it apart from training
+                m[FIRST_STEP_S] = m["step_time_s"]
             if evaluating:
                 self.heartbeat(Phase.EVAL, loss=m.get("loss"), loss_step=step)
+                eval_started = time.perf_counter()
                 m.update(self.evaluator.run())
+                m[EVALUATION_S] = time.perf_counter() - eval_started
                 best, ending = self._judge(step, m)
                 saving = saving or best
             self.buffer.write()
@@ -488,7 +506,9 @@ class TrainingJob:
         if logging_step:
             self._log_line(step, m)
         if saving:
+            save_started = time.perf_counter()
             self.save()
+            self._lost_time[SAVE_S] = time.perf_counter() - save_started  # the blocking part of an async save
             if best:
                 self._mark_best()
         if evaluating or saving:

@@ -205,6 +205,11 @@ class MetricsBuffer:
         self._start_step, self._t_start, self._tokens = step, time.time(), tokens
         self.restart_window()
 
+    @property
+    def first_step(self) -> int:
+        """The attempt's first step: its time is compile and warm-up."""
+        return self._start_step + 1
+
     def restart_window(self) -> None:
         """Tokens/s counts from now (an eval or a save is not training time)."""
         self._window = (time.perf_counter(), self._tokens)

@@ -72,9 +72,7 @@ def build_model(
 
 def resolve_implementation(cfg: ModelConfig, hf_config) -> str:
     """'native' or 'hf': the model code model.implementation selects for `hf_config` (logs why for 'auto')."""
-    from prime_train.engine.llama import supports
-
-    reason = supports(hf_config)
+    reason = native_supports(hf_config)
     if cfg.implementation == "hf":
         return "hf"
     if cfg.attn_implementation != "sdpa":
@@ -99,27 +97,44 @@ def resolve_implementation(cfg: ModelConfig, hf_config) -> str:
     return "hf"
 
 
+def native_supports(hf_config) -> str | None:
+    """None when a native model (engine/llama.py, engine/gpt2.py for GPT-2) computes what transformers does for
+    `hf_config`, else why not."""
+    if getattr(hf_config, "model_type", None) == "gpt2":
+        from prime_train.engine import gpt2
+
+        return gpt2.supports(hf_config)
+    from prime_train.engine.llama import supports
+
+    return supports(hf_config)
+
+
 def _to_native(hf_model: nn.Module) -> nn.Module:
     """The native decoder holding `hf_model`'s own weights (the same Parameter objects: no copy, same names)."""
+    from prime_train.engine.gpt2 import NativeGPT2
     from prime_train.engine.llama import NativeCausalLM
 
     config = hf_model.config
+    native_class = NativeGPT2 if config.model_type == "gpt2" else NativeCausalLM
     with torch.device("meta"):
-        native = NativeCausalLM(config)
+        native = native_class(config)
     # keep_vars: the Parameters themselves, so nothing is copied and the HF model can be dropped
     native.load_state_dict(hf_model.state_dict(keep_vars=True), strict=True, assign=True)
+    embedding = native.get_input_embeddings()
     if config.tie_word_embeddings:
-        native.lm_head.weight = native.model.embed_tokens.weight  # assign=True gave them separate Parameters
-    native.reset_rope(native.model.embed_tokens.weight.device)
-    logger.info("training the native %s decoder (engine/llama.py)", config.model_type)
+        native.lm_head.weight = embedding.weight  # assign=True gave them separate Parameters
+    native.reset_rope(embedding.weight.device)
+    logger.info("training the native %s decoder (engine/%s.py)", config.model_type,
+                "gpt2" if native_class is NativeGPT2 else "llama")  # fmt: skip
     return native
 
 
 def is_native(model: nn.Module) -> bool:
-    """Whether `model` (or the model inside DDP / torch.compile wrappers) is the native decoder."""
+    """Whether `model` (or the model inside DDP / torch.compile wrappers) is a native decoder."""
+    from prime_train.engine.gpt2 import NativeGPT2
     from prime_train.engine.llama import NativeCausalLM
 
-    return isinstance(_unwrap(model), NativeCausalLM)
+    return isinstance(_unwrap(model), NativeCausalLM | NativeGPT2)
 
 
 def _load_pretrained(cfg: ModelConfig, vocab_size: int):
@@ -153,9 +168,9 @@ def _load_pretrained(cfg: ModelConfig, vocab_size: int):
 
 
 def _random_init(cfg: ModelConfig, vocab_size: int):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
-    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[cfg.arch]
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gpt2": GPT2Config}[cfg.arch]
     # the built-in byte tokenizer's special tokens (the config classes default to other ids: Llama's eos is 2);
     # a model.tokenizer of one's own gets its ids written at export, from the tokenizer itself
     token_ids = (
@@ -166,17 +181,24 @@ def _random_init(cfg: ModelConfig, vocab_size: int):
     # a vocabulary too small for them (a bare model built for a test of its own) names no special tokens at all,
     # rather than ids the embedding cannot hold
     token_ids = {k: (v if v < vocab_size else None) for k, v in token_ids.items()}
-    hf_config = config_class(
-        **token_ids,
-        vocab_size=vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size or 4 * cfg.hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_embeddings,
-    )
+    shape = {
+        "vocab_size": vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_embeddings,
+    }
+    if cfg.arch == "gpt2":
+        # nanoGPT's GPT-2 for pretraining from scratch: exact GELU, no dropout, a 4x MLP unless asked otherwise
+        family = {"n_inner": cfg.intermediate_size, "activation_function": "gelu"}
+        family |= dict.fromkeys(("attn_pdrop", "resid_pdrop", "embd_pdrop"), 0.0)
+    else:
+        family = {
+            "intermediate_size": cfg.intermediate_size or 4 * cfg.hidden_size,
+            "num_key_value_heads": cfg.num_kv_heads or cfg.num_heads,
+        }
+    hf_config = config_class(**token_ids, **shape, **family)
     # initialised on the CPU from the caller's torch seed: every rank (and a GPU run) gets the same weights,
     # which FSDP2 relies on since fully_shard keeps each rank's own slice without broadcasting
     model = AutoModelForCausalLM.from_config(

@@ -17,6 +17,7 @@ from rich.text import Text
 
 from prime_train.contract import Phase, SupervisorState
 from prime_train.kit import bounded
+from prime_train.resilience.goodput import goodput, goodput_line
 from prime_train.resilience.logscan import Finding
 from prime_train.resilience.rl_summary import rl_summary, summary_lines
 from prime_train.resilience.supervisor import Observer, Supervisor
@@ -224,6 +225,7 @@ def final_results(run_dir, *, written_since: float | None = None) -> list[str]:
     except OSError:
         final_written = None
     out += summary_lines(rl_summary(run_dir.metrics_path))  # RL: reward and pass rate at start and end
+    out += goodput_line(goodput(run_dir))  # productive time of the wall time, and where the rest went
     if final_written is not None and written_since is not None and final_written >= written_since:
         out.append(f"model (HF format): {run_dir.final_dir}")
     return out

@@ -39,6 +39,7 @@ from prime_train.kit.events import EventLog
 from prime_train.kit.ownership import claim_run_dir, end_orphans, record_processes, supervisor_token
 from prime_train.kit.redact import Redactor
 from prime_train.launch import job_environment, job_exit_code, plan_engine_launch, write_run_config
+from prime_train.resilience.goodput import goodput
 from prime_train.resilience.rerun import (
     ConfigDrift,
     Rerun,
@@ -129,7 +130,7 @@ class RunOutcome:
         ]
         return {
             "ok": ok, "exit_code": int(self.exit_code), "state": sup.state, "run_dir": self.run_dir,
-            "attempts": attempts, "results": self.results,
+            "attempts": attempts, "results": self.results, "goodput": goodput(sup.run_dir),
         }  # fmt: skip
 
 

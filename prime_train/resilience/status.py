@@ -24,6 +24,7 @@ import psutil
 from prime_train.contract import LIVE_STATES, Heartbeat, RunDir, list_checkpoints
 from prime_train.kit import bounded
 from prime_train.kit.redact import Redactor
+from prime_train.resilience.goodput import goodput
 from prime_train.resilience.rl_summary import rl_summary
 
 
@@ -267,6 +268,7 @@ def run_status(run_dir: Path, redactor: Redactor | None = None) -> dict:
         "node": _node(config),
         "last_failure": _newest_failure(sup, events, rd.events_path, notes),
         "recent_events": events,
+        "goodput": goodput(rd),  # productive time / wall time of the latest session, and the lost parts
         "rl": rl_summary(rd.metrics_path, notes=notes),  # RL runs: reward and pass rate, start against now
         "notes": notes,  # what was left out of files too big to read whole
     }
