@@ -33,6 +33,7 @@ JOB_MODULES = {
     "rl": "prime_train.rl.train",
     "reward": "prime_train.engine.reward",
     "dpo": "prime_train.engine.dpo",
+    "meta": "prime_train.engine.meta",
 }
 
 

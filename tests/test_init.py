@@ -33,6 +33,8 @@ def init(tmp_path, *args: str) -> subprocess.CompletedProcess:
         ["--job", "sft", "--hardware", "A100-80GB:4", "--nodes", "2"],
         ["--job", "rl", "--hardware", "H100:1"],
         ["--job", "rl", "--hardware", "H100:8", "--environment", "arithmetic"],
+        ["--job", "meta"],
+        ["--job", "meta", "--hardware", "H100:8"],
     ],
 )
 def test_flags_alone_write_a_config_that_lints_clean(tmp_path, flags):

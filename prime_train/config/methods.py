@@ -1,4 +1,5 @@
-"""The sections of training methods that change what a job trains: [lora] (adapters on a frozen base) and [dpo]."""
+"""The sections of training methods that change what a job trains: [lora] (adapters on a frozen base), [dpo] and
+[meta] (Reptile meta-learning, run.job = "meta")."""
 
 from __future__ import annotations
 
@@ -138,6 +139,51 @@ class DPOConfig(Section):
         description="Compute the reference's log-probs of every pair in one pass before training and keep them, "
         "instead of holding the reference model during training (saves its memory). With LoRA the reference is "
         "the base with the adapters switched off either way (no second copy).",
+    )
+
+
+class MetaConfig(Section):
+    inner_steps: int = Field(
+        5,
+        ge=1,
+        le=10_000,
+        description="Reptile: optimizer steps of plain fine-tuning on one task (one micro-batch each) before the "
+        "meta update; 1 makes Reptile joint training on the tasks sampled.",
+    )
+    inner_lr: float = Field(
+        1e-3, gt=0, le=10, description="Learning rate of the inner steps (and of the eval's adaptation)."
+    )
+    inner_optimizer: Literal["adam", "sgd"] = Field(
+        "adam",
+        description="The inner steps' optimizer, fresh for each task: 'adam' (torch Adam, train.beta1/beta2/eps) "
+        "or 'sgd' (plain gradient descent).",
+    )
+    outer_lr: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Reptile's meta step size: the weights move this fraction of the way toward the mean of the "
+        "task-adapted weights (1: to it), scaled by train.scheduler's schedule (warmup and decay).",
+    )
+    tasks_per_step: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Tasks sampled (with replacement, seeded by run.seed and the step) per meta update.",
+    )
+    eval_task: Literal["arithmetic", "reverse-text", "sorting"] | None = Field(
+        None,
+        description="The held-out built-in task of the eval: from the current weights, meta.adapt_steps steps of "
+        "fine-tuning on it, then its held-out loss; it must not be among data.datasets. Unset: no adaptation eval.",
+    )
+    adapt_steps: int = Field(
+        20, ge=1, le=100_000, description="Fine-tuning steps of the eval's adaptation on meta.eval_task."
+    )
+    adapt_target_loss: float | None = Field(
+        None,
+        gt=0,
+        description="The eval also reports the adaptation steps it took to bring meta.eval_task's held-out loss to "
+        "this (eval_adapt_steps_to_target; adapt_steps + 1 when not reached). Unset: not measured.",
     )
 
 

@@ -19,6 +19,7 @@ from prime_train.config.methods import (  # noqa: F401 (re-exported)
     EarlyStoppingConfig,
     KeepBestConfig,
     LoraConfig,
+    MetaConfig,
 )
 from prime_train.config.section import (  # noqa: F401 (re-exported)
     DAY_S,
@@ -37,12 +38,13 @@ class RunConfig(Section):
     seed: int = Field(
         1234, ge=0, lt=2**32, description="Global seed for Python, NumPy, torch and data order (NumPy's range)."
     )
-    job: Literal["sft", "pretrain", "rl", "dpo", "reward"] = Field(
+    job: Literal["sft", "pretrain", "rl", "dpo", "reward", "meta"] = Field(
         "sft",
         description="Embedded job: 'sft' masks the loss to completions, 'pretrain' trains on every token, "
         "'rl' runs GRPO or PPO (rl.algorithm) against [inference] workers, 'dpo' trains on preference pairs "
         "against a frozen reference ([dpo]), 'reward' trains a scalar reward model on preference pairs "
-        "(Bradley-Terry). Ignored when [job].command is set.",
+        "(Bradley-Terry), 'meta' meta-learns over the tasks of data.datasets with Reptile ([meta]). Ignored when "
+        "[job].command is set.",
     )
 
     @model_validator(mode="after")
@@ -269,6 +271,14 @@ class TrainConfig(Section):
         False,
         description="Train the decoder's linear layers in float8 (torchao): CUDA GPUs of compute capability 8.9+ "
         "(Ada, Hopper and newer) only; lm_head and layers whose dims are not multiples of 16 stay as they are.",
+    )
+    qat: Literal["none", "int8_dynamic_act_int4_weight", "int4_weight_only"] = Field(
+        "none",
+        description="Quantization-aware training through torchao's QATConfig: the decoder's linear layers train "
+        "through fake quantization (int4 weights in groups of 32; int8 per-token activations for "
+        "'int8_dynamic_act_int4_weight'), and the export adds final/quantized/, the converted model in torchao's "
+        "tensor subclasses (safetensors; transformers' from_pretrained loads it). 'int4_weight_only' converts to "
+        "torchao's int4 kernels, CUDA only (pip install 'prime-train[qat]').",
     )
     compile: bool = Field(False, description="torch.compile each decoder layer.")
     threads: int | None = Field(
@@ -758,6 +768,7 @@ class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The model to train.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA / QLoRA: train small adapters only.")
     dpo: DPOConfig = Field(default_factory=DPOConfig, description="Direct preference optimisation (run.job = 'dpo').")
+    meta: MetaConfig = Field(default_factory=MetaConfig, description="Reptile meta-learning (run.job = 'meta').")
     data: DataConfig = Field(default_factory=DataConfig, description="The training data.")
     continual: ContinualConfig = Field(
         default_factory=ContinualConfig, description="Continual learning: replay and EWC of earlier datasets."

@@ -356,6 +356,7 @@ def export_hf(
     overwrite: bool = True,
     own_run: bool = True,
     source: str = "training",
+    also=None,
 ) -> Path | None:
     """Write `model` (plain, DDP or FSDP2) and `tokenizer` to out_dir in HF format; every rank calls it.
 
@@ -367,7 +368,8 @@ def export_hf(
     against `base_model` (unset: the model config's name_or_path, i.e. model.path). The final export passes
     adapter=True, merge=lora.merge_on_export; RL's weights/step-N the defaults (merged only). Both are ignored for a
     model without adapters. `overwrite`, `own_run`, `source`: check_export_target's and the marker's; the defaults
-    are the run's own export's, `ckpt to-hf` of a LoRA checkpoint (engine/lora_to_hf.py) passes its own.
+    are the run's own export's, `ckpt to-hf` of a LoRA checkpoint (engine/lora_to_hf.py) passes its own. `also(tmp)`
+    writes more into the export before it is swapped in (train.qat: the converted model, from the model written).
     """
     lora = has_lora(model)
     if lora and not (merge or adapter):
@@ -416,11 +418,23 @@ def export_hf(
         own_run=own_run,
         source=source,
         write_model=write_model,
-        extra=write_adapter,
+        extra=_both(write_adapter, also),
     )
     if write_model:
         logger.info("exported HF model (%d tensors%s) to %s", num_tensors, ", LoRA merged" * lora, out)
     return out
+
+
+def _both(first, second):
+    """A writer calling `first(tmp)` then `second(tmp)`, either of them None."""
+    if first is None or second is None:
+        return first or second
+
+    def write(tmp: Path) -> None:
+        first(tmp)
+        second(tmp)
+
+    return write
 
 
 def _checkpoint_dtype(metadata) -> torch.dtype:

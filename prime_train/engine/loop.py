@@ -1,4 +1,4 @@
-"""One training loop for every embedded job: SFT, pretraining, DPO, the reward model, GRPO and PPO.
+"""One training loop for every embedded job: SFT, pretraining, DPO, the reward model, meta-learning, GRPO and PPO.
 
 A job is a `TrainingJob` subclass that supplies its batch source (`build_batch_source`), one
 optimizer step (`train_step`) and its evaluation (`evaluate`), and declares its console and heartbeat fields.
@@ -181,7 +181,7 @@ class TrainingJob:
         # a pipeline moves only this rank's stages to the device
         self.pipeline: Pipeline | None = self._pipeline(model)
         self.model = self.pipeline.part if self.pipeline else parallel.parallelize(model, cfg, self.dist)
-        self.optimizer = build_optimizer(self.model, cfg.train, self.dist.device)
+        self.optimizer = self.make_optimizer()
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.scaler = self._loss_scaler()
         self.batches = self.build_batch_source()
@@ -365,6 +365,10 @@ class TrainingJob:
 
     def prepare_model(self, model) -> None:
         """Called with the loaded model before it moves to the device and is wrapped (RL copies its reference)."""
+
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer of the job's steps, over the built model: AdamW from [train] (meta: Reptile's outer SGD)."""
+        return build_optimizer(self.model, self.cfg.train, self.dist.device)
 
     def build_batch_source(self):
         """The job's data: an iterator of batches or a rollout source, with state_dict/load_state_dict."""
@@ -585,7 +589,17 @@ class TrainingJob:
         export_hf(
             model, self.tokenizer, self.run_dir.final_dir, rank=self.dist.rank,
             adapter=lora, merge=self.cfg.lora.merge_on_export or not lora, base_model=self.cfg.model.path,
+            also=self._quantized_export(),
         )  # fmt: skip
+
+    def _quantized_export(self):
+        """train.qat: the writer of final/quantized/, the converted model (engine/qat.py); None without QAT."""
+        scheme = self.cfg.train.qat
+        if scheme == "none":
+            return None
+        from prime_train.engine.qat import write_quantized
+
+        return lambda tmp: write_quantized(tmp, scheme, self.tokenizer)
 
     def resume(self) -> None:
         # resolves, verifies and loads; one that verifies but does not load is set aside and the one before it used

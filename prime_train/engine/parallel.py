@@ -572,6 +572,10 @@ def parallelize(model: nn.Module, cfg: Config, dist: DistInfo) -> nn.Module:
         from prime_train.engine.precision import apply_float8
 
         apply_float8(model, dist.device)  # first, as torchtitan does: the wrappers below see Float8Linear layers
+    if cfg.train.qat != "none":
+        from prime_train.engine.qat import apply_qat
+
+        apply_qat(model, cfg.train.qat, dist.device)  # before any wrapper, as float8: they see the swapped layers
     layers = decoder_layers(model)
     model.to(dist.device)
     mesh_2d = None

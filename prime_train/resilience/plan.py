@@ -378,6 +378,7 @@ class RLPlan(EnginePlan):
 # the embedded engine's jobs, by run.job
 ENGINE_PLANS: dict[str, type[EnginePlan]] = {
     "sft": EnginePlan, "pretrain": EnginePlan, "rl": RLPlan, "reward": EnginePlan, "dpo": EnginePlan,
+    "meta": EnginePlan,
 }  # fmt: skip
 
 

@@ -36,6 +36,7 @@ from prime_train.config.accelerators import Accelerators, parse_accelerators
 from prime_train.validator.gpus import DATA_DIR, GpuSpec, GpuTable, load_gpus
 from prime_train.validator.memory import estimate, inputs_from_config
 from prime_train.validator.memory_inputs import MemoryInputError, resolve_model
+from prime_train.validator.method_checks import meta_cost_note, meta_step_sequences
 from prime_train.validator.model_shape import model_shape
 from prime_train.validator.param_count import count_adapters, count_parameters
 
@@ -434,6 +435,8 @@ def estimate_cost(
 def _job_notes(cfg: Config) -> list[str]:
     """What the FLOPs estimate assumes of a preference job."""
     job = cfg.run.job
+    if job == "meta" and not cfg.job.command:
+        return [meta_cost_note(cfg)]
     if job not in ("dpo", "reward") or cfg.job.command:
         return []
     pairs = cfg.train.global_batch_size
@@ -571,6 +574,9 @@ def _run_size(cfg: Config, model: dict[str, Any] | str | None, steps: int | None
     sequences = total_sequences(cfg.train, seq_len, num_gpus, run_steps)
     job = cfg.run.job if not cfg.job.command else "sft"  # an external command's work is only known as measured
     per = sequences_per_sample(job)  # global_batch_size counts pairs in the preference jobs
+    step_sequences = meta_step_sequences(cfg) if job == "meta" else cfg.train.global_batch_size
+    if job == "meta":
+        sequences = run_steps * step_sequences
     reference = job == "dpo" and not cfg.dpo.precompute_reference
     try:
         flops = job_flops_per_token(hf, seq_len, job, _adapters(cfg, hf), reference_forward=reference)
@@ -582,7 +588,7 @@ def _run_size(cfg: Config, model: dict[str, Any] | str | None, steps: int | None
         steps=run_steps,
         seq_len=seq_len,
         total_tokens=sequences * per * seq_len,
-        full_step_tokens=cfg.train.global_batch_size * per * seq_len,
+        full_step_tokens=step_sequences * per * seq_len,
         flops_per_token=flops,
     )
 

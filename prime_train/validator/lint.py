@@ -23,6 +23,7 @@ from prime_train.tasks import read_multiple_choice
 from prime_train.validator import data_fields
 from prime_train.validator.data_fields import DATA_SUFFIXES, TASK_FIELDS
 from prime_train.validator.lora_checks import lora_problems
+from prime_train.validator.method_checks import method_problems
 from prime_train.validator.pipeline_checks import pipeline_problems
 from prime_train.validator.precision_checks import precision_problems
 from prime_train.validator.tp_checks import tp_problems
@@ -136,6 +137,7 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
         _output_dir_problems,
         _distributed_problems,
         precision_problems,
+        method_problems,
         _checkpoint_dir_problems,
         _supervisor_problems,
         _job_command_problems,

@@ -447,6 +447,11 @@ def job_notes(params: MemoryInputs) -> list[str]:
             notes.append(f"dpo: no reference model held ({why})")
     if params.job == "reward":
         notes.append("reward: a Linear(hidden, 1) score head in place of lm_head; no vocabulary logits")
+    if params.job == "meta":
+        notes.append(
+            "meta: Reptile's inner copy of the weights (with gradients, Adam's moments and the mean of the adapted "
+            "weights) is counted; a step's activations are one micro-batch's, as SFT's"
+        )
     if params.job == "rl" and params.holds_reference:
         notes.append("rl.kl_coef > 0: the KL anchor, a frozen copy of the starting weights, is counted")
     if params.value_head:

@@ -598,6 +598,13 @@ def _job_parts(inputs: MemoryInputs, m: ModelShape, per: dict[str, float]) -> li
             f"{why}: a frozen copy of the starting weights, {m.num_params:,} params × {per['weights']} B, whole on "
             "every GPU (copied before wrapping); no gradients or optimizer states",
         ))  # fmt: skip
+    if inputs.job == "meta":
+        b = per["weights"] + per["gradients"] + per["optimizer states"] + per["weights"]
+        parts.append(Part(
+            "Reptile's inner copy", math.ceil(m.num_params * b),
+            f"the copy the inner steps adapt, with its gradients and Adam's moments, and the mean of the adapted "
+            f"weights: {m.num_params:,} params × {b:g} B (the outer SGD's moments, none, are counted as AdamW's)",
+        ))  # fmt: skip
     heads = _head_params(inputs, m)
     if "value head" in heads:
         n = heads["value head"]

@@ -37,7 +37,7 @@ ZERO_FAMILY = ("zero1", "zero2", "zero3")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # run.job, and rl.algorithm for the rl job; dpo and reward train on preference pairs, two sequences (chosen and
 # rejected) for each pair micro_batch_size counts
-JOBS = ("sft", "pretrain", "rl", "dpo", "reward")
+JOBS = ("sft", "pretrain", "rl", "dpo", "reward", "meta")
 PAIR_JOBS = ("dpo", "reward")
 RL_ALGORITHMS = ("grpo", "ppo")
 # the jobs that can hold a frozen copy of the starting weights: DPO's reference, RL's KL anchor (rl.kl_coef > 0)

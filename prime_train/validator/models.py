@@ -33,8 +33,8 @@ from prime_train.validator.vllm_compat import (
 )
 
 # run.job's values, and "ppo" for the rl job with rl.algorithm = "ppo"
-Job = Literal["sft", "rl", "pretrain", "ppo", "dpo", "reward"]
-JOBS: tuple[str, ...] = ("sft", "rl", "pretrain", "ppo", "dpo", "reward")
+Job = Literal["sft", "rl", "pretrain", "ppo", "dpo", "reward", "meta"]
+JOBS: tuple[str, ...] = ("sft", "rl", "pretrain", "ppo", "dpo", "reward", "meta")
 RL_JOBS = ("rl", "ppo")  # rollouts from vLLM workers
 
 # Full fine-tuning with AdamW in mixed precision: bf16 weights (2) + bf16 gradients (2) + fp32 master weights (4)
@@ -63,7 +63,13 @@ JOB_MEMORY_ASSUMPTIONS = {
     "reward": "reward: an untied lm_head is dropped for a Linear(hidden, 1) score head trained in full (with LoRA "
     "too); each pair is two sequences, so activations double",
     "ppo": "ppo: plus a Linear(hidden, 1) value head trained in full (16 bytes/parameter)",
+    "meta": "meta (Reptile): plus the inner loops' copy of the weights with its gradients and Adam's two moments, and "
+    "the mean of the adapted weights (fp32, 4 + 4 + 8 + 4 bytes/parameter); the outer step is SGD, no moments",
 }
+# Reptile's inner copy (weights, gradients, Adam's moments, the mean of the adapted weights; fp32) and the outer SGD,
+# which keeps no moments (the 8 bytes of AdamW's in TRAIN_BYTES_PER_PARAM)
+META_INNER_BYTES_PER_PARAM = 20
+META_OUTER_MOMENTS_BYTES_PER_PARAM = 8
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1, "float8": 1}
 # MXFP4: 4-bit values plus one shared 8-bit exponent per block of 32.
@@ -260,7 +266,8 @@ def verify_model(
 
 def job_memory(hf: dict[str, Any], num_params: int, job: str) -> dict[str, int]:
     """Bytes the job adds to full fine-tuning's 16 B/param (negative: what it drops), by part (JOB_MEMORY_ASSUMPTIONS):
-    dpo's reference, a reward model's score head in place of an untied lm_head, PPO's value head."""
+    dpo's reference, a reward model's score head in place of an untied lm_head, PPO's value head, Reptile's inner
+    copy."""
     text = text_config(hf)
     h = int(text["hidden_size"])
     parts: dict[str, int] = {}
@@ -272,6 +279,9 @@ def job_memory(hf: dict[str, Any], num_params: int, job: str) -> dict[str, int]:
             parts["lm_head dropped"] = -int(text["vocab_size"]) * h * TRAIN_BYTES_PER_PARAM
     elif job == "ppo":
         parts["value head"] = (h + 1) * HEAD_BYTES_PER_PARAM
+    elif job == "meta":
+        parts["inner copy"] = num_params * META_INNER_BYTES_PER_PARAM
+        parts["outer SGD: no moments"] = -num_params * META_OUTER_MOMENTS_BYTES_PER_PARAM
     return parts
 
 

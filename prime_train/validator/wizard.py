@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 # what init offers: run.job's values, and "ppo" for the rl job with rl.algorithm = "ppo"
-JOBS = ("sft", "pretrain", "rl", "ppo", "dpo", "reward")
+JOBS = ("sft", "pretrain", "rl", "ppo", "dpo", "reward", "meta")
 RL_JOBS = ("rl", "ppo")
 PAIR_JOBS = ("dpo", "reward")  # trained on preference pairs: batch sizes count pairs, two sequences each
 ENVIRONMENTS = ("reverse-text", "arithmetic", "sorting")
@@ -152,6 +152,7 @@ def build_config(a: Answers) -> str:
         _model_lines,
         _lora_lines,
         _dpo_lines,
+        _meta_lines,
         _data_lines,
         _train_lines,
         _distributed_lines,
@@ -171,7 +172,7 @@ def _plan(a: Answers) -> _Plan:
     hw = parse_hardware(a.hardware)
     if a.model == TINY and hw.is_gpu:
         a.notes.append("the tiny model on a GPU is a smoke test; name a real model for a real run")
-    if a.job != "sft" and a.job != "pretrain" and a.model == TINY:
+    if a.job not in ("sft", "pretrain", "meta") and a.model == TINY:
         a.notes.append(
             f"{a.job} starts from the tiny SFT run's model: run `prime-train run` (the tiny SFT default) first"
         )
@@ -179,6 +180,9 @@ def _plan(a: Answers) -> _Plan:
     # RL on several GPUs: a quarter of a node's GPUs serve rollouts (one vLLM worker each), the rest train
     inference_gpus = max(1, hw.count // 4) if a.job in RL_JOBS and hw.is_gpu and hw.count > 1 else 0
     trainer_gpus = hw.count - inference_gpus
+    if a.job == "meta" and (trainer_gpus > 1 or a.nodes > 1):  # Reptile runs in one process (engine/meta.py)
+        a.notes.append("meta: Reptile runs in one process, so the config uses one GPU of one node")
+        trainer_gpus, a.nodes = 1, 1
     world = trainer_gpus * a.nodes
     name = a.name or (f"tiny-{a.job}" if a.model == TINY else f"{a.model.rstrip('/').split('/')[-1].lower()}-{a.job}")
     name = name.replace("/", "-")
@@ -366,6 +370,14 @@ def _data_lines(p: _Plan) -> list[str]:
             lines += ["[[data.datasets]]", f'path = "{a.dataset}"']
             if pairs:
                 lines.append('format = "preference"   # records {prompt, chosen, rejected}: strings or chat messages')
+        elif a.job == "meta":
+            lines += [
+                "# Reptile's tasks, one [[data.datasets]] each (built-in here; your datasets work the same way):",
+                "[[data.datasets]]",
+                'task = "arithmetic"',
+                "[[data.datasets]]",
+                'task = "sorting"',
+            ]
         elif pairs:
             lines += [
                 "# a built-in task's preference pairs so the config runs as is (chosen: the right answer, rejected:",
@@ -387,6 +399,23 @@ def _data_lines(p: _Plan) -> list[str]:
 # learning rates: the tiny model's, and a pretrained model's per job (full fine-tuning; LoRA takes 10×)
 _TINY_LR = {"dpo": 1e-3, "reward": 1e-3}
 _PRETRAINED_LR = {"rl": 1e-6, "ppo": 1e-6, "dpo": 5e-7}
+
+
+def _meta_lines(p: _Plan) -> list[str]:
+    """[meta] for a meta-learning job: Reptile's inner and outer steps, and the held-out task the eval adapts to."""
+    if p.a.job != "meta":
+        return []
+    # with the built-in tasks, the third is held out: the eval adapts to it from the meta-learned weights
+    held_out = [] if p.a.dataset else ['eval_task = "reverse-text"   # held out: the eval adapts to it']
+    return [
+        "",
+        "[meta]",
+        "inner_steps = 5   # fine-tuning steps on one task before the meta update",
+        "inner_lr = 1e-3",
+        "outer_lr = 1.0   # how far the weights move toward the adapted ones (scaled by train.scheduler)",
+        "tasks_per_step = 1",
+        *held_out,
+    ]
 
 
 def _dpo_lines(p: _Plan) -> list[str]:
