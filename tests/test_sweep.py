@@ -221,3 +221,39 @@ def test_the_metric_follower_reads_whole_lines_as_the_run_writes_them(tmp_path):
     assert follow.poll() == [(4, 2.0)]
     assert final_value(follow.values, "last", "minimize") == 2.0
     assert final_value([(2, 1.5), (4, 2.0)], "best", "minimize") == 1.5
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_running_trial_with_a_checkpoint_and_the_rerun_resumes_them(tmp_path):
+    spec = write_sweep(
+        tmp_path,
+        'name = "stop"\ntrials = 2\nparallel = 2\nsampler = "random"\nseed = 5\n'
+        '[sweep.space]\n"train.lr" = { low = 1e-4, high = 1e-2, log = true }\n',
+        steps=40,  # long enough to be stopped part way
+    )
+    sweep_dir = tmp_path / "sweeps" / "stop"
+    env = {**os.environ, **WIDE}
+    proc = subprocess.Popen(cli("sweep", str(spec)), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=PIPE)
+    deadline = time.time() + 150
+    while time.time() < deadline and proc.poll() is None and not all(_checkpointed(sweep_dir, n) for n in (0, 1)):
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+    proc.send_signal(signal.SIGINT)  # Ctrl-C: one interrupt stops every trial with a checkpoint
+    assert proc.wait(120) == 75, proc.stderr.read().decode()[-2000:]
+    stopped = {}
+    for n in (0, 1):
+        trial = sweep_dir / f"trial-{n:04d}"
+        progress = read_json(trial / "progress.json")
+        assert progress["phase"] == "stopped", progress
+        assert (trial / "checkpoints" / f"step-{progress['step']}").is_dir()  # its stopping step, saved
+        stopped[n] = progress["step"]
+    rows = {t["trial"]: t["state"] for t in read_json(sweep_dir / "sweep.json")["trials"]}
+    assert set(rows.values()) == {"interrupted"}, rows
+    # the same command goes on: each trial resumes from the step it stopped at
+    again = run_cli("sweep", str(spec), "--json", timeout=400)
+    assert again.returncode == 0, again.stderr[-3000:]
+    for n, step in stopped.items():
+        attempts = [
+            e for e in read_events(sweep_dir / f"trial-{n:04d}" / "events.jsonl") if e.get("event") == "attempt_started"
+        ]
+        assert attempts[-1]["resume_from"] == step, attempts
