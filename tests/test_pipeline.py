@@ -390,5 +390,7 @@ def test_ranks_of_one_pipeline_are_one_data_parallel_replica():
     assert [(d.dp_rank, d.dp_size) for d in ranks] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     one = DistInfo(1, 1, 2, 2, cpu, "gloo")
     assert with_pipeline_ranks(one, 1) is one  # no pipeline: every rank its own replica
-    with pytest.raises(EngineConfigError, match=r"distributed\.pp_size = 2 does not divide the 3 processes"):
+    with pytest.raises(
+        EngineConfigError, match=r"distributed\.pp_size = 2 x distributed\.tp_size = 1 does not divide the 3 processes"
+    ):
         with_pipeline_ranks(DistInfo(0, 0, 3, 3, cpu, "gloo"), 2)

@@ -128,7 +128,10 @@ def run_trial(
     except ConfigError as exc:
         run.state, run.failure = "failed", f"config: {exc}"
         return
-    service = RunService(cfg, RunRequest(own_signals=False), Reporter(preflight=_preflight(say, run.run_dir.name)))
+    # resume: the sweep's values are the trial's (PBT's explored ones, its copied checkpoint), never the run dir's old
+    # config.toml, which a plain rerun of a stopped run would keep (resilience/rerun.py config_drift)
+    request = RunRequest(own_signals=False, resume=True)
+    service = RunService(cfg, request, Reporter(preflight=_preflight(say, run.run_dir.name)))
     run.service = service
     follower = MetricFollower(run.run_dir / "metrics.jsonl", spec.section.metric)
     done = threading.Event()
