@@ -122,12 +122,13 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
         os.killpg(proc.pid, sig)
 
 
-def kill_everything_once(proc: subprocess.Popen, ready: Path, timeout: float = 300) -> None:
+def kill_everything_once(proc: subprocess.Popen, ready: Path, timeout: float = 300) -> list:
     """Once `ready` exists, kill -9 the CLI and every process under it at once, as a machine dies: torchrun starts
     each rank in a session of its own, so killing the CLI's group alone would leave ranks that notice their
-    supervisor gone and save a checkpoint on their way out."""
+    supervisor gone and save a checkpoint on their way out. Returns the processes killed (psutil.Process)."""
     import psutil
 
+    tree: list = []
     try:
         wait_for(ready.exists, timeout, str(ready))
         tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
@@ -138,6 +139,7 @@ def kill_everything_once(proc: subprocess.Popen, ready: Path, timeout: float = 3
         psutil.wait_procs(tree[1:], timeout=30)
     finally:
         kill_group(proc, signal.SIGKILL)
+    return tree
 
 
 def losses_by_step(run_dir: Path) -> dict[int, float]:

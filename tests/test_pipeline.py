@@ -10,18 +10,25 @@ weights after 8 steps within 1e-5 absolute.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import re
 import signal
 import subprocess
 
-import psutil
 import pytest
 import torch
-from enginetools import TINY, cli, final_weights, kill_group, losses_by_step, metrics, run_train, start, tiny_overrides
-from enginetools import wait_for as wait_until
+from enginetools import (
+    TINY,
+    cli,
+    final_weights,
+    kill_everything_once,
+    losses_by_step,
+    metrics,
+    run_train,
+    start,
+    tiny_overrides,
+)
 from transformers import LlamaConfig
 
 from prime_train.config.loader import load_config
@@ -269,8 +276,6 @@ def test_pipelines_whose_stages_fsdp_shards_match_one_process_run(runs, name):
 @pytest.mark.slow
 @OLD_TORCH
 def test_pipeline_with_fsdp_resume_after_kill_matches_uninterrupted_run(runs):
-    from enginetools import kill_everything_once
-
     name, straight = "pp-fsdp-zero2", runs("pp-fsdp-zero2")
     overrides = {**SHAPE, **FSDP_RUNS[name]}
     proc = start(cli("train", str(TINY), *tiny_overrides(runs.root, "fsdp-killed", **overrides)))
@@ -328,20 +333,9 @@ def test_pipeline_resume_after_kill_matches_uninterrupted_run(runs):
     root = runs.root
     overrides = tiny_overrides(root, "killed", **{**SHAPE, **LONG})
     proc = start(cli("train", str(TINY), *overrides))
-    ckpt = root / "killed" / "checkpoints" / "step-4"
-    try:
-        wait_until(ckpt.is_dir, 300, "the step-4 checkpoint")
-        # the CLI, torchrun and both ranks at once (torchrun starts each rank in a process group of its own): no
-        # rank lives on to notice its parent gone and save a checkpoint on its way out
-        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        assert len(tree) >= 4, tree
-        for p in tree:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.send_signal(signal.SIGKILL)
-        proc.wait(30)  # the CLI by Popen (psutil would reap it first and leave Popen a return code of 0)
-        psutil.wait_procs(tree[1:], timeout=30)
-    finally:
-        kill_group(proc, signal.SIGKILL)
+    # the CLI, torchrun and both ranks at once: no rank lives on to notice its parent gone and save on its way out
+    tree = kill_everything_once(proc, root / "killed" / "checkpoints" / "step-4")
+    assert len(tree) >= 4, tree
     assert proc.returncode == -signal.SIGKILL
     assert not (root / "killed" / "final").exists()  # it died mid-run
     resumed = run_train(root, "killed", **{**SHAPE, **LONG})
