@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from prime_train.engine.llama import AttentionBackend, CausalLMOutput, dense_attention_mask, flex_block_mask
+from prime_train.engine.llama import AttentionBackend, CausalLMOutput, decoder_mask
 from prime_train.engine.loss import chunked_cross_entropy
 
 # transformers' names of the GELUs GPT-2 configs use -> F.gelu's approximation
@@ -158,13 +158,7 @@ class NativeGPT2(nn.Module):
         return self.lm_head
 
     def _mask(self, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None):
-        if position_ids is None and attention_mask is None:
-            return None
-        if position_ids is None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        if self.attention == "flex":
-            return flex_block_mask(position_ids, attention_mask)
-        return dense_attention_mask(position_ids, attention_mask)
+        return decoder_mask(self.attention, position_ids, attention_mask)
 
     def hidden_states(
         self,

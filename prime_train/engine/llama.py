@@ -181,6 +181,18 @@ def flex_block_mask(position_ids: torch.Tensor, attention_mask: torch.Tensor | N
     return create_block_mask(mask_mod, batch, None, length, length, device=position_ids.device)
 
 
+def decoder_mask(attention: str, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None):
+    """The mask a native decoder (this Llama, engine/gpt2.py) attends with: None for plain causal attention, else
+    the packed documents' (and the padding's) as a flex BlockMask or a dense mask, per `attention`."""
+    if position_ids is None and attention_mask is None:
+        return None
+    if position_ids is None:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    if attention == "flex":
+        return flex_block_mask(position_ids, attention_mask)
+    return dense_attention_mask(position_ids, attention_mask)
+
+
 class Attention(nn.Module):
     """Grouped-query attention with RoPE; optional qkv bias (Qwen2) and per-head q/k RMSNorm (Qwen3)."""
 
@@ -326,13 +338,7 @@ class NativeCausalLM(nn.Module):
         return self.lm_head
 
     def _mask(self, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None):
-        if position_ids is None and attention_mask is None:
-            return None
-        if position_ids is None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        if self.attention == "flex":
-            return flex_block_mask(position_ids, attention_mask)
-        return dense_attention_mask(position_ids, attention_mask)
+        return decoder_mask(self.attention, position_ids, attention_mask)
 
     def hidden_states(
         self,
