@@ -569,7 +569,6 @@ def _worker_fsdp_save(root: Path) -> None:
     params = full_params(state.model)
     if rank == 0:
         torch.save(params, root / "params-step-4.pt")
-    dist.destroy_process_group()
 
 
 def _worker_fsdp_load(root: Path) -> None:
@@ -590,7 +589,6 @@ def _worker_fsdp_load(root: Path) -> None:
         assert_same_tensors(params, expected)
         print("full parameters equal", json.dumps(sorted(expected)[:2]))
     train(state, 1)  # the optimizer state loaded into FSDP's sharded params steps
-    dist.destroy_process_group()
 
 
 def _worker_fsdp_resolve(root: Path) -> None:
@@ -602,10 +600,11 @@ def _worker_fsdp_resolve(root: Path) -> None:
     path = ckpt.resolve_resume()
     aside = ", ".join(name for name, _ in ckpt.quarantined)
     print(f"rank {rank} resumes from {path.name if path else None}, set aside: {aside}", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    from prime_train.engine.parallel import destroy_distributed
+
     logging.basicConfig(level=logging.INFO, stream=sys.stdout)
     command, target = sys.argv[1], Path(sys.argv[2])
     {
@@ -614,3 +613,4 @@ if __name__ == "__main__":
         "fsdp-load": _worker_fsdp_load,
         "fsdp-resolve": _worker_fsdp_resolve,
     }[command](target)
+    destroy_distributed()  # after the worker returned: its models must not outlive the group

@@ -260,12 +260,14 @@ def _worker(root: Path) -> None:
     trained = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save({"initial": initial_weights, "trained": trained}, root / "expected.pt")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    from prime_train.engine.parallel import destroy_distributed
+
     logging.basicConfig(level=logging.INFO, stream=sys.stdout)
     _worker(Path(sys.argv[1]))
+    destroy_distributed()  # after the worker returned: its models must not outlive the group
 
 
 def test_exported_model_names_the_tokenizers_end_token_and_generate_stops_there(sft_model):

@@ -188,6 +188,7 @@ def _count_local_shards(out_dir: str) -> None:
     from transformers import LlamaConfig
 
     from prime_train.engine.llama import from_config
+    from prime_train.engine.parallel import destroy_distributed
     from prime_train.engine.tensor_parallel import apply_tp
 
     dist.init_process_group("gloo")
@@ -196,7 +197,8 @@ def _count_local_shards(out_dir: str) -> None:
     apply_tp(model, mesh)
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(local))
-    dist.destroy_process_group()
+    del model, mesh  # DTensors outliving their group abort the exit (see parallel.destroy_distributed)
+    destroy_distributed()
 
 
 if __name__ == "__main__":

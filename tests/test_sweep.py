@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from subprocess import PIPE
 
+import psutil
 import pytest
 
 optuna = pytest.importorskip("optuna")
@@ -101,9 +102,13 @@ def test_hyperband_sweep_killed_after_two_trials_resumes_without_retraining(tmp_
         finished = {t["trial"] for t in rows if t["state"] in ("complete", "pruned")}
         midway = {t["trial"] for t in rows if t["state"] == "running" and _checkpointed(sweep_dir, t["trial"])}
     assert first.poll() is None, first.stderr.read().decode()[-2000:]
+    trainers = psutil.Process(first.pid).children(recursive=True)
     first.send_signal(signal.SIGKILL)
     first.wait()
-    # a trial seen running with a checkpoint may have finished before the kill landed: only the unfinished count
+    # the trials' ranks notice their supervisor is gone (engine/lifeline.py), finish the step and exit; one at its
+    # last step finishes its run. Wait for them all, then count only the trials they left unfinished.
+    _, alive = psutil.wait_procs(trainers, timeout=90)
+    assert not alive, alive
     midway = {
         n for n in midway if (read_json(sweep_dir / f"trial-{n:04d}" / "progress.json") or {}).get("phase") != "done"
     }

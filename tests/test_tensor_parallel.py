@@ -226,7 +226,6 @@ def _worker(root: Path) -> None:
     export_hf(model, tiny_tokenizer(), root / "final", rank=rank)
     if rank == 0:
         torch.save({"steps": steps, "ids": ids, "tp_logits": tp_logits, "ref_logits": ref_logits}, root / "expected.pt")
-    dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------- refused before a launch
@@ -277,5 +276,8 @@ def test_engine_refuses_tp_for_transformers_model_and_lora_with_the_key():
 
 
 if __name__ == "__main__":
+    from prime_train.engine.parallel import destroy_distributed
+
     logging.basicConfig(level=logging.INFO, stream=sys.stdout)
     _worker(Path(sys.argv[1]))
+    destroy_distributed()  # after the worker returned: its models must not outlive the group

@@ -374,7 +374,7 @@ def test_bad_paths_are_named(tmp_path):
     (broken / "config.json").write_text("{not json")
     with pytest.raises(ModelConfigNotFound, match="not valid JSON"):
         verify_model(str(broken))
-    with pytest.raises(ValueError, match="job must be one of sft, rl, pretrain, ppo, dpo, reward, not 'kto'"):
+    with pytest.raises(ValueError, match="job must be one of sft, rl, pretrain, ppo, dpo, reward, meta, not 'kto'"):
         verify_model(str(model_dir(tmp_path, "Qwen3-0.6B")), job="kto")
 
 
