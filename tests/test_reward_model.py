@@ -9,6 +9,7 @@ import copy
 import math
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -309,6 +310,40 @@ def test_a_reward_run_killed_after_a_checkpoint_resumes_from_it_exactly(straight
     assert wa.keys() == wb.keys() and "score.weight" in wa
     for key in wa:
         assert torch.equal(wa[key], wb[key]), key
+
+
+def test_a_reward_run_from_a_reward_models_final_goes_on_with_its_head(straight_run, tmp_path):
+    """model.path = a reward run's final/: the decoder loads as the LM's and the score head is read from its
+    safetensors. The head given here is the old run's times 100, so step 0 of the new run must score the held-out
+    pairs with 100 x the old run's last margin (a new head would not); a reward model without the head is refused
+    with 78, naming it."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    def variant(name: str, change) -> Path:
+        copy_dir = tmp_path / name
+        shutil.copytree(straight_run / "straight" / "final", copy_dir)
+        weights = load_file(copy_dir / "model.safetensors")
+        change(weights)
+        save_file(weights, copy_dir / "model.safetensors", metadata={"format": "pt"})
+        return copy_dir
+
+    scaled = variant("scaled", lambda w: w.update({"score.weight": w["score.weight"] * 100}))
+    result = run_train(tmp_path, "goes-on", **{**SHORT, "train.max_steps": 1, "model.path": str(scaled)})
+    assert result.returncode == 0, output(result)[-4000:]
+    before = [r for r in metrics(straight_run / "straight") if "eval_preference_margin" in r][-1]
+    after = next(r for r in metrics(tmp_path / "goes-on") if "eval_preference_margin" in r)
+    assert after["step"] == 0 and before["step"] == 30
+    assert after["eval_preference_margin"] == pytest.approx(100 * before["eval_preference_margin"], rel=1e-3)
+    assert after["eval_preference_accuracy"] == before["eval_preference_accuracy"]
+
+    headless = variant("headless", lambda w: w.pop("score.weight"))
+    assert "ForSequenceClassification" in json.loads((headless / "config.json").read_text())["architectures"][0]
+    refused = run_train(tmp_path, "headless", **{**SHORT, "train.max_steps": 1, "model.path": str(headless)})
+    assert refused.returncode == 78, output(refused)[-3000:]
+    assert "holds no score.weight" in output(refused) and "Traceback" not in output(refused)
 
 
 def test_the_hf_implementation_with_lora_trains_and_exports_a_merged_classifier(tmp_path):

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -87,12 +89,53 @@ def classifier_config(config, pad_token_id: int | None):
     return config
 
 
-def _new_head(config) -> nn.Linear:
-    """The score head, initialised as transformers initialises a Linear: normal(0, initializer_range)."""
+def _new_head(config, saved: torch.Tensor | None = None) -> nn.Linear:
+    """The score head: `saved` (a reward model's own head) when given, else initialised as transformers initialises
+    a Linear: normal(0, initializer_range)."""
     head = nn.Linear(config.hidden_size, 1, bias=False)
     with torch.no_grad():
-        head.weight.normal_(0.0, getattr(config, "initializer_range", 0.02))
+        if saved is None:
+            head.weight.normal_(0.0, getattr(config, "initializer_range", 0.02))
+        elif tuple(saved.shape) != tuple(head.weight.shape):
+            raise EngineConfigError(
+                f"model.path: the reward model's {SCORE}.weight has shape {tuple(saved.shape)}, not "
+                f"{tuple(head.weight.shape)} (one score from hidden size {config.hidden_size})"
+            )
+        else:
+            head.weight.copy_(saved.to(head.weight.dtype))
     return head
+
+
+def is_reward_model(config) -> bool:
+    """Whether a loaded config is a reward model's (a reward run's final/: transformers' *ForSequenceClassification
+    with one label) rather than a causal LM's."""
+    named = any(str(a).endswith("ForSequenceClassification") for a in getattr(config, "architectures", None) or ())
+    return named and getattr(config, "num_labels", 1) == 1
+
+
+def saved_score_head(path: str) -> torch.Tensor:
+    """`score.weight` of the reward model at `path` (a local directory or a hub id in the cache), read from its
+    safetensors (one file or the shard its index names; never a pickle). A model loaded from there as a causal LM
+    keeps the decoder and drops the head: this is the head, so a reward run can go on from a reward model."""
+    import json
+
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    key = f"{SCORE}.weight"
+    path = os.path.expanduser(path)
+    weights = cached_file(path, "model.safetensors", _raise_exceptions_for_missing_entries=False)
+    if weights is None:
+        index = cached_file(path, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False)
+        shard = json.loads(Path(index).read_text())["weight_map"].get(key) if index else None
+        weights = cached_file(path, shard, _raise_exceptions_for_missing_entries=False) if shard else None
+    if weights is None:
+        raise EngineConfigError(f"model.path {path!r} names a reward model but has no safetensors holding {key}")
+    with safe_open(weights, framework="pt") as f:
+        names = f.keys()
+        if key not in names:
+            raise EngineConfigError(f"model.path {path!r} names a reward model but {weights} holds no {key}")
+        return f.get_tensor(key).float()
 
 
 class NativeRewardModel(NativeCausalLM):
@@ -135,11 +178,12 @@ class NativeRewardModel(NativeCausalLM):
         return hf.eval()
 
 
-def reward_model_from(lm: nn.Module, pad_token_id: int | None) -> nn.Module:
-    """The reward model on `lm`'s decoder (its own parameters, not copied; lm_head dropped) with a new score head:
-    NativeRewardModel for the native decoder, transformers' *ForSequenceClassification for a transformers LM."""
+def reward_model_from(lm: nn.Module, pad_token_id: int | None, head_weight: torch.Tensor | None = None) -> nn.Module:
+    """The reward model on `lm`'s decoder (its own parameters, not copied; lm_head dropped) with a score head, new or
+    `head_weight`: NativeRewardModel for the native decoder, transformers' *ForSequenceClassification for a
+    transformers LM."""
     config = classifier_config(lm.config, pad_token_id)
-    head = _new_head(config)
+    head = _new_head(config, head_weight)
     if isinstance(lm, NativeCausalLM):
         with torch.device("meta"):
             model = NativeRewardModel(config, max_seq_len=lm.max_seq_len, attention=lm.attention)
@@ -198,7 +242,12 @@ class RewardJob(TrainingJob):
     def model_to_train(self, model) -> nn.Module:
         # the tokenizer's pad id (load_tokenizer gives one, eos when it has no pad) is what the pair batches pad
         # with, and what the head finds each sequence's last token by, here and in the export
-        return reward_model_from(model, self.tokenizer.pad_token_id)
+        saved = None
+        if self.cfg.model.path and is_reward_model(model.config):
+            # a reward run's final/ as the start: its decoder loaded as the LM's, its head read here
+            saved = saved_score_head(self.cfg.model.path)
+            logger.info("going on from the reward model at %s: its score head with its decoder", self.cfg.model.path)
+        return reward_model_from(model, self.tokenizer.pad_token_id, saved)
 
     def _data_args(self) -> dict:
         return dict(
