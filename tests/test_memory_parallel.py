@@ -152,6 +152,16 @@ def test_memory_command_takes_the_parallel_flags_and_refuses_a_bad_split_with_78
     assert both["shard_group"] == 2 and one["shard_group"] == 8 and "rank_totals" not in one
     refused = CliRunner().invoke(app, [*args, "--tp-size", "3"])
     assert refused.exit_code == 78 and "tp × pp must divide the 8 GPUs" in refused.output
+    # no --strategy: what the engine's 'auto' runs on the 2 x 2 x 2 mesh, FSDP2 over the two replicas of each
+    # tensor-parallel stage (not 'none', which the engine refuses there)
+    unset = [a for a in args if a not in ("--strategy", "fsdp")]
+    auto, fsdp = (
+        CliRunner().invoke(app, [*flags, "--tp-size", "2", "--pp-size", "2", "--json"]) for flags in (unset, args)
+    )
+    assert auto.exit_code == 0, auto.output
+    report = json.loads(auto.stdout)
+    assert report["settings"]["strategy"] == "fsdp" and report["trainer"]["shard_group"] == 2
+    assert len(report["trainer"]["rank_totals"]) == 2 and report["trainer"] == json.loads(fsdp.stdout)["trainer"]
 
 
 # ---------------------------------------------------------------- against the real split

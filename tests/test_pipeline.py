@@ -1,7 +1,7 @@
 """Pipeline parallelism (distributed.pp_size): the stage split, lint's and the engine's refusals, and the correctness
 harness: two gloo ranks running the CLI's `train` under torchrun give the one-process run's losses, gradient norms,
 held-out losses and exported weights for every schedule, and resume after kill -9 (or across pp_size) as if never
-stopped.
+stopped; so do four (replicated or FSDP-sharded pipelines, tensor-parallel stages) and eight (the 3-D mesh).
 
 Tolerances (fp32 on the CPU): losses and eval losses within 1e-6 relative (measured: equal to the last bit; only the
 order of float sums differs from one process), gradient norms within 1e-5 (the norm is summed per stage first),
@@ -51,8 +51,14 @@ LONG = {**PP2, "train.max_steps": 24}
 # two pipelines of two stages, each stage sharded by FSDP2 over its two replicas (a ("dp", "pp") mesh): ZeRO stage 2
 # with two micro-batches a step (gradients reduce-scattered after each), and stage 3 with CPU offload under GPipe
 PP_FSDP = {**PP2, "distributed.nproc_per_node": 4, "distributed.strategy": "fsdp"}
-# one pipeline of two stages, each tensor-parallel over two ranks (a ("dp", "pp", "tp") mesh of 1 x 2 x 2)
-PP_TP = {**PP2, "distributed.nproc_per_node": 4, "distributed.tp_size": 2}
+# one pipeline of four stages (interleaved: two a rank), each tensor-parallel over two ranks with sequence-parallel
+# norms (a ("dp", "pp", "tp") mesh of 1 x 2 x 2: the stages hand over their rank's shard of the sequence)
+PP_TP = {**PP2, "distributed.nproc_per_node": 4, "distributed.tp_size": 2, "distributed.sequence_parallel": "true",
+         "distributed.pp_schedule": "interleaved_1f1b"}  # fmt: skip
+# the 3-D mesh, 2 x 2 x 2: two pipelines of two tensor-parallel stages (1F1B), each stage sharded by FSDP2 over its
+# two replicas; four steps (all in the warm-up, so at the one-process run's learning rates), a checkpoint every two
+MESH_3D = {**PP_TP, "distributed.nproc_per_node": 8, "distributed.pp_schedule": "1f1b",
+           "distributed.sequence_parallel": "false", "train.max_steps": 4, "ckpt.interval": 2}  # fmt: skip
 FSDP_RUNS = {
     "pp-fsdp-zero2": {**PP_FSDP, "distributed.zero_stage": 2, "train.micro_batch_size": 8},
     "pp-fsdp-zero3-offload": {**PP_FSDP, "distributed.zero_stage": 3, "distributed.cpu_offload": "true",
@@ -204,7 +210,6 @@ def test_pipelines_refuse_what_they_do_not_combine_with_in_lint_and_the_engine()
     pipeline = ["--distributed.nproc_per_node", "4", "--distributed.pp_size", "2", "--model.tie_embeddings", "false",
                 "--model.num_layers", "4"]  # fmt: skip
     each = {
-        "distributed.sequence_parallel": ["--distributed.tp_size", "2", "--distributed.sequence_parallel", "true"],
         "train.precision": ["--train.precision", "fp16"],
         "train.float8": ["--train.float8", "true"],
         "distributed.grad_compression": ["--distributed.grad_compression", "bf16"],
@@ -220,6 +225,29 @@ def test_pipelines_refuse_what_they_do_not_combine_with_in_lint_and_the_engine()
             check_pipeline_config(cfg, _native(), strategy="ddp")
 
 
+def test_replicas_of_a_tensor_parallel_pipeline_pass_lint_and_the_engine_when_the_processes_fill_them(monkeypatch):
+    monkeypatch.setattr(pipeline, "torch_minor", lambda: pipeline.MIN_TORCH)  # the config's checks, on any torch
+    mesh = ["--distributed.pp_size", "2", "--distributed.tp_size", "2", "--model.tie_embeddings", "false",
+            "--model.num_layers", "4"]  # fmt: skip
+    # 8 processes: two pipelines of two tensor-parallel stages, FSDP2 over the replicas ('auto' beside TP)
+    clean, _ = lint_files([str(TINY)], [*mesh, "--distributed.nproc_per_node", "8"])
+    assert [p.format() for p in clean if p.severity == "error"] == []
+    check_pipeline_config(load_config([str(TINY)], [*mesh, "--distributed.nproc_per_node", "8"]), _native(), "fsdp")
+    # the interleaved schedule runs one pipeline of tensor-parallel stages, not FSDP-sharded replicas of it
+    interleaved = [*mesh, "--distributed.pp_schedule", "interleaved_1f1b", "--distributed.nproc_per_node"]
+    one, _ = lint_files([str(TINY)], [*interleaved, "4"])
+    assert [p.format() for p in one if p.severity == "error"] == []
+    two, _ = lint_files([str(TINY)], [*interleaved, "8"])
+    assert any("replicas of tensor-parallel stages" in p.message for p in two if p.key == "distributed.pp_schedule")
+    # 6 processes make one pipeline of 2 x 2 and half of another
+    problems, _ = lint_files([str(TINY)], [*mesh, "--distributed.nproc_per_node", "6"])
+    errors = {p.key: p.message for p in problems if p.severity == "error"}
+    assert (
+        "distributed.pp_size (2) x distributed.tp_size (2) does not divide the 6 processes"
+        in errors["distributed.pp_size"]
+    ), errors
+
+
 def test_one_f_one_b_needs_as_many_microbatches_as_stages_in_lint(tmp_path):
     args = ["--distributed.nproc_per_node", "2", "--distributed.pp_size", "2", "--model.tie_embeddings", "false",
             "--distributed.pp_microbatches", "1"]  # fmt: skip
@@ -232,14 +260,20 @@ def test_one_f_one_b_needs_as_many_microbatches_as_stages_in_lint(tmp_path):
 # ---------------------------------------------------------------- the harness: real torchrun, gloo, the CLI
 
 
-def _assert_same_training(single, piped, rel_tol: dict[str, float]) -> None:
-    """The two runs logged the same steps of each metric in `rel_tol`, equal within its tolerance, and ended with
-    the same weights (atol 1e-5)."""
+def _assert_same_metrics(single, piped, rel_tol: dict[str, float], steps: range | None = None) -> None:
+    """The two runs logged the same steps (of `steps` only, when given) of each metric in `rel_tol`, equal within its
+    tolerance."""
     for key, rel in rel_tol.items():
         a, b = _by_step(single, key), _by_step(piped, key)
+        a = a if steps is None else {s: v for s, v in a.items() if s in steps}
         assert sorted(a) == sorted(b) and a, (key, a, b)
         for step in a:
             assert math.isclose(a[step], b[step], rel_tol=rel), (key, step, a[step], b[step])
+
+
+def _assert_same_training(single, piped, rel_tol: dict[str, float]) -> None:
+    """_assert_same_metrics, and the two runs ended with the same weights (atol 1e-5)."""
+    _assert_same_metrics(single, piped, rel_tol)
     wa, wb = final_weights(single), final_weights(piped)
     assert wa.keys() == wb.keys()
     for key in wa:
@@ -273,19 +307,26 @@ def test_pipelines_whose_stages_fsdp_shards_match_one_process_run(runs, name):
     _assert_same_training(single, piped, {"loss": 1e-5, "grad_norm": 1e-5, "eval_loss": 1e-5})
 
 
+def _kill_then_resume(root, name: str, overrides: dict, at_step: int) -> tuple[list, str]:
+    """Train run `name`, kill -9 the CLI and every rank at once when its checkpoint step-`at_step` is whole (the run
+    must not have finished), then resume it to the end; the processes killed and the resumed run's log."""
+    proc = start(cli("train", str(TINY), *tiny_overrides(root, name, **overrides)))
+    # the CLI, torchrun and the ranks at once: no rank lives on to notice its parent gone and save on its way out
+    tree = kill_everything_once(proc, root / name / "checkpoints" / f"step-{at_step}")
+    assert proc.returncode == -signal.SIGKILL
+    assert not (root / name / "final").exists()  # it died mid-run
+    resumed = run_train(root, name, **overrides)
+    _ok(resumed)
+    return tree, resumed.stdout + resumed.stderr
+
+
 @pytest.mark.slow
 @OLD_TORCH
 def test_pipeline_with_fsdp_resume_after_kill_matches_uninterrupted_run(runs):
     name, straight = "pp-fsdp-zero2", runs("pp-fsdp-zero2")
-    overrides = {**SHAPE, **FSDP_RUNS[name]}
-    proc = start(cli("train", str(TINY), *tiny_overrides(runs.root, "fsdp-killed", **overrides)))
-    kill_everything_once(proc, runs.root / "fsdp-killed" / "checkpoints" / "step-4")
-    assert proc.returncode == -signal.SIGKILL
-    assert not (runs.root / "fsdp-killed" / "final").exists()  # it died mid-run
-    resumed = run_train(runs.root, "fsdp-killed", **overrides)
-    _ok(resumed)
-    assert "at step 4" in resumed.stdout + resumed.stderr
-    assert "Applied FSDP to this stage over mesh['dp'] (2 replicas); ZeRO stage 2" in resumed.stdout + resumed.stderr
+    _, log = _kill_then_resume(runs.root, "fsdp-killed", {**SHAPE, **FSDP_RUNS[name]}, at_step=4)
+    assert "at step 4" in log
+    assert "Applied FSDP to this stage over mesh['dp'] (2 replicas); ZeRO stage 2" in log
     a, b = losses_by_step(straight), losses_by_step(runs.root / "fsdp-killed")
     assert sorted(b) == list(range(1, STEPS + 1))
     for step in range(5, STEPS + 1):
@@ -296,11 +337,15 @@ def test_pipeline_with_fsdp_resume_after_kill_matches_uninterrupted_run(runs):
 @OLD_TORCH
 def test_a_pipeline_of_tensor_parallel_stages_matches_one_process_and_resumes_from_its_checkpoint(runs):
     single, piped, root = runs("single"), runs("pp-tp"), runs.root
-    # measured: losses within 1.1e-7, gradient norms 1.5e-7, eval losses equal, final weights within 2.2e-6
+    # measured (interleaved, sequence parallel): losses within 1.1e-7, gradient norms 1.9e-7, eval losses equal,
+    # final weights within 1.4e-6
     _assert_same_training(single, piped, {"loss": 1e-5, "grad_norm": 1e-5, "eval_loss": 1e-5})
     # its DCP checkpoint, resumed in the same layout (the rest bitwise) and in one process (the whole model is in it)
     resume = {"ckpt.resume": str(piped / "checkpoints" / "step-4")}
-    _ok(run_train(root, "pp-tp-resumed", **SHAPE, **PP_TP, **resume))
+    resumed = run_train(root, "pp-tp-resumed", **SHAPE, **PP_TP, **resume)
+    _ok(resumed)
+    assert "sequence-parallel norms" in resumed.stdout + resumed.stderr
+    assert "4 stages over 2 ranks x 1 replica(s) (interleaved_1f1b" in resumed.stdout + resumed.stderr
     _ok(run_train(root, "pp-tp-to-1", **SHAPE, **resume))
     a, b, c = losses_by_step(piped), losses_by_step(root / "pp-tp-resumed"), losses_by_step(root / "pp-tp-to-1")
     assert sorted(b) == sorted(c) == list(range(5, STEPS + 1))
@@ -310,17 +355,52 @@ def test_a_pipeline_of_tensor_parallel_stages_matches_one_process_and_resumes_fr
         assert math.isclose(one[step], c[step], rel_tol=1e-5), (step, one[step], c[step])
 
 
+def _model_keys(run_dir, step: int) -> set[str]:
+    """The model entries of a run's DCP checkpoint (the full model's HF names under "model.")."""
+    from prime_train.engine import safe_dcp
+
+    keys = safe_dcp.read_metadata(run_dir / "checkpoints" / f"step-{step}").state_dict_metadata
+    return {k for k in keys if k.startswith("model.")}
+
+
+def _checkpoint_weights(run_dir, step: int, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights a run's DCP checkpoint holds, read into tensors shaped and named as `like`'s (an HF export)."""
+    from prime_train.engine import safe_dcp
+
+    state = {"model": {k: torch.empty_like(v) for k, v in like.items()}}
+    safe_dcp.load(state, run_dir / "checkpoints" / f"step-{step}", no_dist=True)
+    return state["model"]
+
+
+@pytest.mark.slow
+@OLD_TORCH
+def test_replicated_pipelines_of_tensor_parallel_stages_match_one_process_run_through_a_kill(runs):
+    # 8 gloo ranks on a ("dp", "pp", "tp") mesh of 2 x 2 x 2, in one run: killed with kill -9 once its step-2
+    # checkpoint is whole and resumed, so steps 1-2 are the first attempt's and 3-4 the resumed one's
+    single, root = runs("single"), runs.root
+    _, log = _kill_then_resume(root, "mesh-3d", {**SHAPE, **MESH_3D}, at_step=2)
+    assert re.search(r"resumed from \S+step-2 at step 2", log), log[-3000:]
+    assert "Applied tensor parallelism over 2 ranks" in log
+    assert "Applied FSDP to this stage over mesh['dp'] (2 replicas)" in log
+    assert "2 stages over 2 ranks x 2 replica(s)" in log
+    # measured: the four losses equal to one process's, gradient norms within 1.1e-7, the eval loss 5e-8
+    _assert_same_metrics(single, root / "mesh-3d", {"loss": 1e-5, "grad_norm": 1e-5, "eval_loss": 1e-5}, range(1, 5))
+    # one DCP checkpoint holds every stage's and tp rank's part under the full model's names, and the export
+    # gathers the whole model: the one-process run's weights at the same step
+    assert _model_keys(root / "mesh-3d", 4) == _model_keys(single, 4)
+    exported = final_weights(root / "mesh-3d")
+    at_step_4 = _checkpoint_weights(single, 4, exported)
+    for key, value in exported.items():  # measured: within 2.7e-6
+        torch.testing.assert_close(value, at_step_4[key], rtol=0, atol=1e-5)
+
+
 @pytest.mark.slow
 @OLD_TORCH
 def test_pipeline_checkpoint_holds_the_whole_model_and_its_export_loads_in_transformers(runs):
     from transformers import AutoModelForCausalLM
 
-    from prime_train.engine import safe_dcp
-
     single, piped = runs("single"), runs("pp-1f1b")
-    keys = [set(safe_dcp.read_metadata(run / "checkpoints" / "step-4").state_dict_metadata) for run in (single, piped)]
-    model_keys = [{k for k in ks if k.startswith("model.")} for ks in keys]
-    assert model_keys[0] == model_keys[1] and "model.lm_head.weight" in model_keys[1]
+    assert _model_keys(single, 4) == _model_keys(piped, 4) and "model.lm_head.weight" in _model_keys(piped, 4)
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
     logits = [AutoModelForCausalLM.from_pretrained(run / "final").eval()(ids).logits for run in (single, piped)]
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-4)
@@ -331,16 +411,9 @@ def test_pipeline_checkpoint_holds_the_whole_model_and_its_export_loads_in_trans
 def test_pipeline_resume_after_kill_matches_uninterrupted_run(runs):
     straight = runs("pp-long")
     root = runs.root
-    overrides = tiny_overrides(root, "killed", **{**SHAPE, **LONG})
-    proc = start(cli("train", str(TINY), *overrides))
-    # the CLI, torchrun and both ranks at once: no rank lives on to notice its parent gone and save on its way out
-    tree = kill_everything_once(proc, root / "killed" / "checkpoints" / "step-4")
-    assert len(tree) >= 4, tree
-    assert proc.returncode == -signal.SIGKILL
-    assert not (root / "killed" / "final").exists()  # it died mid-run
-    resumed = run_train(root, "killed", **{**SHAPE, **LONG})
-    _ok(resumed)
-    start_step = int(re.search(r"resumed from \S+step-(\d+) at step", resumed.stdout + resumed.stderr).group(1))
+    tree, log = _kill_then_resume(root, "killed", {**SHAPE, **LONG}, at_step=4)
+    assert len(tree) >= 4, tree  # the CLI, torchrun and both ranks
+    start_step = int(re.search(r"resumed from \S+step-(\d+) at step", log).group(1))
     a, b = losses_by_step(straight), losses_by_step(root / "killed")
     assert sorted(b) == list(range(1, 25))
     for step in range(start_step + 1, 25):

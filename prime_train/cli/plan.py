@@ -71,6 +71,12 @@ def models_list(as_json: JsonFlag = False) -> None:
     output.emit(models_json(), as_json, render_models)
 
 
+STRATEGY_HELP = (
+    "none, ddp, zero1, zero2, zero3, fsdp or hsdp; unset: none, or with --tp-size/--pp-size what the engine's 'auto' "
+    "runs (fsdp beside tp, replicated pipelines beside pp alone)."
+)
+
+
 def memory(
     ctx: typer.Context,
     files: RunConfigFiles = None,
@@ -79,7 +85,7 @@ def memory(
     micro_batch: Annotated[Optional[int], typer.Option(help="Sequences per forward/backward per GPU.")] = None,
     gpus_per_node: Annotated[Optional[int], typer.Option(help="GPUs (trainer processes) per node.")] = None,
     nodes: Annotated[Optional[int], typer.Option(help="Nodes.")] = None,
-    strategy: Annotated[Optional[str], typer.Option(help="none, ddp, zero1, zero2, zero3, fsdp or hsdp.")] = None,
+    strategy: Annotated[Optional[str], typer.Option(help=STRATEGY_HELP)] = None,
     precision: Annotated[Optional[str], typer.Option(help="bf16, fp16 or fp32.")] = None,
     zero_stage: Annotated[
         Optional[int], typer.Option(help="The engine's ZeRO stage on FSDP2 (1, 2 or 3; with --strategy fsdp or hsdp).")

@@ -381,7 +381,7 @@ class DistributedConfig(Section):
         ge=1,
         le=256,
         description="Pipeline-parallel stages (ranks per pipeline): the native model's layers split into this many "
-        "stages; the processes form (processes / pp_size) data-parallel pipelines. 1: no pipeline.",
+        "stages; the processes form processes / (pp_size x tp_size) data-parallel pipelines. 1: no pipeline.",
     )
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
         "1f1b",

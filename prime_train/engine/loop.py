@@ -158,7 +158,9 @@ class TrainingJob:
         if cfg.distributed.nnodes > 1 and self.beats.enabled:
             self.peers = self._watch_peers()
         parallel.set_seed(cfg.run.seed, self.dist.rank)
-        self.strategy = parallel.resolve_strategy(cfg.distributed, self.dist.dp_size)
+        # over the ranks that hold one pipeline stage (every rank without a pipeline), tensor-parallel groups included:
+        # resolve_strategy counts the replicas from them, as parallelize does from the whole job
+        self.strategy = parallel.resolve_strategy(cfg.distributed, self.dist.world_size // d.pp_size)
         if self.strategy in ("fsdp", "hsdp"):
             # FSDP2's mixed-precision policy already computes in bf16 (parallel.mixed_precision_policy): autocast on
             # top would only add casts of the already-bf16 parameters

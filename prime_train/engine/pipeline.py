@@ -7,7 +7,11 @@ same batches (DistInfo.dp_rank / dp_size), so token counts are counted once per 
 With distributed.strategy = 'fsdp' (or a ZeRO option) each stage is instead sharded by FSDP2 over its replicas on
 mesh["dp"] (`_shard_stage`; 1F1B and GPipe), torch's PipelineStage reduce-scattering the gradients at each schedule
 step's last backward, as torchtitan composes them. With distributed.tp_size > 1 the mesh is ("dp", "pp", "tp") and each
-stage is split by tensor_parallel.apply_tp after it is cut (one pipeline of tp x pp ranks, no sequence parallel).
+stage is split by tensor_parallel.apply_tp after it is cut, then, with several pipelines, sharded by FSDP2 over
+mesh["dp"] (its parameters 2-D DTensors over dp and tp; DDP cannot reduce TP's DTensors, so 'auto' means FSDP here as it
+does beside TP without a pipeline): rank = (dp_index x pp_size + pp_index) x tp_size + tp_index. Under sequence
+parallel a stage sends its rank's shard of the sequence (a plain tensor) and the next stage takes it up again as the
+sequence-sharded residual stream; the last stage's final norm gathers the whole sequence for the loss.
 
 How the model is cut (`split_layers`): the decoder layers go to the stages in contiguous runs, the earlier stages
 taking one more layer when they do not divide evenly (the last stage also runs the final norm, lm_head and the loss).
@@ -116,11 +120,21 @@ class StageModule(nn.Module):
         self.lm_head = source.lm_head if last else None
         self.register_buffer("rope_cos", source.rope_cos, persistent=False)
         self.register_buffer("rope_sin", source.rope_sin, persistent=False)
+        # under sequence parallel, the "tp" mesh: stages hand over their rank's shard of the sequence (whole on the
+        # last stage's output, which the final norm gathers)
+        self.sequence_mesh = getattr(source, "sequence_mesh", None)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Run this stage's part of the decoder on one pipeline microbatch."""
         if self.model.embed_tokens is not None:
             x = self.model.embed_tokens(x)
+        elif self.sequence_mesh is not None:  # the previous stage's shard of the sequence, as the residual stream
+            from torch.distributed.tensor import DTensor, Shard
+
+            # the whole shape from the positions: a sequence tp does not divide is sharded unevenly
+            rows, length, width = x.shape[0], position_ids.shape[1], x.shape[2]
+            x = DTensor.from_local(x, self.sequence_mesh, [Shard(1)], run_check=False,
+                                   shape=(rows, length, width), stride=(length * width, width, 1))  # fmt: skip
         cos, sin = self.rope_cos[position_ids], self.rope_sin[position_ids]
         # packed rows: the document mask from the positions, as NativeCausalLM builds it, on every stage
         mask = flex_block_mask(position_ids) if self.attention == "flex" else dense_attention_mask(position_ids)
@@ -128,6 +142,8 @@ class StageModule(nn.Module):
             x = layer(x, cos, sin, mask)
         if self.model.norm is not None:
             x = self.model.norm(x)
+        elif self.sequence_mesh is not None:  # the pipeline sends plain tensors: this rank's shard
+            x = x.to_local()
         return x
 
 
@@ -138,7 +154,7 @@ MIN_TORCH = (2, 13)
 def check_pipeline_config(cfg: Config, model: nn.Module, strategy: str = "none") -> None:
     """EngineConfigError (exit 78) for what the engine's pipeline does not run, each with the key and what to do.
 
-    strategy: the data-parallel strategy across pipelines (parallel.resolve_strategy over dp_size)."""
+    strategy: the data-parallel strategy across pipelines (parallel.resolve_strategy over one stage's ranks)."""
     d = cfg.distributed
     from prime_train.config.parallel_rules import pipeline_combinations
 
@@ -155,10 +171,11 @@ def check_pipeline_config(cfg: Config, model: nn.Module, strategy: str = "none")
 
         check_supported(model, cfg)  # heads, KV heads and MLP width divisible, the native decoder, no LoRA
     if strategy == "fsdp" and d.pp_schedule == "interleaved_1f1b":
+        instead = "" if d.tp_size > 1 else ", or distributed.strategy = 'auto' (replicated pipelines)"
         raise EngineConfigError(
             "distributed.strategy = 'fsdp' with distributed.pp_schedule = 'interleaved_1f1b' is not supported: a "
-            "rank's two stages share one sharded part; use pp_schedule = '1f1b' or 'gpipe' with FSDP, or "
-            "distributed.strategy = 'auto' (replicated pipelines)"
+            "rank's two stages share one sharded part (replicas of tensor-parallel stages are always sharded); use "
+            f"pp_schedule = '1f1b' or 'gpipe' with FSDP{instead}"
         )
     if not isinstance(model, NativeCausalLM):
         raise EngineConfigError(
@@ -230,8 +247,9 @@ class Pipeline:
         if d.tp_size > 1:  # before checkpointing wraps the layers, as parallel.parallelize orders them
             from prime_train.engine import tensor_parallel
 
-            tensor_parallel.apply_tp(self.part, self.mesh["tp"])
-            tensor_parallel.log_applied(self.mesh["tp"], False)
+            tensor_parallel.apply_tp(self.part, self.mesh["tp"], d.sequence_parallel)
+            tensor_parallel.log_applied(self.mesh["tp"], d.sequence_parallel)
+            self.part.sequence_mesh = self.mesh["tp"] if d.sequence_parallel else None
         if cfg.model.activation_checkpointing != "none":
             from prime_train.engine.parallel import apply_ac
 
@@ -405,7 +423,8 @@ def _shard_stage(part: StageModule, cfg: Config, dist: DistInfo, dp_mesh) -> Non
     """FSDP2 on one stage over its data-parallel replicas, as the engine shards a whole model (parallel.apply_fsdp):
     each decoder layer a unit, then the stage (its embedding, or norm and lm_head) as the root, with the run's
     precision, ZeRO stage and CPU offload. torch's PipelineStage drives the units: gradients are reduce-scattered at
-    the last backward of each schedule step."""
+    the last backward of each schedule step. A tensor-parallel stage is sharded the same way: FSDP2 joins mesh["dp"]
+    and the parameters' "tp" dimension (one root mesh) into 2-D DTensors."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     from prime_train.engine import parallel

@@ -230,32 +230,29 @@ def _block_plan(sequence_parallel: bool, qk_norm: bool) -> dict[str, Any]:
 def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> None:
     """Split the native decoder's blocks over `tp_mesh` in place (the plan in the module docstring)."""
     # a pipeline stage (engine/pipeline.py StageModule) holds some of the modules: its layers in a ModuleDict, the
-    # embedding only on the first stage, norm and lm_head only on the last (sequence parallel is refused there)
-    if model.model.embed_tokens is None or model.lm_head is None:
-        for module in (model.model.embed_tokens, model.model.norm, model.lm_head):
-            if module is not None:
-                parallelize_module(module, tp_mesh, Replicated())
-        _split_blocks(model.model.layers.values(), tp_mesh, sequence_parallel)
-        return
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
-    if sequence_parallel:
-        parallelize_module(
-            model.model.embed_tokens, tp_mesh, Replicated(output_layout=Shard(1), use_local_output=False)
-        )
-        parallelize_module(model.model.norm, tp_mesh, SequenceParallel())
+    # embedding only on the first stage, norm and lm_head only on the last
+    embed, norm, head = model.model.embed_tokens, model.model.norm, model.lm_head
+    tied = embed is not None and head is not None and head.weight is embed.weight
+    if embed is not None:
+        # under sequence parallel the residual stream starts sharded over the sequence, and stays a DTensor
+        output = Replicated(output_layout=Shard(1), use_local_output=False) if sequence_parallel else Replicated()
+        parallelize_module(embed, tp_mesh, output)
+    if norm is not None and sequence_parallel:
+        parallelize_module(norm, tp_mesh, SequenceParallel())
         # the loss reads every position: the final norm's output is gathered back whole
         parallelize_module(
-            model.model.norm,
+            norm,
             tp_mesh,
             PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True),
         )
-    else:
-        parallelize_module(model.model.embed_tokens, tp_mesh, Replicated())
-        parallelize_module(model.model.norm, tp_mesh, Replicated())
-    if tied:  # distributing the embedding gave it a new Parameter: lm_head shares it again
-        model.lm_head.weight = model.model.embed_tokens.weight
-    parallelize_module(model.lm_head, tp_mesh, Replicated())
-    _split_blocks(model.model.layers, tp_mesh, sequence_parallel)
+    elif norm is not None:
+        parallelize_module(norm, tp_mesh, Replicated())
+    if head is not None:
+        if tied:  # distributing the embedding gave it a new Parameter: lm_head shares it again
+            head.weight = embed.weight
+        parallelize_module(head, tp_mesh, Replicated())
+    _split_blocks(model.model.layers.values() if isinstance(model.model.layers, nn.ModuleDict) else model.model.layers,
+                  tp_mesh, sequence_parallel)  # fmt: skip
 
 
 def _split_blocks(layers, tp_mesh, sequence_parallel: bool) -> None:

@@ -47,9 +47,13 @@ def engine_strategy(cfg: Config, world_size: int) -> str:
     d = cfg.distributed
     if d.strategy != "auto":
         return d.strategy
-    replicas = world_size // (d.tp_size * d.pp_size)
-    sharded = d.zero_stage is not None or d.cpu_offload
-    return "none" if replicas <= 1 else "fsdp" if sharded or d.tp_size > 1 else "ddp"
+    return auto_strategy(world_size // (d.tp_size * d.pp_size), d.zero_stage is not None or d.cpu_offload, d.tp_size)
+
+
+def auto_strategy(replicas: int, sharded: bool, tp_size: int) -> str:
+    """What the engine's distributed.strategy = 'auto' runs over `replicas` data-parallel replicas: nothing with one,
+    FSDP2 with ZeRO options or beside tensor parallelism (DDP cannot reduce its DTensors), else DDP."""
+    return "none" if replicas <= 1 else "fsdp" if sharded or tp_size > 1 else "ddp"
 
 
 def inputs_from_config(cfg: Config, **overrides: Any) -> MemoryInputs:
@@ -128,7 +132,14 @@ def inputs_from_flags(model: dict[str, Any] | str, **settings: Any) -> MemoryInp
     unknown = sorted(set(settings) - names)
     if unknown:
         raise MemoryInputError(f"unknown memory setting(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-    return MemoryInputs(model=hf, model_source=source, **{k: v for k, v in settings.items() if v is not None})
+    given = {k: v for k, v in settings.items() if v is not None}
+    tp, pp = given.get("tp_size", 1), given.get("pp_size", 1)
+    if "strategy" not in given and (tp > 1 or pp > 1):
+        # beside tensor or pipeline parallelism the engine refuses 'none' over several replicas: count its 'auto'
+        world = given.get("gpus_per_node", 1) * given.get("num_nodes", 1)
+        sharded = given.get("zero_stage") is not None or bool(given.get("cpu_offload"))
+        given["strategy"] = auto_strategy(world // (tp * pp), sharded, tp)
+    return MemoryInputs(model=hf, model_source=source, **given)
 
 
 # ---------------------------------------------------------------- verdicts per GPU
@@ -355,11 +366,6 @@ def model_parallel_notes(params: MemoryInputs, trainer: TrainerMemory | None) ->
         notes.append(f"pp_size = {p} with fsdp: counted as FSDP2 over each stage's dp replicas would hold it; the "
                      "engine runs FSDP beside 1f1b and gpipe pipelines only (lint and the engine refuse "
                      "interleaved_1f1b with it)")  # fmt: skip
-    if t > 1 and p > 1 and (params.dp_size > 1 or params.sequence_parallel):
-        notes.append(
-            "tp with pp: counted as if it ran; the engine runs one pipeline of tp × pp processes, "
-            "without sequence parallel (lint and the engine refuse replicas of it and sequence_parallel)"
-        )
     if t > 1 or p > 1:
         notes.append(f"{params.strategy} over dp = {params.dp_size} replica(s) of the {t} × {p} (tp × pp) ranks; the "
                      "ZeRO stage table is for data parallelism alone and is left out")  # fmt: skip

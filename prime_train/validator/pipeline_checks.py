@@ -1,11 +1,12 @@
 """Pipeline parallelism (distributed.pp_size > 1) before a launch: lint's checks of the config.
 
 The engine (engine/pipeline.py) refuses the same things when the job starts (exit 78); these say it first, with the
-file and line. What lint checks: the processes make whole pipelines of pp_size ranks (replicated across pipelines as
-DDP replicates, or each stage sharded over them by FSDP2; not HSDP), the job is SFT or pretraining on the native decoder
-without LoRA or torch.compile, embeddings are untied, every stage gets a layer (and how they split when uneven), each
-micro-batch cuts into whole pipeline microbatches, and the schedule accepts that many microbatches (torch's own
-rules: 1F1B needs at least pp_size, interleaved 1F1B a multiple of its rounds). Never imports torch.
+file and line. What lint checks: the processes make whole pipelines of pp_size x tp_size ranks (replicated across
+pipelines as DDP replicates, or each stage sharded over them by FSDP2, as it always is beside TP; not HSDP), the job
+is SFT or pretraining on the native decoder without LoRA or torch.compile, embeddings are untied, every stage gets a
+layer (and how they split when uneven), each micro-batch cuts into whole pipeline microbatches, and the schedule
+accepts that many microbatches (torch's own rules: 1F1B needs at least pp_size, interleaved 1F1B a multiple of its
+rounds). Never imports torch.
 """
 
 from __future__ import annotations
@@ -98,24 +99,26 @@ def pipeline_problems(cfg: Config, sources: Sources) -> list[Problem]:
 
 
 def _placement(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
-    """The processes make whole pipelines, replicated by DDP (when their count is known from the config)."""
+    """The processes make whole pipelines (of pp_size x tp_size ranks), replicated or sharded across (when their count
+    is known from the config)."""
     d = cfg.distributed
     if d.nproc_per_node is None:
         return []  # one process per GPU: counted at launch, and the engine checks it then
-    world = d.nproc_per_node * d.nnodes
-    if world % d.pp_size:
+    world, group = d.nproc_per_node * d.nnodes, d.pp_size * d.tp_size  # a pipeline with its tensor-parallel groups
+    if world % group:
+        of = f"distributed.pp_size ({d.pp_size})" + f" x distributed.tp_size ({d.tp_size})" * (d.tp_size > 1)
         return [
             (
                 ("distributed", "pp_size"),
-                f"distributed.pp_size ({d.pp_size}) does not divide the {world} processes "
-                "(distributed.nproc_per_node x nnodes); make the processes a multiple of it",
+                f"{of} does not divide the {world} processes (distributed.nproc_per_node x nnodes); make the "
+                "processes a multiple of it",
             )
         ]
-    if world > d.pp_size and d.strategy not in ("auto", "ddp", "fsdp"):
+    if world > group and d.strategy not in ("auto", "ddp", "fsdp"):
         return [
             (
                 ("distributed", "strategy"),
-                f"distributed.strategy = {d.strategy!r} across {world // d.pp_size} pipelines "
+                f"distributed.strategy = {d.strategy!r} across {world // group} pipelines "
                 f"(distributed.pp_size = {d.pp_size}) is not supported: pipelines are replicated ('auto' or "
                 "'ddp': gradients all-reduced) or each stage is sharded over its replicas ('fsdp'); set one of those",
             )
