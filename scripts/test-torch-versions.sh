@@ -29,8 +29,8 @@ for v in "${versions[@]}"; do
   # tensor and pipeline parallel lean on DTensor and torch.distributed.pipelining, which change between versions:
   # their equal-to-one-process harness runs whole here (slow tests included; about 5 minutes on torch 2.14, less on
   # 2.11, where pipelines and sequence parallel are refused and those runs skip)
-  # (the pipelines composed with FSDP2 or TP, 4-rank runs of several minutes each, run in the main suite on the
+  # (the pipelines composed with FSDP2 or TP, 4- and 8-rank runs of minutes each, run in the main suite on the
   # README's torch only: CI's 60 minutes do not hold them twice more)
   "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py tests/test_pipeline.py \
-    -k "not fsdp_shards and not pipeline_with_fsdp_resume and not pipeline_of_tensor_parallel"
+    -k "not fsdp_shards and not pipeline_with_fsdp_resume and not pipeline_of_tensor_parallel and not replicated_pipelines"
 done
