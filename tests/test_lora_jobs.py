@@ -9,6 +9,7 @@ The engine-level pieces (adapters, state, merge, PEFT format) are tested in test
 from __future__ import annotations
 
 import json
+import random
 import re
 import signal
 import subprocess
@@ -130,6 +131,36 @@ def test_tiny_lora_exports_a_merged_model_and_a_peft_adapter_with_the_same_logit
     )
     torch.testing.assert_close(logits(adapter), logits(merged), rtol=1e-4, atol=1e-4)
     assert not torch.allclose(logits(merged), base_logits, atol=1e-2)  # and the adapter did change the model
+
+
+@pytest.mark.slow
+def test_generate_from_a_lora_runs_checkpoint_applies_its_adapter(tiny_lora_run, half_trained_sft_model):
+    """`generate RUN --step N` converts the adapter-only checkpoint on the fly onto the run's base: at the last step
+    it answers as final/ does, and not as the base under it (exact match 0.17 before the adapter, 0.95 after)."""
+    from typer.testing import CliRunner
+
+    from prime_train.cli import app
+    from prime_train.tasks import ReverseTextTask
+
+    rng = random.Random(7)
+    prompts = [ReverseTextTask().generate(rng).prompt for _ in range(8)]
+
+    def replies(*source: str) -> tuple[str, list[str]]:
+        args = ["generate", *source, "--raw", "--temperature", "0", "--max-tokens", "8", "--json"]
+        result = CliRunner().invoke(app, [*args, *(a for p in prompts for a in ("-p", p))])
+        assert result.exit_code == 0, result.output[-3000:]
+        doc = json.loads(result.stdout[result.stdout.index("{") :])
+        return doc["model"], [r["completion"] for r in doc["replies"]]
+
+    run_dir = tiny_lora_run[0]
+    source, last = replies(str(run_dir), "--step", "100")
+    assert source == f"{run_dir / 'checkpoints' / 'step-100'} (converted)"
+    assert last == replies(str(run_dir))[1]  # final/, the merged export
+    base = replies(str(half_trained_sft_model))[1]
+    right = [p.removeprefix("reverse ").removesuffix("=")[::-1] for p in prompts]
+    hits = {name: sum(map(str.__eq__, got, right)) for name, got in (("lora", last), ("base", base))}
+    assert hits["lora"] >= 6 and hits["lora"] > hits["base"], (hits, last, base, right)
+    assert last != base
 
 
 # ---------------------------------------------------------------- adapter-only checkpoints: size, kill -9, refusals

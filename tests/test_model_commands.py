@@ -7,6 +7,9 @@ step 60), trained once; the checkpoint commands read checkpoint directories laid
 from __future__ import annotations
 
 import json
+import random
+import shutil
+import string
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +19,7 @@ from enginetools import REPO, env
 from typer.testing import CliRunner
 
 from prime_train.contract import ExitCode
+from prime_train.tasks import ReverseTextTask
 
 CONFIG = int(ExitCode.CONFIG)
 
@@ -144,6 +148,43 @@ def test_chat_reads_messages_from_a_pipe_and_answers_each(sft_model):
     assert [t["assistant"] for t in turns] == ["dcba", "olleh"]
 
 
+# A chat template of the test's own, not the byte tokenizer's ChatML: it lower-cases every message (the tiny model
+# only knows lowercase `reverse abc=` prompts, so a right answer to an upper-case message means the model saw the
+# templated text) and ends each assistant turn with eos, the document boundary the model was trained with.
+LOWER_TEMPLATE = (
+    "{%- for m in messages if m['role'] != 'system' %}{{ m['content'] | lower }}"
+    "{% if m['role'] == 'assistant' %}<|eos|>{% endif %}{% endfor %}"
+)
+
+
+def test_chat_and_generate_format_the_conversation_with_the_tokenizers_chat_template(sft_model, tmp_path):
+    from prime_train.cli import app
+
+    model = tmp_path / "templated"
+    shutil.copytree(sft_model, model)
+    (model / "chat_template.jinja").write_text(LOWER_TEMPLATE)
+    args = ["chat", str(model), "--temperature", "0", "--max-tokens", "12", "--json"]
+    talk = "REVERSE ABCD=\nREVERSE HELLO=\n/reset\nREVERSE XYZ=\n"
+    result = CliRunner().invoke(app, args, input=talk)
+    assert result.exit_code == 0, result.output[-2000:]
+    turns = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    # the second turn carries the first (its reply included); /reset drops them
+    assert [t["model_input"] for t in turns] == [
+        "reverse abcd=",
+        f"reverse abcd={turns[0]['assistant']}<|eos|>reverse hello=",
+        "reverse xyz=",
+    ]
+    assert (turns[0]["assistant"], turns[2]["assistant"]) == ("dcba", "zyx")
+    # --raw: the message as typed, which the model cannot answer
+    raw = CliRunner().invoke(app, [*args, "--raw"], input="REVERSE ABCD=\n")
+    (raw_turn,) = [json.loads(line) for line in raw.stdout.splitlines() if line.startswith("{")]
+    assert raw_turn["model_input"] == "REVERSE ABCD=" and raw_turn["assistant"] != "dcba"
+    single = invoke("generate", str(model), "-p", "REVERSE DWLK=", "--temperature", "0", "--json")
+    assert single.exit_code == 0, single.output[-2000:]
+    (reply,) = as_json(single)["replies"]
+    assert (reply["model_input"], reply["completion"]) == ("reverse dwlk=", "klwd")
+
+
 def test_generate_loads_a_lora_adapter_on_the_base_its_config_names(sft_model, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -170,12 +211,75 @@ def test_eval_reports_held_out_loss_exact_match_and_an_environments_reward(sft_m
     assert metrics["eval_env_prompts"] == 16 and metrics["eval_env_pass_rate"] >= 0.5
 
 
-def test_eval_of_a_model_directory_without_a_config_or_harness_is_a_clear_78(sft_model):
+def test_eval_of_a_model_directory_without_a_config_or_harness_is_a_clear_78(sft_model, monkeypatch, tmp_path):
     no_config = invoke("eval", str(sft_model))
     assert no_config.exit_code == CONFIG and "no config.toml" in no_config.output
-    if __import__("importlib").util.find_spec("lm_eval") is None:
-        harness = invoke("eval", str(sft_model.parent), "--tasks", "hellaswag")
-        assert harness.exit_code == CONFIG and "prime-train[lm-eval]" in harness.output
+    missing_yaml = invoke("eval", str(sft_model), "--tasks", str(tmp_path / "nope.yaml"))
+    assert missing_yaml.exit_code == CONFIG and "nope.yaml: no such task YAML file" in missing_yaml.output
+    not_a_dir = invoke("eval", str(sft_model), "--tasks", "x", "--include-path", str(tmp_path / "nope"))
+    assert not_a_dir.exit_code == CONFIG and "not a directory of task YAML files" in not_a_dir.output
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if it were not installed: its import fails
+    harness = invoke("eval", str(sft_model.parent), "--tasks", "hellaswag")
+    assert harness.exit_code == CONFIG and "pip install 'prime-train[lm-eval]'" in harness.output
+    assert "Traceback" not in harness.output
+
+
+def reverse_task(path: Path, name: str, *, label_right: bool) -> Path:
+    """An lm-eval multiple-choice task on a local JSONL file (no download): pick the reversal of a word among four
+    strings. With label_right the target is the reversal, else a wrong string; the dataset cache stays in the test."""
+    rng = random.Random(0)
+    docs = []
+    for _ in range(20):
+        example = ReverseTextTask().generate(rng)
+        word, right = example.prompt.removeprefix("reverse ").removesuffix("="), example.answer
+        choices = [right]
+        while len(choices) < 4:
+            other = "".join(rng.choice(string.ascii_lowercase) for _ in right)
+            choices += [other] if other not in choices else []
+        rng.shuffle(choices)
+        target = choices.index(right) if label_right else (choices.index(right) + 1) % 4
+        docs.append({"word": word, "choices": choices, "label": target})
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    config = {
+        "task": name,
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(path / f"{name}.jsonl")}, "cache_dir": str(path / "cache")},
+        "test_split": "test",
+        "output_type": "multiple_choice",
+        "doc_to_text": "reverse {{word}}=",
+        "doc_to_choice": "{{choices}}",
+        "doc_to_target": "label",
+        "target_delimiter": "",  # the model was trained on `reverse abc=cba`, no space before the answer
+        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+    }
+    (path / f"{name}.yaml").write_text(json.dumps(config))  # JSON is YAML
+    return path / f"{name}.yaml"
+
+
+def test_eval_runs_lm_eval_on_local_task_files_and_reports_their_accuracy(sft_model, tmp_path):
+    pytest.importorskip("lm_eval")  # in the dev extra; the test above covers its absence
+    reverse_task(tmp_path / "tasks", "reverse_right", label_right=True)
+    wrong = reverse_task(tmp_path, "reverse_wrong", label_right=False)
+    # one task found in --include-path by its name, one named as a file; the run's config is not needed
+    result = invoke("eval", str(sft_model.parent), "--tasks", f"reverse_right,{wrong}", "--include-path",
+                    str(tmp_path / "tasks"), "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output[-3000:]
+    scores = as_json(result)["lm_eval"]
+    assert scores.keys() == {"reverse_right", "reverse_wrong"}
+    # the trained model scores the reversal above the three random strings: right when it is the target, wrong
+    # when a random string is (chance is 0.25)
+    assert scores["reverse_right"]["sample_len"] == 20 and scores["reverse_right"]["acc"] >= 0.9, scores
+    assert scores["reverse_wrong"]["sample_len"] == 20 and scores["reverse_wrong"]["acc"] <= 0.1, scores
+    assert "acc_stderr" in scores["reverse_right"]
+    # a model directory with no config.toml, as text: the same accuracy
+    text = invoke("eval", str(sft_model), "--tasks", str(tmp_path / "tasks" / "reverse_right.yaml"))
+    assert text.exit_code == 0, text.output[-3000:]
+    assert f"reverse_right: sample_len 20, acc {scores['reverse_right']['acc']:.4g}," in text.stdout
+    # a task file that does not parse is the user's to fix: exit 78 with its line, no traceback
+    (tmp_path / "bad.yaml").write_text("task: [reverse\n")
+    bad = invoke("eval", str(sft_model), "--tasks", str(tmp_path / "bad.yaml"))
+    assert bad.exit_code == CONFIG and f'"{tmp_path / "bad.yaml"}", line 1' in bad.output, bad.output[-2000:]
 
 
 def test_data_inspect_shows_the_loss_mask_packing_and_warnings():

@@ -35,8 +35,14 @@ def evaluate(
     tasks: Annotated[
         Optional[str],
         typer.Option(
-            "--tasks", help="lm-evaluation-harness tasks, comma-separated (hellaswag,arc_easy): needs lm_eval."
+            "--tasks",
+            help="lm-evaluation-harness tasks, comma-separated: registry names (hellaswag,arc_easy) or task YAML "
+            "files (./my_task.yaml); needs lm_eval.",
         ),
+    ] = None,
+    include_path: Annotated[
+        Optional[list[Path]],
+        typer.Option("--include-path", help="lm-eval: a directory of task YAML files --tasks may name; repeatable."),
     ] = None,
     limit: Annotated[
         Optional[int], typer.Option("--limit", min=1, help="lm-eval: at most this many items a task.")
@@ -48,8 +54,11 @@ def evaluate(
     Held-out loss and perplexity, exact match on the built-in tasks, the multiple-choice eval (train.mc_eval_path),
     an RL environment's mean reward and pass rate (--environment, or the config's). The data comes from CONFIG (with
     `--section.key value` overrides), else from the run's config.toml. With --tasks the harness runs instead (it
-    must be installed: pip install 'prime-train[lm-eval]'; its datasets come through the Hugging Face cache). Exit
-    0, 78 for a SOURCE that is not a model, a config that does not lint, or --tasks without the harness.
+    must be installed: pip install 'prime-train[lm-eval]'): tasks of its registry, whose datasets come through the
+    Hugging Face cache, or your own task YAML files (a local dataset: `dataset_path: json` with
+    `dataset_kwargs: {data_files: {test: data.jsonl}}`), named as files or found in --include-path. Exit 0, 78 for
+    a SOURCE that is not a model, a config that does not lint, a task the harness does not know, or --tasks without
+    the harness.
 
     Examples:
 
@@ -60,31 +69,59 @@ def evaluate(
       prime-train eval exported/ my.toml --train.mc_eval_path data/mc.jsonl
 
       prime-train eval exported/ --tasks hellaswag,arc_easy --limit 200
+
+      prime-train eval runs/tiny-sft --tasks ./my_task.yaml --json
     """
-    if tasks is not None:
-        names = [t.strip() for t in tasks.split(",") if t.strip()]
-        if not names:
-            raise CliError("--tasks names no task: pass e.g. --tasks hellaswag,arc_easy", BAD_INPUT)
-        if importlib.util.find_spec("lm_eval") is None:
-            raise CliError(f"--tasks needs lm-evaluation-harness (the lm_eval module): {LM_EVAL_EXTRA}", BAD_INPUT)
+    names = _task_specs(tasks, include_path) if tasks is not None else []
     if not source.is_dir():
         what = "does not exist" if not source.exists() else "is not a directory"
         raise CliError(f"{source} {what}: pass a run directory or a model directory", BAD_INPUT)
-    cfg = _config(source, config, ctx.args)
-    loaded = _load(source, step)
-    if tasks is not None:
-        from prime_train.engine.model_eval import lm_eval_tasks
-
-        doc = {"model": loaded.source, "lm_eval": lm_eval_tasks(loaded, names, limit=limit)}
+    if tasks is not None:  # the harness's tasks name their own data: no config is read
+        doc = _lm_eval(_load(source, step), names, limit, include_path)
     else:
         from prime_train.engine.metrics import EngineConfigError
         from prime_train.engine.model_eval import evaluate_model
 
+        cfg = _config(source, config, ctx.args)
+        loaded = _load(source, step)
         try:
             doc = {"model": loaded.source, **evaluate_model(loaded, cfg, examples=examples, environment=environment)}
         except (EngineConfigError, ValueError) as exc:  # data or an environment the config names that does not load
             raise CliError(exc, BAD_INPUT) from None
     output.emit(doc, as_json, lambda console: _render(doc))
+
+
+def _lm_eval(loaded, names: list[str], limit: int | None, include_path: list[Path] | None) -> dict:
+    from prime_train.engine.metrics import EngineConfigError
+    from prime_train.engine.model_eval import lm_eval_tasks
+
+    dirs = [str(p.resolve()) for p in include_path or []]
+    try:
+        return {"model": loaded.source, "lm_eval": lm_eval_tasks(loaded, names, limit=limit, include_paths=dirs)}
+    except EngineConfigError as exc:  # a task the harness does not know or cannot build
+        raise CliError(exc, BAD_INPUT) from None
+
+
+def _task_specs(tasks: str, include_path: list[Path] | None) -> list[str]:
+    """--tasks as the harness takes it (a YAML file as its absolute path), checked before any model loads."""
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not names:
+        raise CliError(
+            "--tasks names no task: pass e.g. --tasks hellaswag,arc_easy or --tasks ./my_task.yaml", BAD_INPUT
+        )
+    if importlib.util.find_spec("lm_eval") is None:
+        raise CliError(f"--tasks needs lm-evaluation-harness (the lm_eval module): {LM_EVAL_EXTRA}", BAD_INPUT)
+    for directory in include_path or []:
+        if not directory.is_dir():
+            raise CliError(f"--include-path {directory}: not a directory of task YAML files", BAD_INPUT)
+    specs = []
+    for name in names:
+        if name.endswith((".yaml", ".yml")):
+            if not Path(name).is_file():
+                raise CliError(f"--tasks {name}: no such task YAML file", BAD_INPUT)
+            name = str(Path(name).resolve())
+        specs.append(name)
+    return specs
 
 
 def _config(source: Path, files: list[str] | None, extra: list[str]):

@@ -61,7 +61,8 @@ def generate(
     """Sample a reply to each prompt from a trained model, stopping at the end-of-sequence token.
 
     The prompt goes through the tokenizer's chat template when it has one (--raw: as it is; the tiny default's
-    reverse-text task is trained on raw prompts). Exit 0, 78 when SOURCE is not a model or a run with one.
+    reverse-text task is trained on raw prompts). With --json each reply carries model_input, the text the model
+    continued. Exit 0, 78 when SOURCE is not a model or a run with one.
 
     Examples:
 
@@ -79,7 +80,7 @@ def generate(
     replies = []
     for p in prompt:
         text = prompt_text(loaded.tokenizer, [{"role": "user", "content": p}], raw=raw)
-        replies.append({"prompt": p, "completion": sample(loaded, text, sampling)})
+        replies.append({"prompt": p, "model_input": text, "completion": sample(loaded, text, sampling)})
     if as_json:
         output.print_json({"model": loaded.source, "replies": replies})
         return
@@ -103,8 +104,8 @@ def chat(
 
     An empty line, /exit or the end of input ends it. With a chat template the conversation is kept (each reply
     sees the turns before it; /reset clears them); without one (or --raw) every line is a prompt of its own. Stdin
-    may be a pipe: `printf 'hi\\n' | prime-train chat RUN`. With --json each turn is one JSON line on stdout. Exit 0,
-    78 when SOURCE is not a model.
+    may be a pipe: `printf 'hi\\n' | prime-train chat RUN`. With --json each turn is one JSON line on stdout (user,
+    model_input: the text the model continued, assistant). Exit 0, 78 when SOURCE is not a model.
 
     Examples:
 
@@ -134,11 +135,12 @@ def chat(
             history = history[:1] if system and keep else []
             continue
         messages = [*history, {"role": "user", "content": line}]
-        reply = sample(loaded, prompt_text(loaded.tokenizer, messages, raw=raw), sampling)
+        text = prompt_text(loaded.tokenizer, messages, raw=raw)
+        reply = sample(loaded, text, sampling)
         if keep:
             history = [*messages, {"role": "assistant", "content": reply}]
         if as_json:
-            sys.stdout.write(json.dumps({"user": line, "assistant": reply}) + "\n")
+            sys.stdout.write(json.dumps({"user": line, "model_input": text, "assistant": reply}) + "\n")
             sys.stdout.flush()
         else:
             output.say(reply)

@@ -84,19 +84,52 @@ def environment_eval(loaded: LoadedModel, cfg: Config, name: str, dist: DistInfo
     }
 
 
-def lm_eval_tasks(loaded: LoadedModel, tasks: list[str], *, limit: int | None, batch_size: int = 8) -> dict[str, Any]:
+def lm_eval_tasks(
+    loaded: LoadedModel,
+    tasks: list[str],
+    *,
+    limit: int | None,
+    include_paths: list[str] | None = None,
+    batch_size: int = 8,
+) -> dict[str, Any]:
     """lm-evaluation-harness's `tasks` on the loaded model (its HFLM wrapper): each task's metrics as it reports
-    them. The harness reads its datasets through the Hugging Face cache (HF_HUB_OFFLINE is respected)."""
+    them, the filter suffix `,none` left off. A task is a name from the harness's registry or `include_paths`, or
+    a task YAML file (which may read a local dataset: `dataset_path: json` with `dataset_kwargs.data_files`). The
+    harness reads hub datasets through the Hugging Face cache (HF_HUB_OFFLINE is respected)."""
+    import yaml  # lm-eval's own dependency: a task file that does not parse raises its error
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
+    manager = _task_manager(tasks, include_paths or [])
     lm = HFLM(pretrained=loaded.model, tokenizer=loaded.tokenizer, batch_size=batch_size)
-    result = simple_evaluate(model=lm, tasks=tasks, limit=limit)
+    try:
+        result = simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager)
+    except (KeyError, ValueError, FileNotFoundError, yaml.YAMLError) as exc:  # a task that does not build, no data
+        raise EngineConfigError(f"lm-eval could not run --tasks {','.join(tasks)}: {exc}") from None
     out: dict[str, Any] = {}
     for task, values in (result or {}).get("results", {}).items():
         out[task] = {
-            k: v
+            k.removesuffix(",none"): v
             for k, v in values.items()
             if isinstance(v, int | float) and not (isinstance(v, float) and math.isnan(v))
         }
     return out
+
+
+def _task_manager(tasks: list[str], include_paths: list[str]):
+    """The harness's TaskManager for `tasks`: the include paths alone when they and the YAML files name every task
+    (indexing the harness's thousands of built-in task files takes seconds), else the built-in tasks too."""
+    from lm_eval.tasks import TaskManager
+
+    names = [t for t in tasks if not t.endswith((".yaml", ".yml"))]
+    manager = TaskManager(include_path=include_paths or None, include_defaults=False)
+    if any(not manager.match_tasks([n]) for n in names):
+        manager = TaskManager(include_path=include_paths or None)
+    unknown = [n for n in names if not manager.match_tasks([n])]
+    if unknown:
+        where = f" nor in --include-path {', '.join(include_paths)}" if include_paths else ""
+        raise EngineConfigError(
+            f"--tasks {', '.join(unknown)}: no such task in lm-eval's registry{where} (`lm-eval ls tasks` lists them; "
+            "a local task is a YAML file: --tasks ./my_task.yaml)"
+        )
+    return manager
