@@ -614,3 +614,37 @@ if __name__ == "__main__":
         "fsdp-resolve": _worker_fsdp_resolve,
     }[command](target)
     destroy_distributed()  # after the worker returned: its models must not outlive the group
+
+
+class ScoredLoader(StandInLoader):
+    """A loader with a self-paced score table (data.TrainLoader's score_table/load_score_table surface)."""
+
+    def __init__(self, rows: int):
+        super().__init__()
+        self.scores = torch.full((rows,), float("nan"), dtype=torch.float64)
+
+    def score_table(self) -> torch.Tensor:
+        return self.scores.clone()
+
+    def load_score_table(self, table: torch.Tensor) -> None:
+        self.scores = table.clone()
+
+
+def test_a_self_paced_score_table_is_saved_as_it_was_and_a_table_of_other_rows_is_dropped(tmp_path, caplog):
+    ckpt = make_checkpointer(tmp_path / "run", async_save=True, resume="auto")
+    state = build_state(seed=0)
+    state.dataloader = ScoredLoader(6)
+    state.dataloader.scores[[1, 4]] = torch.tensor([0.25, 3.5], dtype=torch.float64)
+    ckpt.save(state, 2)
+    state.dataloader.scores[0] = 9.0  # the next step's scores while the async save is in flight: not in step 2
+    ckpt.wait()
+    fresh = build_state(seed=1)
+    fresh.dataloader = ScoredLoader(6)
+    ckpt.load(fresh, ckpt.ckpt_dir / "step-2")
+    expected = torch.tensor([float("nan"), 0.25, float("nan"), float("nan"), 3.5, float("nan")], dtype=torch.float64)
+    torch.testing.assert_close(fresh.dataloader.scores, expected, equal_nan=True)
+    other = build_state(seed=1)
+    other.dataloader = ScoredLoader(7)  # data with another number of rows
+    with caplog.at_level(logging.WARNING, logger="prime_train.engine"):
+        ckpt.load(other, ckpt.ckpt_dir / "step-2")
+    assert other.dataloader.scores.isnan().all() and "curriculum/scores of shape (6,), not (7,)" in caplog.text

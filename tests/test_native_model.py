@@ -187,6 +187,28 @@ def test_loss_divides_by_the_token_count_given_and_sums_on_request():
     torch.testing.assert_close(over_batch, expected / (3 * count))
 
 
+def test_row_losses_keep_each_rows_loss_from_the_training_forward_on_native_and_hf_models():
+    from prime_train.engine.evaluate import row_losses, token_losses
+
+    hf, native = _pair("llama")
+    ids = _batch(batch=3)
+    labels = ids.clone()
+    labels[0, :10] = -100
+    labels[2] = -100  # a row without labels sums to 0
+    positions = torch.arange(ids.shape[1])[None].repeat(3, 1)
+    for model in (native, hf):
+        total, rows = row_losses(model, ids, positions, labels)
+        assert rows.shape == (3,) and not rows.requires_grad and rows[2] == 0
+        torch.testing.assert_close(total, token_losses(model, ids, positions, labels)[0])
+        torch.testing.assert_close(rows.sum(), total.detach())
+        with torch.no_grad():  # each row's loss is the loss of that row alone
+            alone = [token_losses(model, ids[i : i + 1], positions[i : i + 1], labels[i : i + 1])[0] for i in (0, 1)]
+        torch.testing.assert_close(rows[:2], torch.stack(alone), rtol=1e-5, atol=1e-5)
+        total.backward()  # the gradient flows through the sum as through token_losses'
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+        model.zero_grad(set_to_none=True)
+
+
 def test_exported_native_model_loads_in_automodel_and_generates_the_same_greedy_tokens(tmp_path):
     config = _configs()["llama-tied"]
     native = llama.from_config(config, seed=3).eval()

@@ -195,11 +195,12 @@ class DataConfig(Section):
         "stream with bounded memory (row groups, packing in a bounded buffer); several datasets are mixed per "
         "micro-batch by sampling_probs.",
     )
-    curriculum: Literal["none", "length", "difficulty"] = Field(
+    curriculum: Literal["none", "length", "difficulty", "self_paced"] = Field(
         "none",
-        description="Easy sequences first: by token count ('length'), or by data.difficulty_field / a built-in "
-        "task's answer length ('difficulty'). The easiest data.curriculum_start of the rows at step 0, all of them "
-        "by data.curriculum_steps; deterministic and resumable (engine/curriculum.py).",
+        description="Easy sequences first: by token count ('length'), by data.difficulty_field / a built-in "
+        "task's answer length ('difficulty'), or by each row's recent training loss ('self_paced': sft and pretrain "
+        "jobs, no pipeline parallel, data.num_workers = 0). The easiest data.curriculum_start of the rows at step 0, "
+        "all of them by data.curriculum_steps; deterministic and resumable (engine/curriculum.py).",
     )
     curriculum_start: float = Field(0.2, gt=0.0, le=1.0, description="Fraction of the rows drawn from at step 0.")
     curriculum_steps: int | None = Field(

@@ -534,11 +534,19 @@ class Checkpointer:
         self.wait()
         path = Path(path)
         started = time.monotonic()
-        saved_keys = set(safe_dcp.read_metadata(path).state_dict_metadata)
+        saved = safe_dcp.read_metadata(path).state_dict_metadata
+        saved_keys = set(saved)
         state_dict = state.state_dict()
         for key in list(state_dict):
             if key in ("model", "optim"):
                 continue  # DCP names the missing tensors itself
+            value, size = state_dict[key], getattr(saved.get(key), "size", None)
+            if isinstance(value, torch.Tensor) and size is not None and tuple(size) != tuple(value.shape):
+                # a self-paced curriculum's scores of other data (rows added or removed since): not these rows'
+                shapes = tuple(size), tuple(value.shape)
+                logger.warning("%s has %s of shape %s, not %s; starting it fresh", path.name, key, *shapes)
+                del state_dict[key]
+                continue
             if key not in saved_keys and not any(k.startswith(key + ".") for k in saved_keys):
                 if key.startswith(("dataloader/", "rng/")):
                     logger.warning(

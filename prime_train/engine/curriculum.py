@@ -10,6 +10,15 @@ global position g, while g is inside the first data.curriculum_steps steps' wort
 g) from the easiest fraction c(g) of the rows, c growing linearly from data.curriculum_start to 1; after that the
 ordinary shuffled epochs go on. A resumed loader therefore yields exactly the batches an uninterrupted one would,
 and every world size draws the same global batch.
+
+'self_paced' (SelfPaced) ranks the rows by what the model finds easy now: each row keeps a score, an exponential
+moving average (weight EMA_NEW on the newest) of its mean token loss, taken from the training steps' own forward
+passes. A row not seen yet scores the mean of the seen rows of its length bucket (of all seen rows while none of its
+bucket is), and rows of equal score keep the length order, so before the first step the order is the length
+curriculum's; afterwards a bucket whose rows the model finds easy comes before one it finds hard, whatever their
+lengths, and a seen row before or after its bucket by its own loss. The scores change only between optimizer steps, from
+the per-row losses of the whole global batch that every rank gathers, so every rank holds the same table; it goes
+into the checkpoint (TrainState), and a resumed run draws exactly the batches of an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -73,5 +82,53 @@ class Curriculum:
         return min(1.0, self.start + (1.0 - self.start) * g / max(1, self.horizon))
 
     def row(self, g: int) -> int:
-        pool = max(1, int(self.fraction(g) * len(self.sorted_rows)))
-        return int(self.sorted_rows[np.random.default_rng([self.seed, 6, g]).integers(pool)])
+        ranked = self.ranked()
+        pool = max(1, int(self.fraction(g) * len(ranked)))
+        return int(ranked[np.random.default_rng([self.seed, 6, g]).integers(pool)])
+
+    def ranked(self) -> np.ndarray:
+        """Row indices, easiest first."""
+        return self.sorted_rows
+
+
+EMA_NEW = 0.5  # weight of a row's newest loss in its score: a row is seen a few times while the schedule lasts
+
+
+class SelfPaced(Curriculum):
+    """data.curriculum = 'self_paced': position g draws from the c(g) fraction of rows with the lowest score."""
+
+    def __init__(self, prior: np.ndarray, start: float, horizon: int, seed: int):
+        super().__init__(prior, start, horizon, seed)  # sorted_rows: the length order, kept among equal scores
+        self.scores = np.full(len(prior), np.nan)  # NaN: not seen yet
+        self._group = np.unique(prior, return_inverse=True)[1]  # rows of one length bucket
+        self._order: np.ndarray | None = self.sorted_rows
+
+    def estimates(self) -> np.ndarray:
+        """Every row's score; a row not seen yet gets the mean score of the seen rows of its length bucket, or of all
+        seen rows when none of its bucket is (nothing seen: all equal, the length order)."""
+        seen = ~np.isnan(self.scores)
+        neutral = float(self.scores[seen].mean()) if seen.any() else 0.0
+        counts = np.bincount(self._group[seen], minlength=self._group.max(initial=0) + 1)
+        sums = np.bincount(self._group[seen], weights=self.scores[seen], minlength=len(counts))
+        by_group = np.where(counts > 0, sums / np.maximum(counts, 1), neutral)
+        return np.where(seen, self.scores, by_group[self._group])
+
+    def ranked(self) -> np.ndarray:
+        if self._order is None:  # sorted again after each step's scores, once
+            self._order = self.sorted_rows[np.argsort(self.estimates()[self.sorted_rows], kind="stable")]
+        return self._order
+
+    def observe(self, positions: np.ndarray, rows: np.ndarray, losses: np.ndarray) -> None:
+        """Fold one optimizer step's per-row mean losses into the scores, in position order (a row drawn twice is
+        updated twice, the same way on every rank); a position seen twice (tensor-parallel copies) counts once."""
+        _, first = np.unique(positions, return_index=True)  # sorted by position
+        for row, loss in zip(rows[first], losses[first], strict=True):
+            if np.isfinite(loss):
+                old = self.scores[row]
+                self.scores[row] = loss if np.isnan(old) else (1 - EMA_NEW) * old + EMA_NEW * loss
+        self._order = None
+
+    def load_scores(self, scores: np.ndarray) -> None:
+        """The table a checkpoint held."""
+        self.scores[:] = scores
+        self._order = None

@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from prime_train import tasks
-from prime_train.engine.curriculum import Curriculum, buckets, content_difficulty
+from prime_train.engine.curriculum import Curriculum, SelfPaced, buckets, content_difficulty
 from prime_train.engine.documents import Document, Encoder
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.packing import Batch, PackedRows, PackingStats, build_rows, concat_rows
@@ -250,9 +250,12 @@ class _BatchesAt(Dataset):
             return self.curriculum.row(g)
         return int(self.order.rows(g // self.order.length)[g % self.order.length])
 
+    def positions(self, position: int) -> np.ndarray:
+        """The shared-order positions of the micro-batch that starts at this rank's sequence `position`."""
+        return np.arange(position, position + self.micro_batch_size, dtype=np.int64) * self.stride + self.offset
+
     def __getitem__(self, position: int) -> Batch:
-        shared = (p * self.stride + self.offset for p in range(position, position + self.micro_batch_size))
-        return self.rows.batch(np.asarray([self._row(g) for g in shared], dtype=np.int64))
+        return self.rows.batch(np.asarray([self._row(int(g)) for g in self.positions(position)], dtype=np.int64))
 
 
 class _PositionSampler(Sampler[int]):
@@ -297,6 +300,33 @@ class TrainLoader:
         self._loader: DataLoader | None = None
         self._batches: Iterator[Batch] | None = None
         self._pending: Batch | None = None
+        self._handed: list[np.ndarray] = []  # self_paced: positions handed out since the last take_handed()
+
+    @property
+    def self_paced(self) -> SelfPaced | None:
+        """data.curriculum = 'self_paced': the score table and its order, else None."""
+        curriculum = self._dataset.curriculum
+        return curriculum if isinstance(curriculum, SelfPaced) else None
+
+    def take_handed(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(positions, rows) of the sequences handed out since the last call, while the self-paced schedule lasts
+        (judged at the first of them, the same on every rank); None otherwise, when no losses need reporting."""
+        handed, self._handed = self._handed, []
+        paced = self.self_paced
+        if paced is None or not handed or int(handed[0][0]) - self._dataset.offset >= paced.horizon:
+            return None
+        positions = np.concatenate(handed)
+        return positions, np.asarray([self._dataset._row(int(g)) for g in positions], dtype=np.int64)
+
+    def score_table(self) -> torch.Tensor | None:
+        """A copy of the self-paced scores (NaN: not seen yet) for the checkpoint; None without self_paced."""
+        paced = self.self_paced
+        return None if paced is None else torch.from_numpy(paced.scores.copy())
+
+    def load_score_table(self, table: torch.Tensor) -> None:
+        """The scores a checkpoint held (same rows: Checkpointer.load drops a table of another size)."""
+        if (paced := self.self_paced) is not None:
+            paced.load_scores(table.to(torch.float64).numpy())
 
     def _shared_position(self) -> int:
         """Position of the next sequence in the order all ranks share (this rank's own when not shared)."""
@@ -344,6 +374,8 @@ class TrainLoader:
             self._pending = self._fetch()
         else:
             batch = self._fetch()
+        if self.self_paced is not None:
+            self._handed.append(self._dataset.positions(self._position))
         self._position += self._dataset.micro_batch_size
         return batch
 
@@ -384,6 +416,7 @@ class TrainLoader:
         self._position = max(0, -(-(position - offset) // stride))  # first own sequence at or after it
         self._batches = None
         self._pending = None
+        self._handed = []
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -449,7 +482,11 @@ def build_train_loader(
         steps = data.curriculum_steps or max(1, (max_steps or 2) // 2)
         # the schedule runs over global positions when the ranks share one order, else over this rank's own
         sequences = steps * (global_batch_size or micro_batch_size * world_size) // (1 if shared else world_size)
-        batches.curriculum = Curriculum(difficulty, data.curriculum_start, sequences, seed)
+        if data.curriculum == "self_paced":
+            _check_self_paced(data, shared, num_workers)
+            batches.curriculum = SelfPaced(difficulty, data.curriculum_start, sequences, seed)
+        else:
+            batches.curriculum = Curriculum(difficulty, data.curriculum_start, sequences, seed)
         logger.info(
             "curriculum by %s: the easiest %.0f%% of %d sequences at step 0, all of them from step %d",
             data.curriculum, 100 * data.curriculum_start, len(difficulty), steps,
@@ -462,7 +499,23 @@ def build_train_loader(
         seed=seed,
         rank=rank,
         world_size=world_size,
+        # self_paced: a batch is drawn from the scores of every step before its own, so none is drawn ahead
+        prefetch=False if data.curriculum == "self_paced" else None,
     )
+
+
+def _check_self_paced(data: DataConfig, shared: bool, num_workers: int) -> None:
+    """The score table is one for all ranks and lives in the main process."""
+    if not shared:
+        raise EngineConfigError(
+            "data.curriculum = 'self_paced' needs rows every rank shares: a dataset split by shards over the ranks "
+            "(a hub dataset, or local files the ranks divide) gives each rank its own rows; use 'length'"
+        )
+    if num_workers > 0:
+        raise EngineConfigError(
+            f"data.curriculum = 'self_paced' reads batches in the training process (the scores change every step): "
+            f"set data.num_workers = 0, not {num_workers}"
+        )
 
 
 # held-out documents read per eval row when streaming: generous for short documents, bounded for any

@@ -36,6 +36,23 @@ def token_losses(model, input_ids, position_ids, labels) -> tuple[torch.Tensor, 
     return loss_sum, (shift_labels != -100).sum()
 
 
+def row_losses(model, input_ids, position_ids, labels) -> tuple[torch.Tensor, torch.Tensor]:
+    """As token_losses' sum, and each row's own sum of its losses ([B] fp32, no gradient), from the same forward."""
+    if is_native(model):
+        out = model(
+            input_ids=input_ids, position_ids=position_ids, labels=labels, loss_reduction="sum",
+            return_token_losses=True,
+        )  # fmt: skip
+        return out.loss, out.token_losses.sum(1)
+    logits = model(input_ids=input_ids, position_ids=position_ids).logits
+    shift_logits = logits[:, :-1].float()
+    shift_labels = labels[:, 1:]
+    per_token = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1), ignore_index=-100, reduction="none"
+    ).view(shift_labels.shape)
+    return per_token.sum(), per_token.detach().sum(1)
+
+
 @torch.no_grad()
 def eval_loss(model, batches, dist: DistInfo, autocast: Callable[[], AbstractContextManager]) -> dict[str, float]:
     """Mean held-out loss per token across ranks, and its perplexity."""

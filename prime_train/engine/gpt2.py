@@ -187,12 +187,16 @@ class NativeGPT2(nn.Module):
         num_items_in_batch: torch.Tensor | int | None = None,
         loss_reduction: Literal["mean", "sum"] = "mean",
         loss_chunk_size: int = 1024,
+        return_token_losses: bool = False,
     ) -> CausalLMOutput:
         """Logits, or with `labels` (unshifted, -100 ignored) the next-token loss: as NativeCausalLM.forward."""
         hidden = self.hidden_states(input_ids, position_ids, attention_mask)
         if labels is None:
             return CausalLMOutput(logits=self.lm_head(hidden), loss=None)
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+        per_token = (
+            torch.zeros(targets.numel(), dtype=torch.float32, device=hidden.device) if return_token_losses else None
+        )
         loss = chunked_cross_entropy(
             hidden,
             self.lm_head.weight,
@@ -200,8 +204,11 @@ class NativeGPT2(nn.Module):
             num_items=num_items_in_batch,
             reduction=loss_reduction,
             chunk_size=loss_chunk_size,
+            per_token=per_token,
         )
-        return CausalLMOutput(logits=None, loss=loss)
+        return CausalLMOutput(
+            logits=None, loss=loss, token_losses=None if per_token is None else per_token.view(targets.shape)
+        )
 
 
 def from_config(config, *, max_seq_len: int | None = None, seed: int | None = None) -> NativeGPT2:

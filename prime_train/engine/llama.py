@@ -40,10 +40,12 @@ AttentionBackend = Literal["sdpa", "flex"]
 
 
 class CausalLMOutput(NamedTuple):
-    """What forward returns: logits (None when labels were given: the fused loss never forms them) and loss."""
+    """What forward returns: logits (None when labels were given: the fused loss never forms them) and loss; with
+    return_token_losses, each label position's loss ([B, T] fp32, no gradient, 0 where ignored)."""
 
     logits: torch.Tensor | None
     loss: torch.Tensor | None
+    token_losses: torch.Tensor | None = None
 
 
 def _rope_parameters(config) -> dict:
@@ -370,6 +372,7 @@ class NativeCausalLM(nn.Module):
         num_items_in_batch: torch.Tensor | int | None = None,
         loss_reduction: Literal["mean", "sum"] = "mean",
         loss_chunk_size: int = 1024,
+        return_token_losses: bool = False,
     ) -> CausalLMOutput:
         """Logits, or with `labels` (unshifted, -100 ignored, as HF takes them) the next-token loss and no logits.
 
@@ -381,6 +384,9 @@ class NativeCausalLM(nn.Module):
             return CausalLMOutput(logits=self.lm_head(hidden), loss=None)
         # position t predicts label t + 1; the last position of each row has no target
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+        per_token = (
+            torch.zeros(targets.numel(), dtype=torch.float32, device=hidden.device) if return_token_losses else None
+        )
         weight = self.lm_head.weight
         if isinstance(weight, DTensor):
             # tensor parallel replicates lm_head (engine/tensor_parallel.py): each rank computes the whole loss, and
@@ -393,8 +399,11 @@ class NativeCausalLM(nn.Module):
             num_items=num_items_in_batch,
             reduction=loss_reduction,
             chunk_size=loss_chunk_size,
+            per_token=per_token,
         )
-        return CausalLMOutput(logits=None, loss=loss)
+        return CausalLMOutput(
+            logits=None, loss=loss, token_losses=None if per_token is None else per_token.view(targets.shape)
+        )
 
 
 def from_config(

@@ -33,22 +33,32 @@ def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 
 def _chunk_loss_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    per_token: torch.Tensor | None = None,
+    start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Summed CE of one chunk, and what its gradient needs: fp32 logits, log-sum-exp, the ignore mask."""
+    """Summed CE of one chunk, and what its gradient needs: fp32 logits, log-sum-exp, the ignore mask. With
+    `per_token` (an fp32 buffer of every token's loss, empty when not wanted) the chunk's losses are written at
+    `start`."""
     logits = (hidden @ weight.T).float()
     lse = torch.logsumexp(logits, dim=-1)
     valid = labels != ignore_index
     safe = torch.where(valid, labels, 0)
     target = logits.gather(1, safe[:, None]).squeeze(1)
-    return torch.where(valid, lse - target, 0.0).sum(), logits, lse, safe
+    losses = torch.where(valid, lse - target, 0.0)
+    if per_token is not None and per_token.numel():
+        per_token[start : start + len(losses)] = losses.detach()
+    return losses.sum(), logits, lse, safe
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """sum_t CE(hidden_t @ weight.T, label_t) * scale, with both gradients formed chunk by chunk in forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, scale, chunk_size: int, ignore_index: int):
+    def forward(ctx, hidden, weight, labels, scale, chunk_size: int, ignore_index: int, per_token: torch.Tensor):
         dtype = _matmul_dtype(hidden, weight)
         with torch.autocast(hidden.device.type, enabled=False):
             h_all, w = hidden.to(dtype), weight.to(dtype)
@@ -59,7 +69,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             for start in range(0, hidden.shape[0], chunk_size):
                 h = h_all[start : start + chunk_size]
                 y = labels[start : start + chunk_size]
-                part, logits, lse, safe = _chunk_loss_sum(h, w, y, ignore_index)
+                part, logits, lse, safe = _chunk_loss_sum(h, w, y, ignore_index, per_token, start)
                 total = total + part
                 # d CE / d logits = softmax - onehot(label), zero on ignored rows, times the mean's scale
                 grad_logits = torch.exp(logits - lse[:, None])
@@ -74,7 +84,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_output, grad_weight * grad_output, None, None, None, None
+        return grad_hidden * grad_output, grad_weight * grad_output, None, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -86,13 +96,16 @@ def chunked_cross_entropy(
     reduction: Literal["mean", "sum"] = "mean",
     chunk_size: int = 1024,
     ignore_index: int = IGNORE_INDEX,
+    per_token: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of `hidden @ weight.T` against `labels`, never holding more than one chunk of logits.
 
     hidden: (..., H) final hidden states; weight: (V, H) the output projection; labels: (...) shifted targets.
     reduction "mean" divides the sum by `num_items` (the labelled-token count, a host int or a device tensor; for a
     micro-batch of a larger batch pass the whole batch's count) or, when it is None, by this call's own count,
-    computed on the device. "sum" returns the sum. The result is an fp32 scalar.
+    computed on the device. "sum" returns the sum. The result is an fp32 scalar. `per_token` (fp32, one entry per
+    label, no gradient): filled with each token's unscaled loss (0 where ignored) in the same pass, for callers that
+    need per-sequence losses (data.curriculum = 'self_paced') without a second forward.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
@@ -106,8 +119,10 @@ def chunked_cross_entropy(
         scale = 1.0 / (labels != ignore_index).sum().clamp(min=1).float()
     else:
         scale = 1.0 / torch.as_tensor(num_items, dtype=torch.float32, device=hidden.device)
+    if per_token is None:
+        per_token = torch.empty(0, dtype=torch.float32, device=hidden.device)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _FusedLinearCrossEntropy.apply(hidden, weight, labels, scale, chunk_size, ignore_index)
+        return _FusedLinearCrossEntropy.apply(hidden, weight, labels, scale, chunk_size, ignore_index, per_token)
     # evaluation: the loss alone, still one chunk of logits at a time
     dtype = _matmul_dtype(hidden, weight)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -118,6 +133,8 @@ def chunked_cross_entropy(
                 weight.to(dtype),
                 labels[start : start + chunk_size],
                 ignore_index,
+                per_token,
+                start,
             )
             total = total + part
     return total * scale

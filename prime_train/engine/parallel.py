@@ -221,6 +221,15 @@ def all_reduce_host_ints(values: list[int], dist: DistInfo) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
+def all_gather_host(t: torch.Tensor, dist: DistInfo) -> torch.Tensor:
+    """Every rank's CPU tensor `t` (one shape on all), stacked in rank order; through the gloo side on GPU too."""
+    if not _group_active(dist):
+        return t[None]
+    out = [torch.empty_like(t) for _ in range(dist.world_size)]
+    torch_dist.all_gather(out, t.contiguous())
+    return torch.stack(out)
+
+
 def model_parallel_size(dist: DistInfo) -> int:
     """Ranks that read the same batches (a tensor-parallel group): a sum over all ranks counts each batch this often."""
     return dist.world_size // dist.dp_size

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from prime_train.config.schema import Config
 from prime_train.engine import parallel
 from prime_train.engine.data import build_eval_batches, build_train_loader, held_out_examples
-from prime_train.engine.evaluate import token_losses
+from prime_train.engine.evaluate import row_losses, token_losses
 from prime_train.engine.loop import TrainingJob, main
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.model import flops_per_token, num_parameters, peak_flops
@@ -97,6 +98,11 @@ class SFTJob(TrainingJob):
     def configure(self) -> None:
         """The environment train.eval_environment names, if any: greedy answers scored by its reward at each eval."""
         cfg = self.cfg
+        if cfg.data.curriculum == "self_paced" and cfg.distributed.pp_size > 1:
+            raise EngineConfigError(
+                "data.curriculum = 'self_paced' needs each row's loss on every rank, which a pipeline's last stage "
+                "alone has: use 'length' or 'difficulty' with distributed.pp_size > 1"
+            )
         self._env = None
         self._env_prompts: list = []
         if cfg.train.eval_environment:
@@ -145,6 +151,9 @@ class SFTJob(TrainingJob):
         accum = self._global_batch() // (cfg.train.micro_batch_size * dist.dp_size)
         with timer("data"):
             batches = [next(self.batches) for _ in range(accum)]
+        # data.curriculum = 'self_paced' while its schedule lasts: the rows drawn, whose losses update the scores
+        paced = self.batches.take_handed() if hasattr(self.batches, "take_handed") else None
+        row_sums: list[torch.Tensor] = []
         # normalise by the labelled tokens of the whole global batch, so the loss and its gradient do not
         # depend on how the batch is split over ranks and micro-steps; counted on the host copies (no sync)
         local = [sum(int((b.labels[:, 1:] != -100).sum()) for b in batches), sum(b.num_tokens for b in batches)]
@@ -166,7 +175,11 @@ class SFTJob(TrainingJob):
             else:
                 with parallel.grad_sync(self.model, enabled=i == accum - 1), self._autocast():
                     with timer("forward"):
-                        part, _ = token_losses(self.model, batch.input_ids, batch.position_ids, batch.labels)
+                        if paced is None:
+                            part, _ = token_losses(self.model, batch.input_ids, batch.position_ids, batch.labels)
+                        else:  # the same forward, with each row's loss kept
+                            part, rows = row_losses(self.model, batch.input_ids, batch.position_ids, batch.labels)
+                            row_sums.append(rows)
                     with timer("backward"):
                         self.scaler.scale(part * scale).backward()
             loss_sum += part.detach().float()
@@ -185,6 +198,8 @@ class SFTJob(TrainingJob):
         self.scheduler.step()
         with timer("communication"):
             parallel.all_reduce_(loss_sum, dist)  # enqueued on the device under NCCL: no wait here
+        if paced is not None:
+            self._pace(*paced, row_sums, batches)
         self.state.step += 1
         self.state.tokens_seen += step_tokens
         out: dict[str, float | torch.Tensor] = {
@@ -201,6 +216,16 @@ class SFTJob(TrainingJob):
         if dist.device.type == "cuda":
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated(dist.device) / 2**30  # allocator stats: no sync
         return out
+
+    def _pace(self, positions, rows, row_sums: list[torch.Tensor], batches: list) -> None:
+        """data.curriculum = 'self_paced': every rank folds the whole global batch's per-row mean losses into its
+        scores, in the same order, so all ranks draw the next step's rows from the same table."""
+        labelled = torch.cat([(b.labels[:, 1:] != -100).sum(1) for b in batches]).double()  # host batches: no sync
+        losses = torch.cat(row_sums).double().cpu() / labelled  # the step's one wait for the device; 0/0: not scored
+        local = torch.stack([torch.from_numpy(positions).double(), torch.from_numpy(rows).double(), losses], dim=1)
+        with self.timer("communication"):
+            every = parallel.all_gather_host(local, self.dist).reshape(-1, 3).numpy()
+        self.batches.self_paced.observe(every[:, 0].astype(np.int64), every[:, 1].astype(np.int64), every[:, 2])
 
     def _ewc_penalty(self) -> torch.Tensor:
         """EWC's penalty over the whole model: shards summed under FSDP (replicas counted once); no host sync."""

@@ -1,5 +1,6 @@
 """What a checkpoint holds of a run (TrainState): the model's and optimizer's state dicts as DCP saves them, the
-scheduler, the data loader's position, every rank's RNG states and, in fp16, the loss scaler.
+scheduler, the data loader's position (and a self-paced curriculum's score table), every rank's RNG states and, in
+fp16, the loss scaler.
 
 Small states whose shape can change travel as one opaque blob each (`_pack`): torch.save'd plain data that
 `torch.load(weights_only=True)` reads back, so nothing in a checkpoint is unpickled as code."""
@@ -60,6 +61,9 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+SCORES_KEY = "curriculum/scores"  # the self-paced curriculum's per-row scores (engine/curriculum.py SelfPaced)
+
+
 class TrainState(Stateful):
     """What a checkpoint holds: model, optimizer, scheduler, per-rank data-loader and RNG state, step, tokens.
 
@@ -85,6 +89,11 @@ class TrainState(Stateful):
         self.judges = None  # early stopping and the best checkpoint (engine/best.py): what they have seen
         self.ewc = None  # continual.ewc_lambda (engine/continual.py): the starting weights and their Fisher
 
+    def _score_table(self) -> torch.Tensor | None:
+        """data.curriculum = 'self_paced': the loader's per-row scores, a snapshot (an async save writes it later)."""
+        table = getattr(self.dataloader, "score_table", None)
+        return table() if callable(table) else None
+
     @property
     def dataloader_key(self) -> str:
         return f"dataloader/rank{self.data_rank}"
@@ -107,6 +116,8 @@ class TrainState(Stateful):
         if self.dataloader is not None:
             # JSON, one leaf: a fresh loader's state may not have the saved one's keys yet
             sd[self.dataloader_key] = json.dumps(self.dataloader.state_dict())
+            if (table := self._score_table()) is not None:
+                sd[SCORES_KEY] = table  # the same on every rank: DCP writes it once
         # ranks draw different dropout masks and data, so each keeps its own RNG under its own key
         sd[self.rng_key] = _pack(_rng_state())
         if self.scaler is not None and self.scaler.enabled:
@@ -149,6 +160,8 @@ class TrainState(Stateful):
                 group["lr"] = lr  # what the groups hold, unless Checkpointer.load kept this start's (another layout)
         if self.dataloader is not None and self.dataloader_key in state_dict:
             self.dataloader.load_state_dict(json.loads(state_dict[self.dataloader_key]))
+        if self.dataloader is not None and SCORES_KEY in state_dict:
+            self.dataloader.load_score_table(state_dict[SCORES_KEY])
         if self.rng_key in state_dict:
             _set_rng_state(_unpack(state_dict[self.rng_key]))
         if self.scaler is not None and "loss_scaler" in state_dict:

@@ -294,6 +294,8 @@ def _curriculum_problems(cfg: Config, sources: Sources) -> list[Problem]:
             f"data.datasets[{untasked[0]}], which is not a built-in task; or use data.curriculum = 'length'"
         )
         found.append((("data", "curriculum"), "error", why))
+    if data.curriculum == "self_paced":
+        found += _self_paced_problems(cfg)
     if data.curriculum_steps is not None and data.curriculum_steps > cfg.train.max_steps:
         why = (
             f"data.curriculum_steps = {data.curriculum_steps} is beyond train.max_steps = {cfg.train.max_steps}: "
@@ -301,6 +303,30 @@ def _curriculum_problems(cfg: Config, sources: Sources) -> list[Problem]:
         )
         found.append((("data", "curriculum_steps"), "warning", why))
     return [sources.problem(key, severity, why) for key, severity, why in found]
+
+
+def _self_paced_problems(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
+    """'self_paced' scores rows by the losses of the sft/pretrain step's own forward, read in the training process."""
+    found = []
+    if cfg.run.job not in ("sft", "pretrain"):
+        why = (
+            f"data.curriculum = 'self_paced' scores rows by their training loss, which the {cfg.run.job} job does not "
+            "take per packed row: it is for the sft and pretrain jobs"
+        )
+        found.append((("data", "curriculum"), "error", why))
+    if cfg.distributed.pp_size > 1:
+        why = (
+            "data.curriculum = 'self_paced' needs each row's loss on every rank, which a pipeline's last stage alone "
+            "has: use 'length' or 'difficulty' with distributed.pp_size > 1"
+        )
+        found.append((("data", "curriculum"), "error", why))
+    if cfg.data.num_workers:
+        why = (
+            "data.curriculum = 'self_paced' draws batches in the training process from scores that change every "
+            f"step: set data.num_workers = 0, not {cfg.data.num_workers}"
+        )
+        found.append((("data", "num_workers"), "error", why))
+    return found
 
 
 def _data_problems(cfg: Config, sources: Sources) -> list[Problem]:
