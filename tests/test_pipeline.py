@@ -49,7 +49,9 @@ SCHEDULES = ["1f1b", "gpipe", "interleaved_1f1b"]
 # the kill test's runs: long enough that the kill after the first checkpoint lands well before the end
 LONG = {**PP2, "train.max_steps": 24}
 # two pipelines of two stages, each stage sharded by FSDP2 over its two replicas (a ("dp", "pp") mesh): ZeRO stage 2
-# with two micro-batches a step (gradients reduce-scattered after each), and stage 3 with CPU offload under GPipe
+# with two micro-batches a step (gradients reduce-scattered after each), stage 3 with CPU offload under GPipe, and
+# interleaved 1F1B (two stages a rank, each its own FSDP2 root over the same two replicas; stage 3, the default, with
+# two micro-batches a step)
 PP_FSDP = {**PP2, "distributed.nproc_per_node": 4, "distributed.strategy": "fsdp"}
 # one pipeline of four stages (interleaved: two a rank), each tensor-parallel over two ranks with sequence-parallel
 # norms (a ("dp", "pp", "tp") mesh of 1 x 2 x 2: the stages hand over their rank's shard of the sequence)
@@ -63,6 +65,7 @@ FSDP_RUNS = {
     "pp-fsdp-zero2": {**PP_FSDP, "distributed.zero_stage": 2, "train.micro_batch_size": 8},
     "pp-fsdp-zero3-offload": {**PP_FSDP, "distributed.zero_stage": 3, "distributed.cpu_offload": "true",
                               "distributed.pp_schedule": "gpipe"},
+    "pp-fsdp-interleaved": {**PP_FSDP, "distributed.pp_schedule": "interleaved_1f1b", "train.micro_batch_size": 8},
 }  # fmt: skip
 
 
@@ -182,8 +185,7 @@ def test_engine_refuses_tied_embeddings_lora_compile_and_too_few_layers_naming_t
     check_pipeline_config(_cfg(), _native(), strategy="fsdp")  # each stage sharded over its replicas
     with pytest.raises(EngineConfigError, match=r"distributed\.strategy = 'hsdp' across pipelines .*\('fsdp'\)"):
         check_pipeline_config(_cfg(), _native(), strategy="hsdp")
-    with pytest.raises(EngineConfigError, match=r"'fsdp' with distributed\.pp_schedule = 'interleaved_1f1b'"):
-        check_pipeline_config(_cfg({"pp_schedule": "interleaved_1f1b"}), _native(), strategy="fsdp")
+    check_pipeline_config(_cfg({"pp_schedule": "interleaved_1f1b"}), _native(), strategy="fsdp")  # a root per stage
 
 
 def test_lint_refuses_pipelines_for_other_jobs_hf_models_lora_compile_and_hsdp():
@@ -213,7 +215,6 @@ def test_pipelines_refuse_what_they_do_not_combine_with_in_lint_and_the_engine()
         "train.precision": ["--train.precision", "fp16"],
         "train.float8": ["--train.float8", "true"],
         "distributed.grad_compression": ["--distributed.grad_compression", "bf16"],
-        "distributed.pp_schedule": ["--distributed.pp_schedule", "interleaved_1f1b", "--distributed.zero_stage", "2"],
     }
     for key, flags in each.items():
         problems, _ = lint_files([str(TINY)], [*pipeline, *flags])
@@ -233,12 +234,11 @@ def test_replicas_of_a_tensor_parallel_pipeline_pass_lint_and_the_engine_when_th
     clean, _ = lint_files([str(TINY)], [*mesh, "--distributed.nproc_per_node", "8"])
     assert [p.format() for p in clean if p.severity == "error"] == []
     check_pipeline_config(load_config([str(TINY)], [*mesh, "--distributed.nproc_per_node", "8"]), _native(), "fsdp")
-    # the interleaved schedule runs one pipeline of tensor-parallel stages, not FSDP-sharded replicas of it
+    # the interleaved schedule too: one pipeline of tensor-parallel stages, or FSDP-sharded replicas of it
     interleaved = [*mesh, "--distributed.pp_schedule", "interleaved_1f1b", "--distributed.nproc_per_node"]
-    one, _ = lint_files([str(TINY)], [*interleaved, "4"])
-    assert [p.format() for p in one if p.severity == "error"] == []
-    two, _ = lint_files([str(TINY)], [*interleaved, "8"])
-    assert any("replicas of tensor-parallel stages" in p.message for p in two if p.key == "distributed.pp_schedule")
+    for processes in ("4", "8"):
+        problems, _ = lint_files([str(TINY)], [*interleaved, processes])
+        assert [p.format() for p in problems if p.severity == "error"] == [], processes
     # 6 processes make one pipeline of 2 x 2 and half of another
     problems, _ = lint_files([str(TINY)], [*mesh, "--distributed.nproc_per_node", "6"])
     errors = {p.key: p.message for p in problems if p.severity == "error"}

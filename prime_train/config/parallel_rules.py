@@ -9,10 +9,9 @@ from prime_train.config.schema import Config
 def pipeline_combinations(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
     """What distributed.pp_size > 1 does not combine with yet, as (key, message): the engine raises the first, lint
     reports them all. The schedule runs its own backward (no loss scaling), the stages are not wrapped by DDP (no comm
-    hook; FSDP2 shards each stage over its replicas, with the ZeRO options, but not under the interleaved schedule,
-    whose two stages a rank shares one part, which rules out replicas of tensor-parallel stages there too), and the
-    stages are cut from the bare model (no float8 swap). Tensor-parallel stages, sequence parallel included, run
-    under every schedule."""
+    hook; FSDP2 shards each stage over its replicas, with the ZeRO options, under every schedule), and the stages are
+    cut from the bare model (no float8 swap). Tensor-parallel stages, sequence parallel included, run under every
+    schedule too."""
     d, pp = cfg.distributed, cfg.distributed.pp_size
     found = []
     if cfg.train.precision == "fp16":
@@ -26,12 +25,4 @@ def pipeline_combinations(cfg: Config) -> list[tuple[tuple[str, ...], str]]:
         found.append((("distributed", "grad_compression"), f"distributed.grad_compression = {d.grad_compression!r}"
                       f" with distributed.pp_size = {pp}: pipelines all-reduce their gradients without DDP's comm "
                       "hooks; set it to 'none'"))  # fmt: skip
-    # beside tensor parallelism, 'auto' over several pipelines is FSDP2 too (DDP cannot reduce TP's DTensors)
-    replicated_tp = d.tp_size > 1 and (d.nproc_per_node or 0) * d.nnodes > pp * d.tp_size
-    sharded = d.strategy == "fsdp" or d.zero_stage is not None or d.cpu_offload or replicated_tp
-    if sharded and d.pp_schedule == "interleaved_1f1b":
-        found.append((("distributed", "pp_schedule"), f"distributed.pp_schedule = 'interleaved_1f1b' with FSDP "
-                      f"(distributed.strategy = 'fsdp', zero_stage, cpu_offload, or replicas of tensor-parallel "
-                      f"stages) and pp_size = {pp} is not supported: a rank's two stages share one sharded part; use "
-                      "'1f1b' or 'gpipe'"))  # fmt: skip
     return found

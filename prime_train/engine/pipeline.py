@@ -5,11 +5,12 @@ replicas on a 2-D ("dp", "pp") mesh (rank = dp_index x pp_size + pp_index), each
 and averaging gradients with the others once a step (`Pipeline.reduce_gradients`). Every rank of a pipeline reads the
 same batches (DistInfo.dp_rank / dp_size), so token counts are counted once per pipeline, not once per stage.
 With distributed.strategy = 'fsdp' (or a ZeRO option) each stage is instead sharded by FSDP2 over its replicas on
-mesh["dp"] (`_shard_stage`; 1F1B and GPipe), torch's PipelineStage reduce-scattering the gradients at each schedule
-step's last backward, as torchtitan composes them. With distributed.tp_size > 1 the mesh is ("dp", "pp", "tp") and each
-stage is split by tensor_parallel.apply_tp after it is cut, then, with several pipelines, sharded by FSDP2 over
-mesh["dp"] (its parameters 2-D DTensors over dp and tp; DDP cannot reduce TP's DTensors, so 'auto' means FSDP here as it
-does beside TP without a pipeline): rank = (dp_index x pp_size + pp_index) x tp_size + tp_index. Under sequence
+mesh["dp"] (`_shard_stage`, under every schedule: the two stages of an interleaved rank are two FSDP2 roots over
+the same replicas), torch's PipelineStage reduce-scattering the gradients at each schedule step's last backward, as
+torchtitan composes them. With distributed.tp_size > 1 the mesh is ("dp", "pp", "tp") and each stage is split by
+tensor_parallel.apply_tp after it is cut, then, with several pipelines, sharded by FSDP2 over mesh["dp"] (its
+parameters 2-D DTensors over dp and tp; DDP cannot reduce TP's DTensors, so 'auto' means FSDP here as it does beside
+TP without a pipeline): rank = (dp_index x pp_size + pp_index) x tp_size + tp_index. Under sequence
 parallel a stage sends its rank's shard of the sequence (a plain tensor) and the next stage takes it up again as the
 sequence-sharded residual stream; the last stage's final norm gathers the whole sequence for the loss.
 
@@ -170,13 +171,6 @@ def check_pipeline_config(cfg: Config, model: nn.Module, strategy: str = "none")
         from prime_train.engine.tensor_parallel import check_supported
 
         check_supported(model, cfg)  # heads, KV heads and MLP width divisible, the native decoder, no LoRA
-    if strategy == "fsdp" and d.pp_schedule == "interleaved_1f1b":
-        instead = "" if d.tp_size > 1 else ", or distributed.strategy = 'auto' (replicated pipelines)"
-        raise EngineConfigError(
-            "distributed.strategy = 'fsdp' with distributed.pp_schedule = 'interleaved_1f1b' is not supported: a "
-            "rank's two stages share one sharded part (replicas of tensor-parallel stages are always sharded); use "
-            f"pp_schedule = '1f1b' or 'gpipe' with FSDP{instead}"
-        )
     if not isinstance(model, NativeCausalLM):
         raise EngineConfigError(
             f"distributed.pp_size = {d.pp_size} splits the engine's native decoder, and this model runs on "
@@ -222,7 +216,8 @@ class Pipeline:
     """This rank's stages of the pipeline, its schedule, and the step, evaluation and clipping that go through it.
 
     `part` is one module holding everything this rank trains (for interleaved, both its stages, sharing their
-    layers): the optimizer, checkpoints and the export read it.
+    modules; under FSDP each stage is its own root and `part` holds their sharded parameters): the optimizer,
+    checkpoints and the export read it.
     """
 
     def __init__(self, full: NativeCausalLM, cfg: Config, dist: DistInfo, strategy: str = "none"):
@@ -257,14 +252,15 @@ class Pipeline:
             apply_ac(self.part, layers, cfg.model.activation_checkpointing)
             for key, wrapped in zip(list(self.part.model.layers), layers, strict=True):
                 self.part.model.layers[key] = wrapped
-        self.sharded = strategy == "fsdp" and dist.dp_size > 1
-        if self.sharded:
-            _shard_stage(self.part, cfg, dist, self.mesh["dp"])
         modules = (
             [self.part]
             if per_rank == 1
             else [StageModule(self.part, ranges[s], first=s == 0, last=s == num_stages - 1) for s in mine]
         )
+        self.sharded = strategy == "fsdp" and dist.dp_size > 1
+        if self.sharded:  # each stage its own FSDP2 root (interleaved: the part holds both roots' parameters)
+            for module in modules:
+                _shard_stage(module, cfg, dist, self.mesh["dp"])
         self.stages = [
             PipelineStage(m, s, num_stages, dist.device, group=self.pp_group)
             for m, s in zip(modules, mine, strict=True)
@@ -423,8 +419,9 @@ def _shard_stage(part: StageModule, cfg: Config, dist: DistInfo, dp_mesh) -> Non
     """FSDP2 on one stage over its data-parallel replicas, as the engine shards a whole model (parallel.apply_fsdp):
     each decoder layer a unit, then the stage (its embedding, or norm and lm_head) as the root, with the run's
     precision, ZeRO stage and CPU offload. torch's PipelineStage drives the units: gradients are reduce-scattered at
-    the last backward of each schedule step. A tensor-parallel stage is sharded the same way: FSDP2 joins mesh["dp"]
-    and the parameters' "tp" dimension (one root mesh) into 2-D DTensors."""
+    the last backward of each schedule step. Under interleaved 1F1B each of a rank's stages is sharded on its own (two
+    roots over one mesh, as torchtitan shards each model chunk). A tensor-parallel stage is sharded the same way:
+    FSDP2 joins mesh["dp"] and the parameters' "tp" dimension (one root mesh) into 2-D DTensors."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     from prime_train.engine import parallel

@@ -362,10 +362,6 @@ def model_parallel_notes(params: MemoryInputs, trainer: TrainerMemory | None) ->
         notes.append(f"pp_size = {p} ({params.pp_schedule}): figures for pipeline rank {trainer.pp_rank}, the "
                      f"busiest (GiB per rank: {totals}); rank 0 holds the embeddings, rank {p - 1} the final norm, "
                      "lm_head and the loss")  # fmt: skip
-    if p > 1 and params.strategy == "fsdp" and params.pp_schedule == "interleaved_1f1b":
-        notes.append(f"pp_size = {p} with fsdp: counted as FSDP2 over each stage's dp replicas would hold it; the "
-                     "engine runs FSDP beside 1f1b and gpipe pipelines only (lint and the engine refuse "
-                     "interleaved_1f1b with it)")  # fmt: skip
     if t > 1 or p > 1:
         notes.append(f"{params.strategy} over dp = {params.dp_size} replica(s) of the {t} × {p} (tp × pp) ranks; the "
                      "ZeRO stage table is for data parallelism alone and is left out")  # fmt: skip
