@@ -3,8 +3,10 @@
     python bench/vs_nanogpt.py                     # CPU: the tiny default shape, eager, CPU-time ratio
     python bench/vs_nanogpt.py --shape gpt2        # CUDA: GPT-2-124M shape, bf16, whole-model compile
     python bench/vs_nanogpt.py --sides engine,native   # only the engine and the native reference (the old bench)
+    python bench/vs_nanogpt.py --sides gpt2,gpt2-bias,native-gpt2   # the engine's GPT-2 against both bench GPT-2s
 
-Sides (--sides, a comma list; default all), each timed on the same batches, in an order that rotates each round:
+Sides (--sides, a comma list; default all but gpt2-bias), each timed on the same batches, in an order that rotates
+each round:
 - engine: the engine's real loop body, `TrainingJob.run_step` (SFTJob.train_step, the buffered metrics, the
   timed heartbeat, the logging-step flush that writes metrics.jsonl) on the engine's own model.
 - native ("nanoGPT-style" in the output): the loop nanoGPT's train.py writes (forward with the loss inside,
@@ -23,11 +25,18 @@ Sides (--sides, a comma list; default all), each timed on the same batches, in a
   against RMSNorm and SwiGLU, learned positions against RoPE, and, with --mask document, plain causal attention
   against document masking; --mask causal takes that last one out).
 
+- gpt2-bias: the gpt2 side's model with GPT-2's biases (nanoGPT's model default, bias=True: every Linear and
+  LayerNorm has one, zero at the start); the rest as gpt2. gpt2-bias / gpt2 is what the biases cost; not in the
+  default sides (on CUDA one more compile in the GPU check's slot), named when wanted.
 - native-gpt2: the same loop around the engine's own GPT-2 (engine/gpt2.py, what model.arch = "gpt2" trains):
   transformers' GPT2LMHeadModel names and Conv1D layers, biases, exact GELU, learned positions, tied lm_head, the
   chunked fused loss; plain causal like the gpt2 side, at its hidden size, depth, heads, 4x MLP and vocabulary.
-  native-gpt2 / gpt2 says whether the engine's GPT-2 is as fast as a GPT-2 written for speed; native-gpt2 /
-  native (per FLOP) compares the two architectures on the engine's path.
+  native-gpt2 / gpt2 says whether the engine's GPT-2 is as fast as a GPT-2 written for speed (whose Linears and
+  LayerNorms have no biases, as in nanoGPT's train.py: GPT-2's, which the engine's keeps for transformers'
+  layout, are part of the gap); native-gpt2 / gpt2-bias compares the same architecture, biases on both sides;
+  native-gpt2 / native (per FLOP) compares the two architectures on the engine's path. Both GPT-2 sides use the
+  exact GELU (nanoGPT's nn.GELU; the native side's config says activation_function "gelu"), where GPT-2's own
+  config says the tanh approximation, gelu_new.
 
 Shapes: "tiny" is the tiny default (Llama, 2 layers, hidden 128, byte vocabulary 320), seq 256, micro-batch 16;
 "gpt2" is GPT-2-124M as a Llama (12 layers, 12 heads, hidden 768, intermediate 2048, vocabulary 50304,
@@ -69,23 +78,26 @@ from prime_train.engine.model import flops_per_token, num_parameters
 from prime_train.engine.optim import param_groups
 from prime_train.engine.train import SFTJob
 
-SIDES = ("engine", "native", "native-full", "gpt2", "native-gpt2")
+SIDES = ("engine", "native", "native-full", "gpt2", "gpt2-bias", "native-gpt2")
+DEFAULT_SIDES = tuple(side for side in SIDES if side != "gpt2-bias")
 # the names printed; "nanoGPT-style" and "engine" are the lines the bench printed before it had more sides
 LABELS = {
     "engine": "engine",
     "native": "nanoGPT-style",
     "native-full": "native-full-CE",
     "gpt2": "GPT-2 model",
+    "gpt2-bias": "GPT-2 + biases",
     "native-gpt2": "native GPT-2",
 }
 NOTES = {
     "native": "native model, chunked fused loss",
     "native-full": "native model, full logits + F.cross_entropy",
     "gpt2": "GPT-2 architecture, full logits + F.cross_entropy, plain causal",
+    "gpt2-bias": "the same with GPT-2's biases in every Linear and LayerNorm",
     "native-gpt2": "the engine's GPT-2 (model.arch = gpt2), chunked fused loss, plain causal",
 }
 # (side, reference): ratio = reference time / side time per round, and per FLOP (each model's own FLOPs per token)
-PAIRS = (("native-gpt2", "gpt2"), ("native-gpt2", "native"))
+PAIRS = (("native-gpt2", "gpt2"), ("native-gpt2", "gpt2-bias"), ("native-gpt2", "native"))
 
 SHAPES = {
     "tiny": dict(model={}, seq=256, micro=16, vocab_multiple=64),
@@ -168,17 +180,17 @@ class NativeFullLogits(nn.Module):
 
 
 class GPT2Block(nn.Module):
-    """Pre-LayerNorm block: x + attention(ln(x)), then x + mlp(ln(x)); no biases."""
+    """Pre-LayerNorm block: x + attention(ln(x)), then x + mlp(ln(x)); biases in the Linears and norms if `bias`."""
 
-    def __init__(self, hidden: int, heads: int):
+    def __init__(self, hidden: int, heads: int, bias: bool = False):
         super().__init__()
         self.heads = heads
-        self.attn_norm = nn.LayerNorm(hidden, bias=False)
-        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
-        self.attn_out = nn.Linear(hidden, hidden, bias=False)
-        self.mlp_norm = nn.LayerNorm(hidden, bias=False)
-        self.mlp_in = nn.Linear(hidden, 4 * hidden, bias=False)
-        self.mlp_out = nn.Linear(4 * hidden, hidden, bias=False)
+        self.attn_norm = nn.LayerNorm(hidden, bias=bias)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=bias)
+        self.attn_out = nn.Linear(hidden, hidden, bias=bias)
+        self.mlp_norm = nn.LayerNorm(hidden, bias=bias)
+        self.mlp_in = nn.Linear(hidden, 4 * hidden, bias=bias)
+        self.mlp_out = nn.Linear(4 * hidden, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """One block over (B, T, hidden)."""
@@ -198,20 +210,22 @@ class GPT2(nn.Module):
     in a packed row are not seen (nanoGPT trains on a stream).
     """
 
-    def __init__(self, vocab: int, seq: int, hidden: int, layers: int, heads: int, seed: int = 0):
+    def __init__(self, vocab: int, seq: int, hidden: int, layers: int, heads: int, seed: int = 0, bias: bool = False):
         super().__init__()
         self.token_embedding = nn.Embedding(vocab, hidden)
         self.position_embedding = nn.Embedding(seq, hidden)
-        self.blocks = nn.ModuleList(GPT2Block(hidden, heads) for _ in range(layers))
-        self.final_norm = nn.LayerNorm(hidden, bias=False)
+        self.blocks = nn.ModuleList(GPT2Block(hidden, heads, bias) for _ in range(layers))
+        self.final_norm = nn.LayerNorm(hidden, bias=bias)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         self.lm_head.weight = self.token_embedding.weight
-        # the native model's rule: normal(0, 0.02) for every matrix, unit norms
+        # the native model's rule: normal(0, 0.02) for every matrix, unit norms, zero biases
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for module in self.modules():
                 if isinstance(module, nn.Linear | nn.Embedding):
                     module.weight.normal_(0.0, 0.02, generator=generator)
+                if isinstance(module, nn.Linear) and module.bias is not None:
+                    module.bias.zero_()
 
     def forward(self, input_ids, position_ids=None, labels=None) -> CausalLMOutput:
         """Loss of the rows input_ids against labels (unshifted, -100 ignored), from full logits."""
@@ -223,10 +237,10 @@ class GPT2(nn.Module):
         return CausalLMOutput(logits=None, loss=next_token_loss(logits, labels))
 
 
-def gpt2_model(job: SFTJob, seq: int) -> GPT2:
+def gpt2_model(job: SFTJob, seq: int, bias: bool = False) -> GPT2:
     """The GPT-2 model at the native model's hidden size, depth, heads and (padded) vocabulary, fp32 on the CPU."""
     c = job.hf_config
-    return GPT2(c.vocab_size, seq, c.hidden_size, c.num_hidden_layers, c.num_attention_heads)
+    return GPT2(c.vocab_size, seq, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, bias=bias)
 
 
 def gpt2_flops_per_token(model: GPT2, seq: int) -> float:
@@ -365,8 +379,9 @@ def main() -> None:
         "as nanoGPT trains on a stream (engine and native sides; the gpt2 side is always plain causal)",
     )  # fmt: skip
     p.add_argument(
-        "--sides", type=parse_sides, default=SIDES,
-        help=f"comma list of the sides to run, of {','.join(SIDES)} (default: all; engine,native: the old bench)",
+        "--sides", type=parse_sides, default=DEFAULT_SIDES,
+        help=f"comma list of the sides to run, of {','.join(SIDES)} (default: all but gpt2-bias; engine,native: the "
+        "old bench)",
     )  # fmt: skip
     args = p.parse_args()
     if not cuda:
@@ -404,6 +419,11 @@ def main() -> None:
             references["gpt2"] = Reference(job, itertools.cycle(fixed), args.log_interval, model)
         else:
             del gpt2
+        if "gpt2-bias" in sides:
+            model = gpt2_model(job, shape["seq"], bias=True)
+            flops["gpt2-bias"] = gpt2_flops_per_token(model, shape["seq"])
+            model = compiled(model.to(device))
+            references["gpt2-bias"] = Reference(job, itertools.cycle(fixed), args.log_interval, model)
         if "native-gpt2" in sides:
             model = native_gpt2_model(job, shape["seq"])
             flops["native-gpt2"] = flops_per_token(model.config, shape["seq"])
@@ -461,12 +481,12 @@ def main() -> None:
     print(f"{args.shape} shape on {name}: {tokens} tokens a step, {args.rounds} rounds x {args.steps} steps, "
           f"compile {'on' if args.compile else 'off'}, {kind} time")  # fmt: skip
     # the reference first, then the engine (the bench's lines before it had more sides), then the new sides
-    for side in sorted(sides, key=("native", "engine", "native-full", "gpt2", "native-gpt2").index):
+    for side in sorted(sides, key=("native", "engine", "native-full", "gpt2", "gpt2-bias", "native-gpt2").index):
         ms = statistics.median(times[side]) / args.steps * 1e3
         line = f"  {LABELS[side]:14s} {ms:9.2f} ms/step  {tokens / ms * 1e3:12,.0f} tokens/s"
         if job.peak_flops:
             line += f"  MFU {tokens / ms * 1e3 * flops[side] / job.peak_flops:.1%}"
-        if side in ("native-full", "gpt2", "native-gpt2"):
+        if side in ("native-full", "gpt2", "gpt2-bias", "native-gpt2"):
             line += f"  ({NOTES[side]})"
         print(line)
     if "engine" in sides:

@@ -295,6 +295,24 @@ def test_chunked_cross_entropy_sum_matches_the_reference_and_scales_with_the_ups
     torch.testing.assert_close(got[1], weight.grad)
 
 
+def test_chunked_cross_entropy_under_bf16_autocast_matches_the_plain_loss_to_bf16_precision():
+    # the path a bf16 run takes: bf16 matmuls, fp32 log-probabilities, the weight's gradient summed in fp32
+    generator = torch.Generator().manual_seed(2)
+    hidden = torch.randn(40, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(30, 16, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 30, (40,), generator=generator)
+    labels[:5] = -100
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = chunked_cross_entropy(hidden, weight, labels, chunk_size=16)
+        reference = reference_cross_entropy(hidden, weight, labels)
+    assert loss.dtype == torch.float32
+    got, want = torch.autograd.grad(loss, (hidden, weight)), torch.autograd.grad(reference, (hidden, weight))
+    torch.testing.assert_close(loss, reference, atol=1e-2, rtol=1e-2)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, w, atol=2e-3, rtol=2e-2)
+
+
 def test_whole_native_model_with_loss_compiles_fullgraph_and_matches_eager():
     _, native = _pair("qwen3")
     ids = _batch()
