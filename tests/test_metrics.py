@@ -452,6 +452,8 @@ def test_a_heartbeat_between_steps_carries_the_last_steps_loss_and_reward():
     job._step_fields = {"loss": 0.25, "loss_step": 5, "reward": 0.5}
     TrainingJob.heartbeat(job, Phase.ROLLOUT_WAIT)
     TrainingJob.heartbeat(job, Phase.DONE, loss=0.125)  # what a phase says itself wins
+    TrainingJob.heartbeat(job, Phase.STEP)  # an RL step back from its rollouts, training: nothing of its own yet
     assert "loss" not in beats[0]
     assert (beats[1]["loss"], beats[1]["loss_step"], beats[1]["reward"]) == (0.25, 5, 0.5)
     assert (beats[2]["loss"], beats[2]["reward"]) == (0.125, 0.5)
+    assert (beats[3]["phase"], beats[3]["loss"], beats[3]["reward"]) == (Phase.STEP, 0.25, 0.5)

@@ -3,6 +3,7 @@ that learns on the CPU, and kill -9 and resume with the value head restored."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import psutil
@@ -178,6 +179,11 @@ def test_ppo_raises_the_reward_of_a_half_trained_model(tmp_path, half_trained_sf
         env=env(), capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    # the live view: once the first logging step (5) is read, every status line shows the reward and the loss,
+    # those of the rollout wait and of the training after it alike (issue 33, item 12)
+    live = [m for m in re.finditer(r"^attempt 1 \| step (\d+)/40 \|.*$", result.stdout + result.stderr, re.M)]
+    later = [m.group(0) for m in live if int(m.group(1)) > 5]
+    assert later and all("| reward " in line and "| loss " in line for line in later), later
     rows = {r["step"]: r for r in metrics(tmp_path / "ppo") if "reward" in r}
     assert sorted(rows) == list(range(1, 41))
     first = sum(rows[s]["reward"] for s in range(1, 11)) / 10

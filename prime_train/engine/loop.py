@@ -428,8 +428,9 @@ class TrainingJob:
         force=False (the steps' own heartbeat) writes only when the phase changes or about once a second.
         """
         tokens, resumed = self.state.tokens_seen, self.resumed_from
-        if phase is not Phase.STEP:  # between steps (an RL step's rollout wait): the last step's loss and reward
-            fields = {**getattr(self, "_step_fields", {}), **fields}  # none before the first step
+        # the last step's loss and reward on every heartbeat: between steps (an RL step's rollout wait) and when an
+        # RL step says it is training again after its rollouts, with nothing of its own yet; none before the first
+        fields = {**getattr(self, "_step_fields", {}), **fields}
         self._beat(self.state.step, phase, force=force, tokens=tokens, resumed_from=resumed, **fields)
 
     def fit(self) -> int:
