@@ -246,6 +246,13 @@ class BuiltinEnvironment:
             raise ValueError(f"prompt {prompt.text!r} of environment {self.name!r} has no answer to score against")
         return self._reward(prompt.answer, completion)
 
+    def graded(self, prompt: Prompt, completion: str) -> float:
+        """The task's partial credit whatever rl.env_args.partial_credit says: how close a wrong answer is (what
+        `prime-train sample-pairs --graded-gap` orders two wrong samples by)."""
+        if prompt.answer is None:
+            raise ValueError(f"prompt {prompt.text!r} of environment {self.name!r} has no answer to score against")
+        return _REWARDS[self.name](prompt.answer, completion)
+
 
 # ---------------------------------------------------------------- a learned reward
 

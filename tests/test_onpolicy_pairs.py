@@ -14,7 +14,7 @@ from enginetools import TINY_RL, run_cli, tiny_llama
 
 from prime_train.config.schema import DataConfig
 from prime_train.engine.preference import read_pairs
-from prime_train.environments import Prompt, load_environment
+from prime_train.environments import EnvironmentLoadError, Prompt, load_environment, positional_reward
 from prime_train.rl.pairs import label_pairs
 from prime_train.tasks import extract_answer
 from prime_train.validator.lint import lint_files
@@ -63,6 +63,25 @@ def test_without_a_reference_a_passing_sample_is_chosen_and_the_rule_not_the_sco
     assert summary.prompts_without_chosen == 1 and summary.passed == 2
 
 
+def test_graded_pairs_order_two_wrong_samples_by_the_tasks_partial_credit():
+    """--graded-gap: beside right-against-wrong, two wrong samples whose partial credit (positional: right letters in
+    their places over the longer length) differs by the gap or more are a pair, the closer one chosen. The task's
+    credit is used even with rl.env_args.partial_credit = false (the RL reward stays exact)."""
+    abc = Prompt("reverse abc=", "cba")
+    samples = [["cbx", "xxx", "", "cb", "cbx", "cba"]]  # credits 2/3, 0, 0, 2/3; a repeat; a pass
+    plain, _ = label_pairs(REVERSE, [abc], samples)
+    graded, summary = label_pairs(REVERSE, [abc], samples, graded_gap=0.3)
+    assert graded[: len(plain)] == plain and [r["rejected"] for r in plain] == ["cbx", "xxx", "", "cb"]
+    assert [(r["chosen"], r["rejected"]) for r in graded[len(plain) :]] == [
+        ("cbx", "xxx"), ("cbx", ""), ("cb", "xxx"), ("cb", ""),
+    ]  # fmt: skip
+    assert summary.graded_pairs == 4 and summary.pairs == 8 and summary.to_dict()["graded_pairs"] == 4
+    # a gap above every difference gives no graded pair; an environment with no graded rule is refused
+    assert label_pairs(REVERSE, [abc], samples, graded_gap=0.7)[1].graded_pairs == 0
+    with pytest.raises(EnvironmentLoadError, match="--graded-gap"):
+        label_pairs(_Judged(), [Prompt("q0")], [["bad", "worse"]], graded_gap=0.3)
+
+
 @pytest.fixture(scope="module")
 def random_policy(tmp_path_factory) -> Path:
     """A random 2-layer Llama and the engine's byte tokenizer, saved as an SFT run's final/."""
@@ -83,18 +102,24 @@ def _sample(policy: Path, out: Path, *extra: str):
 
 def test_sampled_pairs_are_labelled_by_the_rule_and_read_by_lint_and_the_reward_job(tmp_path, random_policy):
     out = tmp_path / "pairs.jsonl"
-    result = _sample(random_policy, out, "--json")
+    result = _sample(random_policy, out, "--json", "--graded-gap", "0.3")
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads(result.stdout)
+    assert "graded_pairs" in summary  # how many depends on what the random model samples
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert summary["prompts"] == 12 and summary["samples"] == 48 and summary["pairs"] == len(records) > 0
     train = {p.text for p in load_environment("reverse-text", {"min_letters": 3, "max_letters": 3}).prompts(
         "train", 12, 1234
     )}  # fmt: skip
+    graded = 0
     for record in records:
         word = record["prompt"].removeprefix("reverse ").removesuffix("=")
-        assert record["prompt"] in train and record["chosen"] == word[::-1]
-        assert extract_answer(record["rejected"]) != record["chosen"]
+        assert record["prompt"] in train and extract_answer(record["rejected"]) != record["chosen"]
+        if record["chosen"] != word[::-1]:  # a graded pair: two wrong samples, the closer one chosen
+            graded += 1
+            credit = [positional_reward(word[::-1], record[side]) for side in ("chosen", "rejected")]
+            assert credit[0] - credit[1] >= 0.3, (record, credit)
+    assert graded == summary["graded_pairs"]
     config = tmp_path / "reward.toml"
     config.write_text(f'[run]\njob = "reward"\noutput_dir = "{tmp_path}"\n\n[[data.datasets]]\npath = "{out}"\n')
     assert [p for p in lint_files([str(config)])[0] if p.severity == "error"] == []

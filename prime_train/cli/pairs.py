@@ -21,6 +21,16 @@ def sample_pairs(
     ] = Path("pairs.jsonl"),
     prompts: Annotated[int, typer.Option("--prompts", min=1, help="Train prompts of rl.environment to sample.")] = 512,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Completions sampled for each prompt.")] = 8,
+    graded_gap: Annotated[
+        float,
+        typer.Option(
+            "--graded-gap",
+            min=0.0,
+            max=1.0,
+            help="Also pair two wrong samples of a prompt whose graded rule (the task's partial credit) differs by "
+            "at least this much, the closer one chosen; 0: only right against wrong.",
+        ),
+    ] = 0.0,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT when it already exists.")] = False,
     as_json: JsonFlag = False,
 ) -> None:
@@ -32,7 +42,9 @@ def sample_pairs(
     environment's rule (the task's exact match, also for rl.environment = "reward-model"); every distinct
     failing sample becomes a record with the reference answer as chosen. Add OUT to a reward run's
     [[data.datasets]] beside the built-in pairs and train the reward model again: the policy's own
-    mistakes are then labelled (docs/rlhf.md has the rounds, measured).
+    mistakes are then labelled (docs/rlhf.md has the rounds, measured). With --graded-gap, two wrong
+    samples are a pair too when the task's partial credit tells them apart, so the reward model learns
+    which wrong answer is closer to right.
 
     Exit 0 when written, 78 when the config, the model or OUT is refused (nothing is written).
 
@@ -41,6 +53,8 @@ def sample_pairs(
       prime-train sample-pairs configs/tiny-rl.toml --model.path runs/tiny-rl/final --out rl0-pairs.jsonl
 
       prime-train sample-pairs configs/tiny-rl.toml --model.path runs/tiny-rl/final --prompts 1024 --samples 4 --json
+
+      prime-train sample-pairs configs/tiny-rl.toml --model.path runs/sft60/final --graded-gap 0.25
     """
     from prime_train.engine.metrics import EngineConfigError
     from prime_train.environments import EnvironmentLoadError
@@ -55,7 +69,7 @@ def sample_pairs(
     if not os.path.isdir(out.parent if str(out.parent) else "."):
         raise CliError(f"--out {out}: its directory {out.parent} does not exist", BAD_INPUT)
     try:
-        summary = sample(cfg, out, num_prompts=prompts, samples=samples)
+        summary = sample(cfg, out, num_prompts=prompts, samples=samples, graded_gap=graded_gap)
     except (EngineConfigError, EnvironmentLoadError) as exc:
         raise CliError(exc, BAD_INPUT) from None
     data = {"out": str(out), **summary.to_dict()}
