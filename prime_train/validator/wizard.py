@@ -543,7 +543,7 @@ def _ppo_lines(p: _Plan) -> list[str]:
     return [
         'algorithm = "ppo"   # a value head on the policy\'s trunk; GAE advantages per token',
         "gamma = 1.0   # no discount within a completion",
-        "gae_lambda = 0.95   # 1: Monte Carlo returns, 0: one-step TD",
+        "gae_lambda = 1.0   # 1: Monte Carlo returns (the whole reward on every token), 0: one-step TD",
         "value_clip = 0.2",
         "vf_coef = 0.1   # the value loss's weight beside the policy loss",
         f"# kl_coef = 0.05   # a KL penalty to the starting model ({held})",
