@@ -284,6 +284,18 @@ if __name__ == "__main__":
 # ---------------------------------------------------------------- fp16 in the engine, float8
 
 
+@pytest.mark.slow
+def test_fp16_engine_run_learns_and_reports_its_loss_scale(tmp_path):
+    from enginetools import metrics, run_train
+
+    proc = run_train(tmp_path, "fp16", **{"train.precision": "fp16", "train.max_steps": 20, "ckpt.interval": 20})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = [r for r in metrics(tmp_path / "fp16") if r.get("loss") is not None and r.get("step", 0) > 0]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert {"loss_scale", "overflow_steps"} <= set(rows[-1])
+    assert rows[-1]["loss_scale"] >= 1.0 and rows[-1]["overflow_steps"] >= 0
+
+
 # ---------------------------------------------------------------- kill -9 and resume
 
 
@@ -313,33 +325,15 @@ FP16_RESUME = {"train.precision": "fp16", "train.loss_scale_init": 2**22, "train
                "logging.log_interval": 1}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def fp16_straight(tmp_path_factory) -> Path:
-    """The uninterrupted fp16 run of FP16_RESUME, shared by the two tests below (fp16 on a CPU is slow: ~30 s)."""
+@pytest.mark.slow
+def test_fp16_resume_after_kill_keeps_the_loss_scale_and_the_losses(tmp_path):
     from enginetools import run_train
 
-    root = tmp_path_factory.mktemp("fp16")
-    straight = run_train(root, "straight", **FP16_RESUME)
+    straight = run_train(tmp_path, "straight", **FP16_RESUME)
     assert straight.returncode == 0, (straight.stdout + straight.stderr)[-4000:]
-    return root / "straight"
-
-
-@pytest.mark.slow
-def test_fp16_engine_run_learns_and_reports_its_loss_scale(fp16_straight):
-    from enginetools import metrics
-
-    rows = [r for r in metrics(fp16_straight) if r.get("loss") is not None and r.get("step", 0) > 0]
-    # steps 1-3 overflow and are skipped (the loss is the same model's); the seven steps after them learn
-    assert rows[-1]["loss"] < rows[0]["loss"], (rows[0]["loss"], rows[-1]["loss"])
-    assert {"loss_scale", "overflow_steps"} <= set(rows[-1])
-    assert rows[-1]["loss_scale"] >= 1.0 and rows[-1]["overflow_steps"] == 3
-
-
-@pytest.mark.slow
-def test_fp16_resume_after_kill_keeps_the_loss_scale_and_the_losses(fp16_straight, tmp_path):
     _killed_and_resumed(tmp_path, "killed", **FP16_RESUME)
     keys = ("loss", "loss_scale", "overflow_steps")
-    a, b = _fields_by_step(fp16_straight, *keys), _fields_by_step(tmp_path / "killed", *keys)
+    a, b = _fields_by_step(tmp_path / "straight", *keys), _fields_by_step(tmp_path / "killed", *keys)
     assert a[5][1:] == (2.0**19, 3.0)  # the scale fell before the checkpoint, so resuming it is tested
     assert sorted(b) == list(range(1, 11))
     for step in range(6, 11):
