@@ -301,7 +301,7 @@ def test_init_writes_configs_that_lint_clean_for_the_new_jobs(tmp_path, job, har
     assert problems == [] and cfg is not None
     assert cfg.run.job == {"ppo": "rl"}.get(job, job)
     if job == "ppo":
-        assert cfg.rl.algorithm == "ppo" and cfg.rl.gae_lambda == 0.95 and cfg.rl.kl_coef == 0
+        assert cfg.rl.algorithm == "ppo" and cfg.rl.gae_lambda == 1.0 and cfg.rl.kl_coef == 0
     if job in ("dpo", "reward"):
         # 32 pairs a step are 64 sequences, as SFT's 64; a micro-batch holds half SFT's sequences' worth of pairs
         sft = Config.model_validate(tomllib.loads(build_config(Answers(job="sft", hardware=hardware))))
