@@ -85,7 +85,8 @@ fi
 echo "== pytest -m gpu ($(left) s left)"
 # the bench above is the no-host-sync test's body; the rest run three at a time where pytest-xdist is installed
 # (tiny models leave the card nearly idle, and each job's watcher then sees the others' processes, as on a shared GPU)
-parallel=()
+# (pyproject's addopts ask for `-n auto`, which needs pytest-xdist: without it they are replaced)
+parallel=(-o "addopts=-ra --strict-markers")
 python3 -c "import xdist" 2>/dev/null && parallel=(-n 3)
 tests_s=$(($(left) - 15))
 if [[ $parts != *" tests "* ]]; then

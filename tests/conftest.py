@@ -2,8 +2,50 @@
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+from pathlib import Path
+
 import pytest
 from enginetools import run_train
+from filelock import FileLock
+
+# `-n auto` (pyproject's addopts): at most this many pytest-xdist workers. An engine test's single-process run trains
+# on one core, its multi-rank runs on all of them; two workers filled CI's two cores. Each worker trains its own
+# module fixtures, so workers past the cores would only compete for them.
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config):
+    """How many workers `-n auto` starts: none (the tests run in this process) for `-m vllm` and `-m gpu`, whose
+    session starts one vLLM server or holds the one GPU; else one a core, up to MAX_WORKERS
+    (PYTEST_XDIST_AUTO_NUM_WORKERS chooses for itself)."""
+    chosen = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").strip()
+    if chosen.isdigit():
+        return int(chosen)
+    # the marks the run selects (not those it deselects: "not vllm" is the default addopts)
+    if re.search(r"(?<!not )\b(vllm|gpu)\b", config.option.markexpr or ""):
+        return 0
+    return max(1, min(MAX_WORKERS, _cores()))
+
+
+def pytest_configure(config):
+    """In a pytest-xdist worker, torch in this process gets its share of the cores: a test that trains in-process
+    (the arithmetic task's 300 steps) took 314 s with two threads on each of two workers, 53-76 s with the machine
+    to itself."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if workers.isdigit() and int(workers) > 1:
+        import torch
+
+        torch.set_num_threads(max(1, _cores() // int(workers)))
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # the CPUs this process may run on
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
 
 
 @pytest.fixture(scope="session")
@@ -14,26 +56,36 @@ def byte_tokenizer():
     return build_byte_tokenizer()
 
 
+def trained_once(tmp_path_factory, name: str, **overrides) -> Path:
+    """`final/` of a tiny SFT run trained once for the whole test session: under pytest-xdist the workers share one
+    directory (their base temp's parent) and a lock, so the first worker that needs the run trains it and the others
+    wait and read it. Tests only read it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    root = tmp_path_factory.getbasetemp().parent if worker else tmp_path_factory.getbasetemp()
+    out, done = root / f"shared-{name}", root / f"shared-{name}.done"
+    with FileLock(str(root / f"shared-{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)  # a worker that failed here left a part
+            result = run_train(out, "sft", **overrides)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+            done.touch()
+    return out / "sft" / "final"
+
+
 @pytest.fixture(scope="session")
 def sft_model(tmp_path_factory):
     """The tiny SFT model RL starts from: 120 steps of reverse-text (held-out exact match ~0.8), built once. Its run
     directory (the parent) keeps one checkpoint, step-60, for the commands that read a run (`generate --step`)."""
-    out = tmp_path_factory.mktemp("sft")
-    result = run_train(out, "sft", **{"train.max_steps": 120, "data.datasets.0.num_examples": 20000,
-                                      "ckpt.interval": 60})  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:]
-    return out / "sft" / "final"
+    return trained_once(tmp_path_factory, "sft120", **{"train.max_steps": 120, "data.datasets.0.num_examples": 20000,
+                                                       "ckpt.interval": 60})  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def half_trained_sft_model(tmp_path_factory):
     """The tiny SFT model stopped at 60 steps (greedy exact match ~0.15): the README's RL example starts here, with
     room to learn, where the 120-step model is already at ~0.8."""
-    out = tmp_path_factory.mktemp("sft60")
-    result = run_train(out, "sft", **{"train.max_steps": 60, "data.datasets.0.num_examples": 20000,
-                                      "ckpt.interval": 1000})  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:]
-    return out / "sft" / "final"
+    return trained_once(tmp_path_factory, "sft60", **{"train.max_steps": 60, "data.datasets.0.num_examples": 20000,
+                                                      "ckpt.interval": 1000})  # fmt: skip
 
 
 # ---------------------------------------------------------------- the real vLLM (tests marked `vllm`)
