@@ -88,6 +88,14 @@ class LaunchPlan:
     threads: tuple[int, str] = (1, "")  # OMP_NUM_THREADS of each process, and why that many
 
 
+def usable_cores() -> int:
+    """The CPUs this process may run on (taskset, cgroups' cpusets), or every core where that cannot be asked."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
 def cpu_threads(cfg: Config, nproc: int) -> tuple[int, str]:
     """CPU threads for each of the node's `nproc` trainer processes, and why: an exported OMP_NUM_THREADS, else
     train.threads, else the cores free now. torch sizes its pool to every core whatever else runs; on a busy
@@ -98,10 +106,7 @@ def cpu_threads(cfg: Config, nproc: int) -> tuple[int, str]:
         return int(exported), f"OMP_NUM_THREADS={exported} exported"
     if cfg.train.threads:
         return cfg.train.threads, "train.threads"
-    try:
-        cores = len(os.sched_getaffinity(0))  # the CPUs this process may run on (taskset, cgroups' cpusets)
-    except AttributeError:  # macOS
-        cores = os.cpu_count() or 1
+    cores = usable_cores()
     try:
         load = os.getloadavg()[0]
     except OSError:

@@ -11,6 +11,8 @@ import pytest
 from enginetools import run_train
 from filelock import FileLock
 
+from prime_train.launch import usable_cores
+
 # `-n auto` (pyproject's addopts): at most this many pytest-xdist workers. An engine test's single-process run trains
 # on one core, its multi-rank runs on all of them; two workers filled CI's two cores. Each worker trains its own
 # module fixtures, so workers past the cores would only compete for them.
@@ -27,7 +29,7 @@ def pytest_xdist_auto_num_workers(config):
     # the marks the run selects (not those it deselects: "not vllm" is the default addopts)
     if re.search(r"(?<!not )\b(vllm|gpu)\b", config.option.markexpr or ""):
         return 0
-    return max(1, min(MAX_WORKERS, _cores()))
+    return max(1, min(MAX_WORKERS, usable_cores()))
 
 
 def pytest_configure(config):
@@ -38,14 +40,7 @@ def pytest_configure(config):
     if workers.isdigit() and int(workers) > 1:
         import torch
 
-        torch.set_num_threads(max(1, _cores() // int(workers)))
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # the CPUs this process may run on
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
+        torch.set_num_threads(max(1, usable_cores() // int(workers)))
 
 
 @pytest.fixture(scope="session")
