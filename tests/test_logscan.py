@@ -81,6 +81,8 @@ EXPECTED: dict[str, tuple[str, int, FailureKind | None]] = {
     "nccl_system_error.log": ("nccl_error", 1, K.NCCL_ERROR),
     "nccl_internal_error.log": ("nccl_error", 4, K.NCCL_ERROR),
     "gloo_timeout.log": ("gloo_timeout", 6, K.NCCL_TIMEOUT),
+    # recorded here (torch 2.13): a node's torchrun agent rejoining while node 0's agent, the store, went away
+    "rendezvous_store_lost.log": ("rendezvous_store_lost", 52, K.NODE_LOST),
     "gpu_fallen_off_bus.log": ("gpu_hardware_fault", 3, K.GPU_BROKEN),
     # the NCCL timeouts on the other ranks and the abort come after: the memory access is the cause
     "cuda_illegal_memory_access.log": ("cuda_error", 10, K.CUDA_ERROR),
@@ -572,6 +574,36 @@ FAMILIES = [
         id="ctx-too-long-to-fit",
     ),
     pytest.param(
+        K.NCCL_TIMEOUT,
+        "rendezvous_timeout",
+        [
+            "torch.distributed.DistStoreError: wait timeout after 60000ms, keys: /job/torchelastic/role_info/0,"
+            " /job/torchelastic/role_info/1"
+        ],
+        id="rendezvous-role-info-wait",  # recorded here: node 0's new agent while node 1 joined its old store
+    ),
+    pytest.param(
+        K.NODE_LOST,
+        "rendezvous_store_lost",
+        ["torch.distributed.DistNetworkError: Broken pipe"],
+        id="store-lost-broken-pipe",  # this project's CI: node 1's agent rejoining as node 0's attempt ended
+    ),
+    pytest.param(
+        K.NODE_LOST,
+        "rendezvous_store_lost",
+        ["torch.distributed.DistNetworkError: Connection reset by peer"],
+        id="store-lost-reset",
+    ),
+    pytest.param(
+        K.NODE_LOST,
+        "rendezvous_store_lost",
+        [
+            "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d store"
+            " has failed. See inner exception for details."
+        ],
+        id="store-lost-c10d-backend",
+    ),
+    pytest.param(
         K.HOST_OUT_OF_MEMORY,
         "host_out_of_memory",
         ["ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on memory."],
@@ -860,6 +892,12 @@ def test_failure_family_is_found_with_its_kind_in_every_wording(kind, name, line
 
 # Lines that mention a failure's words without being one: each must stay silent (warnings allowed).
 NOT_FAILURES = [
+    # ProcessGroupNCCL polling a store that shut down at the end of a run: a warning, not the agent losing it
+    "[rank1]:[W1229 22:06:38.480071392 ProcessGroupNCCL.cpp:1662] [PG ID 0 PG GUID 0 Rank 1] Failed to check the"
+    ' "should dump" flag on TCPStore, (maybe TCPStore server has shut down too early), with error: Broken pipe',
+    "[W1127 21:29:38.478074538 TCPStore.cpp:138] [c10d] recvValueWithTimeout failed on SocketImpl(fd=3,"
+    " addr=[::ffff:127.0.0.1]:53044, remote=[::ffff:127.0.0.1]:45123): Failed to recv, got 0 bytes. Connection was"
+    " likely closed. Did the remote server shutdown or crash?",
     "(APIServer pid=12031) WARNING 11-24 16:30:15 [system_utils.py:255] Found ulimit of 20000 and failed to"
     " automatically increase with error current limit exceeds maximum limit. This can cause fd limit errors like"
     " `OSError: [Errno 24] Too many open files`. Consider increasing with ulimit -n",

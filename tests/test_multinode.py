@@ -296,8 +296,12 @@ def test_kill9_of_one_nodes_trainer_resumes_both_nodes_from_the_newest_checkpoin
         beat = read_json(run_dir / "progress.json")
         assert (beat["step"], beat["phase"], beat["resumed_from"]) == (40, "done", 10), (node, beat)
         failures = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "failure"]
-        # one failure a node, retried (how each node names it is the log scanner's reading of torchrun's output)
-        assert len(failures) == 1 and failures[0]["retryable"], [(f["kind"], f["message"]) for f in failures]
+        # one failure a node, retried (how each node names it is the log scanner's reading of torchrun's output).
+        # A node that restarts before node 0's old agent has ended can meet that agent's store as it goes away
+        # (CI saw it under load: `DistNetworkError: Broken pipe` in node 1's agent): named node_lost, retried
+        seen = [(f["kind"], f["message"]) for f in failures]
+        assert failures and all(f["retryable"] for f in failures), seen
+        assert len(failures) == 1 or (len(failures) == 2 and failures[1]["kind"] == "node_lost"), seen
     assert (shared / "step-20.corrupt").is_dir()
     # far inside distributed.timeout_s (600 s) that a survivor waiting in a collective would have taken
     assert took < 120, took

@@ -348,9 +348,27 @@ PATTERNS: list[Pattern] = [
         K.NCCL_TIMEOUT,
         "the ranks never all met: a node or rank did not start or cannot reach distributed.rdzv_endpoint / "
         "MASTER_ADDR:MASTER_PORT (firewall, wrong address); check every node's log for why it did not join",
-        ("Timed out after", "RendezvousTimeoutError", "waiting for clients"),
+        ("Timed out after", "RendezvousTimeoutError", "waiting for clients", "wait timeout after"),
         (r"DistStoreError: Timed out after \d+ seconds waiting for clients", "torch c10d TCPStore"),
+        (
+            r"DistStoreError: wait timeout after \d+ms, keys: \S*/torchelastic/",
+            "torchrun agent (2.x): a node's role info never came to the store",
+        ),
         (r"\bRendezvousTimeoutError\b", "torchrun c10d rendezvous"),
+    ),
+    _pattern(
+        "rendezvous_store_lost",
+        K.NODE_LOST,
+        "the connection to the job's rendezvous store (node 0's torchrun agent at distributed.rdzv_endpoint) "
+        "broke: node 0's attempt ended or its machine is gone, often just as this node rejoined after a "
+        "failure; this node restarts and meets node 0's next agent (node 0's own log says why it ended)",
+        ("DistNetworkError", "RendezvousConnectionError"),
+        (
+            r"\bDistNetworkError: .*(?:Broken pipe|Connection reset by peer|got 0 bytes|Connection was likely "
+            r"closed)",
+            "torch c10d TCPStore client (torchrun agent, 2.2+): the store's server went away mid-request",
+        ),
+        (r"\bRendezvousConnectionError: The connection to the C10d store has failed", "torchrun c10d rendezvous"),
     ),
     _pattern(
         "gloo_timeout",
