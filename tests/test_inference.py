@@ -32,6 +32,8 @@ from prime_train.rl.client import (
 from prime_train.rl.generation import (
     NO_ROOM_MESSAGE,
     Engine,
+    Job,
+    SamplingParams,
     latest_published_weights,
     max_tokens_too_large_message,
     prompt_too_long_message,
@@ -537,3 +539,23 @@ def test_client_times_out_on_a_worker_that_never_answers():
         assert client.health() is False
         with pytest.raises(WorkerUnavailable, match="no answer within"):
             client.weights_step()
+
+
+def test_batched_generation_passes_the_cache_by_the_installed_transformers_name_and_decodes_as_without_one():
+    """transformers 5.2x renamed forward's `past_key_values` to `cache`: the old name warned on every decoded token
+    (a FutureWarning on every sample-pairs run and in every worker log) and goes in 5.40. The engine passes the cache
+    by the name the model's forward takes; greedy answers equal a decode that recomputes the whole sequence."""
+    import warnings
+
+    cfg = tiny_config(Path("/nonexistent"), "cache", 8100)
+    model, tokenizer = reference_model(cfg)
+    engine = Engine(model, tokenizer, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, device="cpu", served_name="c")
+    prompts = [tokenizer.encode("Reverse: abc\n"), tokenizer.encode("Reverse the word: stone\n")]  # two lengths
+    job = Job(prompts, 1, SamplingParams(max_tokens=6, temperature=0.0, top_p=1.0, seed=0, stop=[], logprobs=None))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine._generate(list(job.sequences))  # the generation thread's own call, on this thread
+    assert not [w for w in caught if "past_key_values" in str(w.message)], [str(w.message) for w in caught]
+    for seq, ids in zip(job.sequences, prompts, strict=True):
+        assert seq.token_ids == greedy(model, ids, len(seq.token_ids), tokenizer.eos_token_id)
+        assert seq.token_ids

@@ -12,6 +12,7 @@ between batches, all or nothing. The HTTP side is rl/worker.py.
 from __future__ import annotations
 
 import collections
+import inspect
 import logging
 import os
 import threading
@@ -111,6 +112,13 @@ class Job:
 
 
 # ---------------------------------------------------------------- the engine
+
+
+def _cache_keyword(model) -> str:
+    """The name of the key-value cache in the model's forward and its output: transformers 5.2x renamed
+    `past_key_values` to `cache` (the old name warns on every call and is removed in 5.40); earlier 5.x has only the
+    old one."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 class Engine:
@@ -246,6 +254,7 @@ class Engine:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         longest = max(s.max_tokens for s in batch)
         cache = None
+        cache_key = _cache_keyword(self.model)
         active = [True] * len(batch)
         generated = 0
         with torch.inference_mode(), _autocast(self.device):
@@ -254,11 +263,11 @@ class Engine:
                     input_ids=input_ids,
                     attention_mask=attention_mask,
                     position_ids=position_ids,
-                    past_key_values=cache,
                     use_cache=True,
+                    **{cache_key: cache},
                 )
                 self.forward_passes += 1
-                cache = out.past_key_values
+                cache = out[cache_key]
                 logits = out.logits[:, -1, :].float()
                 next_ids = []
                 for row, seq in enumerate(batch):
