@@ -84,6 +84,18 @@ def test_lint_refuses_a_difficulty_curriculum_without_a_field_for_own_data(tmp_p
     assert "needs data.difficulty_field" in problems[0].message
 
 
+@pytest.mark.parametrize("job", ["rl", "dpo", "reward", "meta"])
+@pytest.mark.parametrize("curriculum", ["length", "difficulty", "self_paced"])
+def test_lint_refuses_a_curriculum_for_a_job_that_reads_no_packed_rows(tmp_path, job, curriculum):
+    """Only the sft and pretrain jobs order their rows by a curriculum; the others would run without one, silently."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[run]\njob = "{job}"\n\n[data]\ncurriculum = "{curriculum}"\n')
+    problems, _ = lint_files([str(cfg)])
+    errors = [(p.line, p.key, p.message) for p in problems if p.severity == "error" and p.key == "data.curriculum"]
+    assert len(errors) == 1 and errors[0][0] == 5, problems
+    assert f"the {job} job reads its data another way" in errors[0][2] and "data.curriculum = 'none'" in errors[0][2]
+
+
 def test_self_paced_starts_in_the_length_order_then_ranks_rows_by_their_recent_loss():
     prior = np.repeat(np.arange(5.0), 2)  # 10 rows, two of each length 0..4
     length_order = list(Curriculum(prior, 0.2, 100, 0).sorted_rows)

@@ -294,7 +294,14 @@ def _curriculum_problems(cfg: Config, sources: Sources) -> list[Problem]:
             f"data.datasets[{untasked[0]}], which is not a built-in task; or use data.curriculum = 'length'"
         )
         found.append((("data", "curriculum"), "error", why))
-    if data.curriculum == "self_paced":
+    if data.curriculum != "none" and cfg.run.job not in ("sft", "pretrain"):
+        # the rl job samples an environment's prompts; dpo, reward and meta read pairs or tasks, not packed rows
+        why = (
+            f"data.curriculum = {data.curriculum!r} orders the packed rows of the sft and pretrain jobs; the "
+            f"{cfg.run.job} job reads its data another way and would ignore it: set data.curriculum = 'none'"
+        )
+        found.append((("data", "curriculum"), "error", why))
+    elif data.curriculum == "self_paced":
         found += _self_paced_problems(cfg)
     if data.curriculum_steps is not None and data.curriculum_steps > cfg.train.max_steps:
         why = (
@@ -308,12 +315,6 @@ def _curriculum_problems(cfg: Config, sources: Sources) -> list[Problem]:
 def _self_paced_problems(cfg: Config) -> list[tuple[tuple[str, ...], str, str]]:
     """'self_paced' scores rows by the losses of the sft/pretrain step's own forward, read in the training process."""
     found = []
-    if cfg.run.job not in ("sft", "pretrain"):
-        why = (
-            f"data.curriculum = 'self_paced' scores rows by their training loss, which the {cfg.run.job} job does not "
-            "take per packed row: it is for the sft and pretrain jobs"
-        )
-        found.append((("data", "curriculum"), "error", why))
     if cfg.distributed.pp_size > 1:
         why = (
             "data.curriculum = 'self_paced' needs each row's loss on every rank, which a pipeline's last stage alone "
