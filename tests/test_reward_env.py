@@ -346,3 +346,71 @@ def test_grpo_against_a_trained_reward_model_raises_its_reward(tmp_path, half_tr
     ]
     evals = [r for r in metrics(tmp_path / "rm") if "eval_pass_rate" in r]
     assert {r["step"] for r in evals} >= {0, steps} and all("eval_reward" in r for r in evals)
+
+
+# ---------------------------------------------------------------- docs/rlhf.md's pipeline: the learned reward alone
+
+
+def _cli_ok(*argv: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    result = subprocess.run(cli(*argv), env=env(), capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, (argv[:2], result.stdout[-3000:] + result.stderr[-3000:])
+    return result
+
+
+@pytest.fixture(scope="module")
+def closer_start_pipeline(tmp_path_factory) -> Path:
+    """docs/rlhf.md's last section as its commands run it: a 90-step SFT model of the tiny default; its own graded
+    mistakes on 1024 train prompts as pairs (sample-pairs); configs/examples/tiny-reward.toml on those and the
+    built-in pairs, half and half; then GRPO from the SFT model against that reward model alone, KL 1.0. About five
+    minutes on one core."""
+    from enginetools import REPO, run_train
+
+    out = tmp_path_factory.mktemp("rlhf")
+    sft = run_train(out, "sft90", **{"train.max_steps": 90, "data.datasets.0.num_examples": 20000,
+                                     "ckpt.interval": 1000})  # fmt: skip
+    assert sft.returncode == 0, sft.stdout[-3000:] + sft.stderr[-3000:]
+    model = out / "sft90" / "final"
+    pairs = out / "sft90-pairs.jsonl"
+    sampled = _cli_ok("sample-pairs", str(TINY_RL), "--model.path", str(model), "--out", str(pairs),
+                      "--prompts", "1024", "--samples", "8", "--graded-gap", "0.25", "--json").stdout  # fmt: skip
+    (out / "sampled.json").write_text(sampled)
+    overlay = out / "rm90.toml"
+    overlay.write_text(
+        '[data]\nsampling_probs = [0.5, 0.5]\n[[data.datasets]]\ntask = "reverse-text"\nnum_examples = 20000\n'
+        f"[[data.datasets]]\npath = {json.dumps(str(pairs))}\n"
+    )
+    _cli_ok("train", str(REPO / "configs" / "examples" / "tiny-reward.toml"), str(overlay), "--run.output_dir",
+            str(out), "--run.name", "rm90", "--model.path", str(model), "--logging.tensorboard", "false",
+            "--ckpt.interval", "1000")  # fmt: skip
+    _cli_ok("run", str(TINY_RL), "--run.output_dir", str(out), "--run.name", "rl90", "--model.path", str(model),
+            "--rl.environment", "reward-model", "--rl.env_args.path", str(out / "rm90" / "final"),
+            "--rl.eval_prompts", "200", "--rl.scale_rewards", "group", "--train.lr", "2e-4", "--rl.kl_coef", "1.0",
+            "--train.max_steps", "100", "--train.eval_interval", "20", "--inference.base_port", str(free_port()),
+            "--logging.tensorboard", "false")  # fmt: skip
+    return out
+
+
+@pytest.mark.slow
+def test_rl_against_the_learned_reward_alone_raises_its_score_and_the_exact_match_pass_rate(closer_start_pipeline):
+    """Issue 29's last point. The policy never sees the task's rule: its reward is the reward model's score alone. The
+    pass rate is the task's exact match of the greedy answer on the 200 held-out prompts, which neither the reward
+    model's pairs nor the RL prompts come from. Measured (docs/rlhf.md): 0.805 -> 0.89 at step 100, score +0.9, KL
+    under 0.18 nats; at KL 0.1 the same reward model is gamed to a pass rate of 0 within 30 steps."""
+    out = closer_start_pipeline
+    sampled = json.loads((out / "sampled.json").read_text())
+    assert sampled["pairs"] >= 1000 and 0.5 < sampled["pass_rate"] < 0.9, sampled  # its own mistakes, labelled
+    rm_evals = [r for r in metrics(out / "rm90") if "eval_preference_accuracy" in r]
+    assert rm_evals[-1]["step"] == 1000 and rm_evals[-1]["eval_preference_accuracy"] >= 0.75, rm_evals[-1]
+    rows = metrics(out / "rl90")
+    evals = {r["step"]: r for r in rows if "eval_pass_rate" in r}
+    assert sorted(evals) == [0, 20, 40, 60, 80, 100], sorted(evals)
+    start, end = evals[0], evals[100]
+    assert 0.6 < start["eval_pass_rate"] < 0.9, start  # room to learn, and answers right often enough to rank
+    # the score the reward model gives the greedy answers rose, and the exact match with it (binomial spread of one
+    # eval on 200 prompts: about 0.03; measured +0.085)
+    assert end["eval_reward"] >= start["eval_reward"] + 0.4, (start, end)
+    assert end["eval_pass_rate"] >= start["eval_pass_rate"] + 0.04, [(s, r["eval_pass_rate"]) for s, r in evals.items()]
+    assert min(r["eval_pass_rate"] for r in evals.values()) >= start["eval_pass_rate"] - 0.04  # never gamed on the way
+    # near the start the reward model was trained on (one step's estimate is noisy: measured up to 0.5)
+    kl = [r["kl"] for r in rows if "kl" in r]
+    assert len(kl) == 100 and sum(kl[-20:]) / 20 < 0.25, kl[-20:]
