@@ -126,6 +126,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, max_model_len: int, max_num_seqs: int, device, served_name: str):
         self.model = model
+        self._cache_key = _cache_keyword(model)  # the model is loaded once; new weights are copied into it
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -254,7 +255,6 @@ class Engine:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         longest = max(s.max_tokens for s in batch)
         cache = None
-        cache_key = _cache_keyword(self.model)
         active = [True] * len(batch)
         generated = 0
         with torch.inference_mode(), _autocast(self.device):
@@ -264,10 +264,10 @@ class Engine:
                     attention_mask=attention_mask,
                     position_ids=position_ids,
                     use_cache=True,
-                    **{cache_key: cache},
+                    **{self._cache_key: cache},
                 )
                 self.forward_passes += 1
-                cache = out[cache_key]
+                cache = out[self._cache_key]
                 logits = out.logits[:, -1, :].float()
                 next_ids = []
                 for row, seq in enumerate(batch):
