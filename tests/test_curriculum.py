@@ -92,6 +92,13 @@ def test_lint_refuses_a_curriculum_for_a_job_that_reads_no_packed_rows(tmp_path,
     cfg.write_text(f'[run]\njob = "{job}"\n\n[data]\ncurriculum = "{curriculum}"\n')
     problems, _ = lint_files([str(cfg)])
     errors = [(p.line, p.key, p.message) for p in problems if p.severity == "error" and p.key == "data.curriculum"]
+    # streamed data of its own, no difficulty field: still the one mistake, not what the curriculum would need
+    streamed = tmp_path / "s.toml"
+    streamed.write_text(f'[run]\njob = "{job}"\n\n[data]\ncurriculum = "{curriculum}"\nstreaming = true\n\n'
+                        f'[[data.datasets]]\npath = "{tmp_path / "d.jsonl"}"\n')  # fmt: skip
+    (tmp_path / "d.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    again = [p for p in lint_files([str(streamed)])[0] if p.key == "data.curriculum"]
+    assert [(p.line, p.severity) for p in again] == [(5, "error")] and "reads its data another way" in again[0].message
     assert len(errors) == 1 and errors[0][0] == 5, problems
     assert f"the {job} job reads its data another way" in errors[0][2] and "data.curriculum = 'none'" in errors[0][2]
 

@@ -282,8 +282,17 @@ def _judging_problems(cfg: Config, sources: Sources) -> list[Problem]:
 
 
 def _curriculum_problems(cfg: Config, sources: Sources) -> list[Problem]:
-    """data.curriculum orders data held in memory; 'difficulty' needs a number per record or a built-in task."""
+    """data.curriculum orders the sft and pretrain jobs' data held in memory; 'difficulty' needs a number per record
+    or a built-in task."""
     data, found = cfg.data, []
+    if data.curriculum != "none" and cfg.run.job not in ("sft", "pretrain"):
+        # the rl job samples an environment's prompts; dpo, reward and meta read pairs or tasks, not packed rows.
+        # The one mistake: what the curriculum would need of data it never orders is beside the point
+        why = (
+            f"data.curriculum = {data.curriculum!r} orders the packed rows of the sft and pretrain jobs; the "
+            f"{cfg.run.job} job reads its data another way and would ignore it: set data.curriculum = 'none'"
+        )
+        return [sources.problem(("data", "curriculum"), "error", why)]
     if data.curriculum != "none" and data.streaming:
         why = "data.curriculum needs data that fits in memory: set data.streaming = false or data.curriculum = 'none'"
         found.append((("data", "curriculum"), "error", why))
@@ -294,14 +303,7 @@ def _curriculum_problems(cfg: Config, sources: Sources) -> list[Problem]:
             f"data.datasets[{untasked[0]}], which is not a built-in task; or use data.curriculum = 'length'"
         )
         found.append((("data", "curriculum"), "error", why))
-    if data.curriculum != "none" and cfg.run.job not in ("sft", "pretrain"):
-        # the rl job samples an environment's prompts; dpo, reward and meta read pairs or tasks, not packed rows
-        why = (
-            f"data.curriculum = {data.curriculum!r} orders the packed rows of the sft and pretrain jobs; the "
-            f"{cfg.run.job} job reads its data another way and would ignore it: set data.curriculum = 'none'"
-        )
-        found.append((("data", "curriculum"), "error", why))
-    elif data.curriculum == "self_paced":
+    if data.curriculum == "self_paced":
         found += _self_paced_problems(cfg)
     if data.curriculum_steps is not None and data.curriculum_steps > cfg.train.max_steps:
         why = (
