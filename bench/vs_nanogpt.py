@@ -23,7 +23,7 @@ each round:
   native model's. Its rows are plain causal over the whole packed row, positions 0..T-1 (document starts are
   ignored, as nanoGPT trains on a stream). gpt2 / native-full isolates the architecture (LayerNorm and GELU
   against RMSNorm and SwiGLU, learned positions against RoPE, and, with --mask document, plain causal attention
-  against document masking; --mask causal takes that last one out).
+  against document masking; --mask causal takes that last one out: the engine's data.document_masking = false).
 
 - gpt2-bias: the gpt2 side's model with GPT-2's biases (nanoGPT's model default, bias=True: every Linear and
   LayerNorm has one, zero at the start); the rest as gpt2. gpt2-bias / gpt2 is what the biases cost; not in the
@@ -131,7 +131,11 @@ def build_job(out: str, shape: dict, args) -> SFTJob:
                 "grad_clip": 1.0,
                 "warmup_steps": 0,
             },
-            "data": {"seq_len": shape["seq"], "datasets": [{"task": "reverse-text", "num_examples": 4000}]},
+            "data": {
+                "seq_len": shape["seq"],
+                "datasets": [{"task": "reverse-text", "num_examples": 4000}],
+                "document_masking": args.mask == "document",
+            },
             "ckpt": {"interval": 10_000_000, "export_final": False},
             "logging": {"tensorboard": False, "log_interval": args.log_interval, "level": "warning"},
         }
@@ -145,8 +149,6 @@ def native_model(job: SFTJob, device: torch.device) -> NativeCausalLM:
     model.load_state_dict(job.model.state_dict())
     model.to(device).reset_rope(device)
     model.attention = job.model.attention  # the engine's attention kernel (FlexAttention when compiled on CUDA)
-    if job.model._mask.__name__ == "no_mask":
-        plain_causal(model)
     return model
 
 
@@ -297,7 +299,9 @@ class Reference:
     def run(self, steps: int) -> None:
         for _ in range(steps):
             b = next(self.batches)
-            ids, pos, labels = (t.to(self.device, non_blocking=True) for t in (b.input_ids, b.position_ids, b.labels))
+            ids, labels = (t.to(self.device, non_blocking=True) for t in (b.input_ids, b.labels))
+            # as the engine calls its model: no position_ids (plain causal) for rows that need no document mask
+            pos = None if b.causal else b.position_ids.to(self.device, non_blocking=True)
             with self.autocast():
                 loss = self.model(ids, position_ids=pos, labels=labels).loss
             loss.backward()
@@ -375,8 +379,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="CPU: torch threads (1: no spin-waiting threads in CPU time)")
     p.add_argument(
         "--mask", choices=("document", "causal"), default="document",
-        help="document: packed rows as the engine trains them; causal: plain causal attention over the whole row, "
-        "as nanoGPT trains on a stream (engine and native sides; the gpt2 side is always plain causal)",
+        help="document: packed rows as the engine trains them by default; causal: data.document_masking = false, "
+        "each row one stream with plain causal attention, as nanoGPT trains (engine and native sides; the gpt2 "
+        "side is always plain causal)",
     )  # fmt: skip
     p.add_argument(
         "--sides", type=parse_sides, default=DEFAULT_SIDES,
@@ -396,8 +401,6 @@ def main() -> None:
         # a loop the bench does not run): a bench ends at once on a signal, as `timeout` expects
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        if args.mask == "causal":
-            plain_causal(getattr(job.model, "_orig_mod", job.model))
         fixed = [next(job.batches) for _ in range(args.batches)]
         job.batches = itertools.cycle(fixed)  # train_step calls next() on it: the engine sees the same batches
         device = job.dist.device

@@ -17,8 +17,9 @@
 # tests), run in this order, each cut to what the budget leaves:
 #   stall   bench/checkpoint_stall.py --shapes gpt2: async against sync DCP save of the 124M model, blocking and
 #           the step-time dip over the next 10 steps (stall.log; GPU_CHECK_STALL_S, default 110 s)
-#   gpt2    bench/vs_nanogpt.py --shape gpt2 --sides native,gpt2,native-gpt2: the native Llama, the bench's GPT-2
-#           and the engine's GPT-2 (model.arch = "gpt2") at GPT-2-124M shape, tokens/s and ratios (gpt2.log;
+#   gpt2    bench/vs_nanogpt.py --shape gpt2 --sides native,gpt2,native-gpt2 --mask causal: the native Llama, the
+#           bench's GPT-2 and the engine's GPT-2 (model.arch = "gpt2") at GPT-2-124M shape, every row one causal
+#           stream as nanoGPT trains (data.document_masking = false), tokens/s and ratios (gpt2.log;
 #           GPU_CHECK_GPT2_S, default 170 s)
 #   layers  scripts/gpu_layers_mfu.py: 2 Llama-3-8B-shaped layers, FSDP2 + selective AC + compile, bf16 then
 #           float8, MFU and the float8 / bf16 ratio (layers.log, layers.json; GPU_CHECK_LAYERS_S, default 260 s)
@@ -72,7 +73,7 @@ fi
 
 if [[ $parts == *" gpt2 "* ]]; then
   run_part gpt2 "${GPU_CHECK_GPT2_S:-170}" python3 bench/vs_nanogpt.py --shape gpt2 --rounds 5 --steps 20 \
-    --sides native,gpt2,native-gpt2
+    --sides native,gpt2,native-gpt2 --mask causal
 fi
 
 if [[ $parts == *" layers "* ]]; then

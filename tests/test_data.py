@@ -189,6 +189,44 @@ def test_a_packed_row_gives_each_document_the_logits_it_gets_alone(tok):
                 torch.testing.assert_close(packed[row, a:b], alone, atol=1e-5, rtol=0)
 
 
+def test_rows_of_one_document_each_attend_plainly_causally_and_get_the_document_masks_logits(tok):
+    from transformers import LlamaConfig
+
+    from prime_train.engine import llama
+
+    packed = next(loader(tok, task_data(300, task="reverse-text"), mbs=2))
+    assert not packed.causal and packed.positions is packed.position_ids  # several documents a row
+    batch = next(loader(tok, task_data(300, task="reverse-text", packing=False), mbs=4))
+    assert batch.causal and batch.positions is None  # one document a row, then padding
+    assert batch.to(CPU).causal
+    config = LlamaConfig(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=128)  # fmt: skip
+    torch.manual_seed(0)
+    model = llama.from_config(config, max_seq_len=128).eval()
+    with torch.no_grad():
+        masked = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+        plain = model(input_ids=batch.input_ids, position_ids=batch.positions).logits
+    real = ~batch.pad_mask
+    torch.testing.assert_close(plain[real], masked[real], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("job", ["pretrain", "sft"])
+def test_document_masking_off_makes_each_row_one_stream_that_predicts_every_documents_first_token(tok, job):
+    masked = next(loader(tok, task_data(200), job=job, mbs=2))
+    batch = next(loader(tok, task_data(200, document_masking=False), job=job, mbs=2))
+    assert torch.equal(batch.input_ids, masked.input_ids)  # the same rows, packed the same way
+    assert batch.causal and not masked.causal
+    for pos, pad in zip(batch.position_ids, batch.pad_mask, strict=True):
+        real = int((~pad).sum())
+        assert pos[:real].tolist() == list(range(real))
+    starts = (masked.position_ids == 0) & ~masked.pad_mask
+    starts[:, 0] = False  # a row's own first token has nothing before it either way
+    if job == "pretrain":
+        assert torch.equal(batch.labels[starts], batch.input_ids[starts])  # predicted from the document before
+    assert (masked.labels[starts] == IGNORE_INDEX).all()
+    assert torch.equal(batch.labels[~starts], masked.labels[~starts])
+
+
 # ---- sources and formats ----------------------------------------------------------------------------------------
 
 

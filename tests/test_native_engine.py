@@ -147,14 +147,14 @@ def test_loss_curves_of_native_and_hf_models_match_on_the_tiny_default(tmp_path)
     assert curves["native"][-1] < curves["native"][0]
 
 
-def _loop_job(tmp_path, **train):
+def _loop_job(tmp_path, data: dict | None = None, **train):
     from prime_train.engine.train import SFTJob
 
     cfg = Config.model_validate(
         {
             "run": {"name": "loop", "output_dir": str(tmp_path)},
             "train": {"max_steps": 100, "micro_batch_size": 4, "global_batch_size": 8, "eval_interval": 100, **train},
-            "data": {"seq_len": 64, "datasets": [{"task": "reverse-text", "num_examples": 400}]},
+            "data": {"seq_len": 64, "datasets": [{"task": "reverse-text", "num_examples": 400}], **(data or {})},
             "ckpt": {"interval": 100},
             "logging": {"tensorboard": False, "log_interval": 4},
         }
@@ -221,3 +221,46 @@ def test_an_sft_run_with_an_environment_eval_shows_the_environments_eval_keys_on
     [line] = [line for line in lines if line.startswith("step 1/1 ")]
     for key in ("eval_loss", "eval_exact_match", "eval_env_reward", "eval_env_pass_rate"):
         assert f"| {key} " in line, line
+
+
+def test_a_step_on_rows_of_one_document_each_calls_the_model_without_a_document_mask(tmp_path, monkeypatch):
+    from prime_train.engine import llama
+
+    masks = []
+    real_mask = llama.decoder_mask
+
+    def spy(attention, position_ids, attention_mask):
+        masks.append(real_mask(attention, position_ids, attention_mask))
+        return masks[-1]
+
+    monkeypatch.setattr(llama, "decoder_mask", spy)
+    losses = {}
+    for packing in (False, True):
+        job = _loop_job(tmp_path / str(packing), data={"packing": packing})
+        try:
+            masks.clear()
+            losses[packing] = float(job.train_step()["loss"])
+        finally:
+            job.close()
+        # two micro-batches: plain causal attention (no mask tensor) exactly where a row holds one document
+        assert len(masks) == 2 and all((m is None) != packing for m in masks)
+    assert all(0 < loss < 10 for loss in losses.values())
+
+
+def test_document_masking_off_trains_every_row_plainly_causal_and_evaluates_the_same_way(tmp_path, monkeypatch):
+    from prime_train.engine import llama
+    from prime_train.engine.evaluate import eval_loss
+
+    masks = []
+    real_mask = llama.decoder_mask
+    monkeypatch.setattr(llama, "decoder_mask", lambda *a: masks.append(real_mask(*a)) or masks[-1])
+    job = _loop_job(tmp_path, data={"document_masking": False})
+    try:
+        job.train_step()
+        assert len(masks) == 2 and all(m is None for m in masks)
+        masks.clear()
+        # the held-out loss (the greedy samples of an eval attend with their left padding's mask, as always)
+        assert eval_loss(job.model, job.eval_batches, job.dist, job._autocast)["eval_loss"] > 0
+        assert masks and all(m is None for m in masks)
+    finally:
+        job.close()

@@ -186,6 +186,13 @@ class DataConfig(Section):
     )
     seq_len: int = Field(128, ge=8, le=1 << 24, description="Tokens per packed sequence.")
     packing: bool = Field(True, description="Pack documents into sequences by best fit.")
+    document_masking: bool = Field(
+        True,
+        description="Packed documents attend only within themselves (positions restart at each; a row of one "
+        "document attends plainly causally). false: each row is one stream across its documents, positions 0..T-1, "
+        "every document's first token predicted from the one before it, as nanoGPT, Megatron and torchtitan "
+        "pretrain by default: plain causal attention (the flash kernel on GPU) for every row.",
+    )
     held_out_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Fraction of records kept for eval.")
     num_workers: int | None = Field(
         None, ge=0, le=1024, description="Data-loader workers; unset: chosen from CPU cores."

@@ -67,7 +67,7 @@ class ElasticWeights:
         for _ in range(count):
             batch = next(batches).to(device)
             with autocast():
-                loss_sum, labelled = token_losses(model, batch.input_ids, batch.position_ids, batch.labels)
+                loss_sum, labelled = token_losses(model, batch.input_ids, batch.positions, batch.labels)
             (loss_sum / labelled.clamp(min=1)).backward()
             with torch.no_grad():
                 for name, p in self.params.items():

@@ -137,6 +137,10 @@ def _rank_rows(
     then the same rows whatever the world size, so 1 process and N processes train alike.
     """
     encoder = Encoder(tokenizer, job)
+
+    def rows_of(docs: list[Document]) -> PackedRows:
+        return build_rows(docs, data.seq_len, tokenizer.pad_token_id, data.packing, data.document_masking)
+
     datasets = [*data.datasets, *(replayed or [])]  # continual.previous after this run's own
     shared = not any(_splits_by_shard(ds, world_size) for ds in datasets)
     parts, row_difficulty = [], []
@@ -148,14 +152,14 @@ def _rank_rows(
         )  # fmt: skip
         docs = encoder.encode(fmt, contents)
         if data.curriculum == "none":
-            parts.append(build_rows(docs, data.seq_len, tokenizer.pad_token_id, data.packing))
+            parts.append(rows_of(docs))
             continue
         if scores is None:  # by length: the document's tokens
             scores = [float(len(doc.ids)) for doc in docs]
         groups = buckets(scores)
         # packed within each group: a row holds documents of one difficulty
-        rows = [build_rows([docs[i] for i in g], data.seq_len, tokenizer.pad_token_id, data.packing) for g in groups]
-        parts.append(concat_rows(rows) if rows else build_rows([], data.seq_len, tokenizer.pad_token_id, data.packing))
+        rows = [rows_of([docs[i] for i in g]) for g in groups]
+        parts.append(concat_rows(rows) if rows else rows_of([]))
         row_difficulty += [
             np.full(len(r.lengths), np.mean([scores[i] for i in g])) for r, g in zip(rows, groups, strict=True)
         ]
@@ -546,7 +550,7 @@ def build_eval_batches(
             streaming=data.streaming,
         )  # fmt: skip
         docs.extend(encoder.encode(fmt, contents))
-    rows = build_rows(docs, data.seq_len, tokenizer.pad_token_id, data.packing)
+    rows = build_rows(docs, data.seq_len, tokenizer.pad_token_id, data.packing, data.document_masking)
     total = len(rows.lengths)
     if total == 0 or max_batches < 1:
         return []

@@ -64,7 +64,7 @@ def eval_loss(model, batches, dist: DistInfo, autocast: Callable[[], AbstractCon
             loss_sum, count = token_losses(
                 model,
                 batch.input_ids.to(dist.device),
-                batch.position_ids.to(dist.device),
+                None if batch.causal else batch.position_ids.to(dist.device),
                 batch.labels.to(dist.device),
             )
         total += torch.tensor([loss_sum.item(), count.item()], dtype=torch.float64)

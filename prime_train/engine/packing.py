@@ -29,6 +29,15 @@ class Batch:
     labels: torch.Tensor
     position_ids: torch.Tensor
     pad_mask: torch.Tensor | None = None
+    # every row is one sequence from position 0 (then padding, if any): plain causal attention computes what the
+    # document mask would, so the model is called without position_ids (SDPA's is_causal: the flash kernel on GPU,
+    # no B x T x T mask). Known on the host when the batch is made: no device sync decides it.
+    causal: bool = False
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """The position_ids to call the model with: None where plain causal attention is exact (`causal`)."""
+        return None if self.causal else self.position_ids
 
     @property
     def num_tokens(self) -> int:
@@ -46,6 +55,7 @@ class Batch:
         return Batch(
             *(t.to(device, non_blocking=non_blocking) for t in (self.input_ids, self.labels, self.position_ids)),
             pad_mask=None if self.pad_mask is None else self.pad_mask.to(device, non_blocking=non_blocking),
+            causal=self.causal,
         )
 
     def pin_memory(self) -> Batch:
@@ -55,6 +65,7 @@ class Batch:
             self.labels.pin_memory(),
             self.position_ids.pin_memory(),
             pad_mask=None if self.pad_mask is None else self.pad_mask.pin_memory(),
+            causal=self.causal,
         )
 
 
@@ -150,10 +161,17 @@ class PackedRows:
             torch.from_numpy(labels.astype(np.int64)),
             torch.from_numpy((columns - last_start).astype(np.int64)),
             pad_mask=torch.from_numpy(pad_mask),
+            # no document starts after a row's first token, but where its padding begins
+            causal=not (starts[:, 1:] & ~pad_mask[:, 1:]).any(),
         )
 
 
-def build_rows(docs: list[Document], seq_len: int, pad_id: int, packing: bool) -> PackedRows:
+def build_rows(
+    docs: list[Document], seq_len: int, pad_id: int, packing: bool, document_masking: bool = True
+) -> PackedRows:
+    """Rows of seq_len. document_masking=False (data.document_masking): a row is one stream, as nanoGPT trains,
+    no start marked inside it, so positions run 0..T-1 across its documents, each document's first token is
+    predicted from the one before it, and the row attends plainly causally."""
     lengths = [len(doc.ids) for doc in docs]
     bins = pack_best_fit(lengths, seq_len) if packing else [[i] for i in range(len(docs))]
     ids = np.full((len(bins), seq_len), pad_id, dtype=np.int32)
@@ -166,7 +184,7 @@ def build_rows(docs: list[Document], seq_len: int, pad_id: int, packing: bool) -
             kept = min(lengths[doc], seq_len)
             ids[row, offset : offset + kept] = docs[doc].ids[:kept]
             loss[row, offset : offset + kept] = docs[doc].loss[:kept]
-            starts[row, offset] = True
+            starts[row, offset] = document_masking or offset == 0
             offset += kept
         row_lengths[row] = offset
         if offset < seq_len:

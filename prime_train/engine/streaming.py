@@ -82,6 +82,7 @@ class StreamingLoader:
         seq_len: int,
         packing: bool,
         held_out_fraction: float,
+        document_masking: bool = True,
         micro_batch_size: int,
         rank: int,
         world_size: int,
@@ -101,6 +102,7 @@ class StreamingLoader:
         self._pad_id = tokenizer.pad_token_id
         self._seq_len = seq_len
         self._packing = packing
+        self._document_masking = document_masking
         self._held_out_fraction = held_out_fraction
         self._micro_batch_size = micro_batch_size
         self._seed = seed
@@ -302,7 +304,7 @@ class StreamingLoader:
                 break
         docs = self._encoder.encode(self._format or "text", contents)
         del contents
-        rows = build_rows(docs, self._seq_len, self._pad_id, self._packing)
+        rows = build_rows(docs, self._seq_len, self._pad_id, self._packing, self._document_masking)
         tags = [self._seed, self._rank, 4, window_start.epoch, window_start.shard, window_start.row]
         order = np.random.default_rng(tags).permutation(len(rows.lengths))
         return _Window(window_start, self._past_epoch_end(end), rows, order)
@@ -328,6 +330,7 @@ def _concat_batches(parts: list[Batch]) -> Batch:
         torch.cat([p.labels for p in parts]),
         torch.cat([p.position_ids for p in parts]),
         pad_mask=None if any(p is None for p in pads) else torch.cat(pads),
+        causal=all(p.causal for p in parts),
     )
 
 
@@ -433,6 +436,7 @@ def build_streaming_loader(
             job=job,
             seq_len=data.seq_len,
             packing=data.packing,
+            document_masking=data.document_masking,
             held_out_fraction=data.held_out_fraction,
             micro_batch_size=micro_batch_size,
             rank=rank,

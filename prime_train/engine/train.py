@@ -176,9 +176,9 @@ class SFTJob(TrainingJob):
                 with parallel.grad_sync(self.model, enabled=i == accum - 1), self._autocast():
                     with timer("forward"):
                         if paced is None:
-                            part, _ = token_losses(self.model, batch.input_ids, batch.position_ids, batch.labels)
+                            part, _ = token_losses(self.model, batch.input_ids, batch.positions, batch.labels)
                         else:  # the same forward, with each row's loss kept
-                            part, rows = row_losses(self.model, batch.input_ids, batch.position_ids, batch.labels)
+                            part, rows = row_losses(self.model, batch.input_ids, batch.positions, batch.labels)
                             row_sums.append(rows)
                     with timer("backward"):
                         self.scaler.scale(part * scale).backward()

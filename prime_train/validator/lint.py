@@ -336,6 +336,12 @@ def _data_problems(cfg: Config, sources: Sources) -> list[Problem]:
     """data.sampling_probs fit the datasets; each dataset and train.mc_eval_path hold what the engine will read."""
     problems = []
     d = cfg.data
+    if not d.document_masking and cfg.run.job not in ("sft", "pretrain"):
+        why = (
+            "data.document_masking = false makes each packed row of the sft and pretrain jobs one stream; the "
+            f"{cfg.run.job} job reads its data another way and would ignore it: remove the key"
+        )
+        problems.append(sources.problem(("data", "document_masking"), "error", why))
     if d.sampling_probs is not None:
         if len(d.sampling_probs) != len(d.datasets):
             problems.append(
