@@ -22,6 +22,7 @@ from prime_train.contract import (
     RunDir,
     replace_file_atomic,
 )
+from prime_train.cpu_share import usable_cores
 
 if TYPE_CHECKING:
     from prime_train.kit.redact import MaskedConfig
@@ -88,12 +89,9 @@ class LaunchPlan:
     threads: tuple[int, str] = (1, "")  # OMP_NUM_THREADS of each process, and why that many
 
 
-def usable_cores() -> int:
-    """The CPUs this process may run on (taskset, cgroups' cpusets), or every core where that cannot be asked."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
+def threads_exported() -> bool:
+    exported = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return exported.isdigit() and int(exported) > 0
 
 
 def cpu_threads(cfg: Config, nproc: int) -> tuple[int, str]:
@@ -102,7 +100,7 @@ def cpu_threads(cfg: Config, nproc: int) -> tuple[int, str]:
     machine its threads then wait on each other (the trial: 3x the CPU time a step at load average 5 on 2
     cores), so a shared machine slows the job in proportion to what is free, not 3x."""
     exported = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if exported.isdigit() and int(exported) > 0:
+    if threads_exported():
         return int(exported), f"OMP_NUM_THREADS={exported} exported"
     if cfg.train.threads:
         return cfg.train.threads, "train.threads"
@@ -130,6 +128,9 @@ def plan_engine_launch(
     env = {"PYTHONUNBUFFERED": "1"}
     threads = cpu_threads(cfg, nproc)
     env["OMP_NUM_THREADS"] = str(threads[0])
+    if not threads_exported() and not cfg.train.threads:
+        # chosen for the run: each trainer shares them with other runs' trainers as they come and go (cpu_share.py)
+        env["PRIME_TRAIN_THREADS"] = "auto"
     if nproc == 1 and nnodes == 1:
         return LaunchPlan([sys.executable, "-m", *job], env, threads=threads)
     argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]

@@ -11,7 +11,7 @@ import pytest
 from enginetools import run_train
 from filelock import FileLock
 
-from prime_train.launch import usable_cores
+from prime_train.cpu_share import usable_cores
 
 # `-n auto` (pyproject's addopts): at most this many pytest-xdist workers. An engine test's single-process run trains
 # on one core, its multi-rank runs on all of them; two workers filled CI's two cores. Each worker trains its own

@@ -251,7 +251,7 @@ def test_importing_every_supervisor_side_module_loads_no_torch():
 # prime_train's direct children, bottom first (docs/architecture.md "The layers"). A package imports only from
 # layers below its own; the modules of the bottom layer may also import each other.
 LAYERS = (
-    ("contract", "retention", "tasks", "vocab", "environments", "reward_scorer"),
+    ("contract", "retention", "tasks", "vocab", "environments", "reward_scorer", "cpu_share"),
     ("config",),
     ("kit",),
     ("engine",),

@@ -187,7 +187,11 @@ def test_cpu_threads_are_the_cores_free_at_launch_unless_the_user_says(monkeypat
     assert plan_engine_launch(Config(), "c.toml").env["OMP_NUM_THREADS"] == "1"
     monkeypatch.setattr("os.getloadavg", lambda: (0.0, 0.0, 0.0))
     assert plan_engine_launch(Config(), "c.toml").env["OMP_NUM_THREADS"] == "8"
+    # chosen for the run: its trainers share them with other runs' (prime_train/cpu_share.py); else the user's
+    assert plan_engine_launch(Config(), "c.toml").env["PRIME_TRAIN_THREADS"] == "auto"
     chosen = plan_engine_launch(Config.model_validate({"train": {"threads": 2}}), "c.toml")
     assert (chosen.env["OMP_NUM_THREADS"], chosen.threads[1]) == ("2", "train.threads")
+    assert "PRIME_TRAIN_THREADS" not in chosen.env
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
     assert plan_engine_launch(Config(), "c.toml").threads == (5, "OMP_NUM_THREADS=5 exported")
+    assert "PRIME_TRAIN_THREADS" not in plan_engine_launch(Config(), "c.toml").env

@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from prime_train import cpu_share
 from prime_train.config.loader import ConfigError, load_config
 from prime_train.config.schema import Config
 from prime_train.contract import (
@@ -143,6 +144,7 @@ class TrainingJob:
         d = cfg.distributed
         self.dist = with_pipeline_ranks(parallel.init_distributed(d), d.pp_size, d.tp_size)
         setup_logging(cfg, self.dist.rank)
+        self.cpu_share = cpu_share.from_environment()  # threads the launch chose, shared with other runs' trainers
         if cfg.distributed.tp_size > 1 and not self.supports_tensor_parallel:
             raise EngineConfigError(
                 f"distributed.tp_size = {cfg.distributed.tp_size} is for run.job 'sft' and 'pretrain'; this "
@@ -410,6 +412,8 @@ class TrainingJob:
         """Flush checkpoints and metrics, drop the model wrappers, leave the process group."""
         self.checkpointer.close()
         self.metrics.close(failed=self.failed)
+        if getattr(self, "cpu_share", None) is not None:
+            self.cpu_share.release()
         # drop the DDP/FSDP wrappers before the process group goes, or gloo may abort at exit
         self.state = self.optimizer = self.scheduler = self.model = None
         gc.collect()
@@ -488,6 +492,9 @@ class TrainingJob:
         if step % GC_INTERVAL_STEPS == 0:
             gc.collect(1)
         self.checkpointer.poll()
+        if self.cpu_share is not None and (threads := self.cpu_share.poll()) is not None:
+            logger.info("CPU threads: %d (other runs of prime-train on this machine came or went)", threads)
+            torch.set_num_threads(threads)
         logging_step = self.buffer.due(step, last=last)
         evaluating = self.evaluator.due(step)
         best, ending = False, None
