@@ -52,6 +52,30 @@ def test_packed_rows_attend_within_their_document_at_their_own_positions():
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
 
 
+def test_whole_native_gpt2_with_loss_compiles_as_one_graph_for_plain_and_packed_rows():
+    """Issue 35: graph breaks cost the compiled step on GPU. Plain rows (is_causal) and packed ones (the dense
+    document mask) are each one graph with the fused loss; compiled under fullgraph it matches eager."""
+    _, native = pair()
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    positions = torch.cat([torch.arange(10), torch.arange(14)]).expand(2, 24)
+
+    def step(model, position_ids):
+        return model(ids, position_ids=position_ids, labels=ids, loss_chunk_size=16).loss
+
+    for position_ids in (None, positions):
+        explained = torch._dynamo.explain(step)(native, position_ids)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+        eager = step(native, position_ids)
+        eager_grads = torch.autograd.grad(eager, list(native.parameters()))
+        torch._dynamo.reset()
+        compiled = torch.compile(native, fullgraph=True, backend="aot_eager")  # dynamo + AOTAutograd, no codegen
+        loss = step(compiled, position_ids)
+        grads = torch.autograd.grad(loss, list(native.parameters()))
+        torch.testing.assert_close(loss, eager)
+        for got, want in zip(grads, eager_grads, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
 def test_to_hf_shares_the_parameters_and_transformers_computes_the_same_logits():
     _, native = pair()
     hf = to_hf(native).eval()
