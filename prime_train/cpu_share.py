@@ -167,7 +167,7 @@ class CpuShare:
     def release(self) -> None:
         """Remove this process's claim (only its own file)."""
         if self.path is not None:
-            with contextlib.suppress(FileNotFoundError, OSError):
+            with contextlib.suppress(OSError):
                 if not self.path.is_symlink():
                     os.unlink(self.path)
 

@@ -89,9 +89,14 @@ class LaunchPlan:
     threads: tuple[int, str] = (1, "")  # OMP_NUM_THREADS of each process, and why that many
 
 
-def threads_exported() -> bool:
+def user_threads(cfg: Config) -> tuple[int, str] | None:
+    """The threads the user chose, and where: an exported OMP_NUM_THREADS, else train.threads; None if neither."""
     exported = os.environ.get("OMP_NUM_THREADS", "").strip()
-    return exported.isdigit() and int(exported) > 0
+    if exported.isdigit() and int(exported) > 0:
+        return int(exported), f"OMP_NUM_THREADS={exported} exported"
+    if cfg.train.threads:
+        return cfg.train.threads, "train.threads"
+    return None
 
 
 def cpu_threads(cfg: Config, nproc: int) -> tuple[int, str]:
@@ -99,11 +104,8 @@ def cpu_threads(cfg: Config, nproc: int) -> tuple[int, str]:
     train.threads, else the cores free now. torch sizes its pool to every core whatever else runs; on a busy
     machine its threads then wait on each other (the trial: 3x the CPU time a step at load average 5 on 2
     cores), so a shared machine slows the job in proportion to what is free, not 3x."""
-    exported = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if threads_exported():
-        return int(exported), f"OMP_NUM_THREADS={exported} exported"
-    if cfg.train.threads:
-        return cfg.train.threads, "train.threads"
+    if (chosen := user_threads(cfg)) is not None:
+        return chosen
     cores = usable_cores()
     try:
         load = os.getloadavg()[0]
@@ -128,7 +130,7 @@ def plan_engine_launch(
     env = {"PYTHONUNBUFFERED": "1"}
     threads = cpu_threads(cfg, nproc)
     env["OMP_NUM_THREADS"] = str(threads[0])
-    if not threads_exported() and not cfg.train.threads:
+    if user_threads(cfg) is None:
         # chosen for the run: each trainer shares them with other runs' trainers as they come and go (cpu_share.py)
         env["PRIME_TRAIN_THREADS"] = "auto"
     if nproc == 1 and nnodes == 1:

@@ -223,17 +223,23 @@ def test_an_sft_run_with_an_environment_eval_shows_the_environments_eval_keys_on
         assert f"| {key} " in line, line
 
 
-def test_a_step_on_rows_of_one_document_each_calls_the_model_without_a_document_mask(tmp_path, monkeypatch):
+@pytest.fixture
+def masks(monkeypatch) -> list:
+    """Every attention mask the native Llama builds from here on (None: plain causal, no mask tensor)."""
     from prime_train.engine import llama
 
-    masks = []
+    made = []
     real_mask = llama.decoder_mask
 
     def spy(attention, position_ids, attention_mask):
-        masks.append(real_mask(attention, position_ids, attention_mask))
-        return masks[-1]
+        made.append(real_mask(attention, position_ids, attention_mask))
+        return made[-1]
 
     monkeypatch.setattr(llama, "decoder_mask", spy)
+    return made
+
+
+def test_a_step_on_rows_of_one_document_each_calls_the_model_without_a_document_mask(tmp_path, masks):
     losses = {}
     for packing in (False, True):
         job = _loop_job(tmp_path / str(packing), data={"packing": packing})
@@ -247,13 +253,9 @@ def test_a_step_on_rows_of_one_document_each_calls_the_model_without_a_document_
     assert all(0 < loss < 10 for loss in losses.values())
 
 
-def test_document_masking_off_trains_every_row_plainly_causal_and_evaluates_the_same_way(tmp_path, monkeypatch):
-    from prime_train.engine import llama
+def test_document_masking_off_trains_every_row_plainly_causal_and_evaluates_the_same_way(tmp_path, masks):
     from prime_train.engine.evaluate import eval_loss
 
-    masks = []
-    real_mask = llama.decoder_mask
-    monkeypatch.setattr(llama, "decoder_mask", lambda *a: masks.append(real_mask(*a)) or masks[-1])
     job = _loop_job(tmp_path, data={"document_masking": False})
     try:
         job.train_step()

@@ -60,13 +60,9 @@ def eval_loss(model, batches, dist: DistInfo, autocast: Callable[[], AbstractCon
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
     for batch in batches:
+        batch = batch.to(dist.device)
         with autocast():
-            loss_sum, count = token_losses(
-                model,
-                batch.input_ids.to(dist.device),
-                None if batch.causal else batch.position_ids.to(dist.device),
-                batch.labels.to(dist.device),
-            )
+            loss_sum, count = token_losses(model, batch.input_ids, batch.positions, batch.labels)
         total += torch.tensor([loss_sum.item(), count.item()], dtype=torch.float64)
     total = all_reduce_sum(total, dist)
     model.train(was_training)

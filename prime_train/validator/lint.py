@@ -65,6 +65,9 @@ def _resolve(path: str) -> str:
 # Entries looked at below a data directory before lint stops searching (and leaves the directory to the engine).
 MAX_DATA_SCAN = 100_000
 
+# the jobs whose data is packed rows: data.curriculum and data.document_masking act on those rows only
+PACKED_ROW_JOBS = ("sft", "pretrain")
+
 
 def _data_files_problem(path: str) -> str | None:
     """Why a dataset `path` gives the engine no data file, or None: the same rule as engine/records.py
@@ -285,7 +288,7 @@ def _curriculum_problems(cfg: Config, sources: Sources) -> list[Problem]:
     """data.curriculum orders the sft and pretrain jobs' data held in memory; 'difficulty' needs a number per record
     or a built-in task."""
     data, found = cfg.data, []
-    if data.curriculum != "none" and cfg.run.job not in ("sft", "pretrain"):
+    if data.curriculum != "none" and cfg.run.job not in PACKED_ROW_JOBS:
         # the rl job samples an environment's prompts; dpo, reward and meta read pairs or tasks, not packed rows.
         # The one mistake: what the curriculum would need of data it never orders is beside the point
         why = (
@@ -336,7 +339,7 @@ def _data_problems(cfg: Config, sources: Sources) -> list[Problem]:
     """data.sampling_probs fit the datasets; each dataset and train.mc_eval_path hold what the engine will read."""
     problems = []
     d = cfg.data
-    if not d.document_masking and cfg.run.job not in ("sft", "pretrain"):
+    if not d.document_masking and cfg.run.job not in PACKED_ROW_JOBS:
         why = (
             "data.document_masking = false makes each packed row of the sft and pretrain jobs one stream; the "
             f"{cfg.run.job} job reads its data another way and would ignore it: remove the key"
