@@ -52,6 +52,10 @@ def test_two_process_ddp_matches_one_process_step_by_step(tmp_path):
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     two = run_train(tmp_path, "two", **{"train.max_steps": 20, "distributed.nproc_per_node": 2})
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    # no rank's console carries the import-time warnings of torchao (installed with the dev extras) and torch's pytree
+    for run in (one, two):
+        noise = [line for line in (run.stdout + run.stderr).splitlines() if "torchao" in line or "_pytree" in line]
+        assert not noise, noise
     a, b = losses_by_step(tmp_path / "one"), losses_by_step(tmp_path / "two")
     assert sorted(a) == sorted(b) == list(range(1, 21))
     for step in a:

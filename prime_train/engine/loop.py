@@ -98,7 +98,11 @@ def setup_logging(cfg: Config, rank: int) -> None:
         "%(asctime)s %(levelname)s %(message)s" if rank == 0 else f"%(asctime)s [rank{rank}] %(levelname)s %(message)s"
     )
     logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", stream=sys.stdout, force=True)
-    for noisy in ("transformers", "torch.distributed", "urllib3", "httpx"):
+    # torchao, which transformers imports whenever it is installed, warns at every start on a machine without its
+    # GPU kernels ("Failed to load .../torchao/_C_mxfp8...so", "Detected no triton") and registers enums that torch's
+    # pytree warns about: noise on every rank's console, none of it about the run (float8 and QAT fail in words of
+    # their own when torchao cannot do what they ask)
+    for noisy in ("transformers", "torch.distributed", "urllib3", "httpx", "torchao", "torch.utils._pytree"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     try:  # transformers' own tqdm bars ("Writing model shards") would interleave with our log lines
         from transformers.utils import logging as hf_logging

@@ -464,7 +464,8 @@ def _bind(host: str, port: int, request_timeout_s: float, index: int) -> WorkerS
 def _setup_logging(level: str) -> None:
     fmt = "%(asctime)s %(levelname)s %(message)s"
     logging.basicConfig(level=level.upper(), format=fmt, datefmt="%H:%M:%S", stream=sys.stdout, force=True)
-    for noisy in ("transformers", "urllib3"):
+    # torchao's and torch's pytree import-time warnings: noise, as in the trainer (engine/loop.py's setup_logging)
+    for noisy in ("transformers", "urllib3", "torchao", "torch.utils._pytree"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
