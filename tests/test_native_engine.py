@@ -8,6 +8,8 @@ names keep checkpoints and exports interchangeable.
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,7 +18,6 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from prime_train.config.schema import Config, ModelConfig
-from prime_train.engine.llama import NativeCausalLM
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.model import build_model, is_native
 
@@ -31,20 +32,49 @@ def _build(cfg: ModelConfig, *, for_training: bool, seed: int = 0, vocab: int = 
 
 @pytest.mark.parametrize(
     "cfg",
-    [ModelConfig(), ModelConfig(arch="qwen2", num_kv_heads=2, tie_embeddings=False)],
-    ids=["llama-tied", "qwen2-gqa-untied"],
+    [
+        ModelConfig(),
+        ModelConfig(arch="qwen2", num_kv_heads=2, tie_embeddings=False),
+        ModelConfig(arch="llama", num_kv_heads=2, tie_embeddings=False, intermediate_size=384),
+        ModelConfig(arch="gpt2", num_layers=3),
+        ModelConfig(arch="gpt2", tie_embeddings=False),
+    ],
+    ids=["llama-tied", "qwen2-gqa-untied", "llama-gqa-untied", "gpt2-tied", "gpt2-untied"],
 )
 def test_training_model_is_native_with_the_weights_and_logits_transformers_would_train(cfg):
+    # the random-initialised native model is filled directly (engine/hf_init.py), never through transformers' class:
+    # the same numbers from the same seed, and the same draws, so whatever the run draws next is the same too
     hf = _build(cfg, for_training=False)
+    after_hf = torch.rand(4)
     native = _build(cfg, for_training=True)
+    after_native = torch.rand(4)
 
-    assert isinstance(native, NativeCausalLM) and not is_native(hf)
+    assert is_native(native) and not is_native(hf)
+    assert torch.equal(after_native, after_hf)
     assert native.state_dict().keys() == hf.state_dict().keys()
     for name, tensor in hf.state_dict().items():
         assert torch.equal(native.state_dict()[name], tensor), name
-    assert (native.lm_head.weight is native.model.embed_tokens.weight) == cfg.tie_embeddings
+    embedding = native.get_input_embeddings().weight
+    assert (native.lm_head.weight is embedding) == cfg.tie_embeddings
+    assert native.config.to_dict() == hf.config.to_dict()  # what export writes as config.json
     with torch.no_grad():
         torch.testing.assert_close(native(IDS).logits, hf(input_ids=IDS).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_trainer_builds_its_random_initialised_model_without_importing_transformers_model_code():
+    # transformers' modeling_llama (and what it pulls in: generation, masking, loss utilities) is about a second of
+    # every rank's start-up; a random-initialised run needs it only to export at the end
+    code = (
+        "import sys, torch\n"
+        "from prime_train.config.schema import Config\n"
+        "from prime_train.engine.model import flops_per_token, load_model_and_tokenizer\n"
+        "tokenizer, model = load_model_and_tokenizer(Config())\n"
+        "flops_per_token(model.config, 256)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('transformers.models.') and '.modeling_' in m\n"
+        "             and not m.startswith('transformers.models.auto.')))\n"  # the name -> class tables only
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_implementation_hf_and_the_generation_side_keep_transformers_model():

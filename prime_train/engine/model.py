@@ -52,7 +52,14 @@ def build_model(
             "use 'sdpa' on this machine"
         )
     try:
-        model = _load_pretrained(cfg, vocab_size) if cfg.path else _random_init(cfg, vocab_size)
+        if cfg.path:
+            model = _load_pretrained(cfg, vocab_size)
+        else:
+            hf_config = _random_config(cfg, vocab_size)
+            if for_training and resolve_implementation(cfg, hf_config) == "native":
+                # filled directly, with transformers' numbers: its model code is never imported (engine/hf_init.py)
+                return _random_native(cfg, hf_config).to(device)
+            model = _random_init(cfg, hf_config)
     except ImportError as exc:
         # transformers refuses an attention implementation whose package is missing (flash_attention_2 without
         # flash-attn): the config asks for something this environment cannot do, and a retry would fail again
@@ -65,7 +72,7 @@ def build_model(
     # a checkpointed layer recomputes, and makes torch.compile fall back to eager at the cache update.
     # generate() reads generation_config.use_cache instead, so exported models still decode with a cache.
     model.config.use_cache = False
-    if for_training and resolve_implementation(cfg, model.config) == "native":
+    if for_training and cfg.path and resolve_implementation(cfg, model.config) == "native":
         model = _to_native(model)
     return model.to(device)
 
@@ -111,13 +118,9 @@ def native_supports(hf_config) -> str | None:
 
 def _to_native(hf_model: nn.Module) -> nn.Module:
     """The native decoder holding `hf_model`'s own weights (the same Parameter objects: no copy, same names)."""
-    from prime_train.engine.gpt2 import NativeGPT2
-    from prime_train.engine.llama import NativeCausalLM
-
     config = hf_model.config
-    native_class = NativeGPT2 if config.model_type == "gpt2" else NativeCausalLM
     with torch.device("meta"):
-        native = native_class(config)
+        native = native_class(config)(config)
     # keep_vars: the Parameters themselves, so nothing is copied and the HF model can be dropped
     native.load_state_dict(hf_model.state_dict(keep_vars=True), strict=True, assign=True)
     embedding = native.get_input_embeddings()
@@ -125,8 +128,19 @@ def _to_native(hf_model: nn.Module) -> nn.Module:
         native.lm_head.weight = embedding.weight  # assign=True gave them separate Parameters
     native.reset_rope(embedding.weight.device)
     logger.info("training the native %s decoder (engine/%s.py)", config.model_type,
-                "gpt2" if native_class is NativeGPT2 else "llama")  # fmt: skip
+                "gpt2" if config.model_type == "gpt2" else "llama")  # fmt: skip
     return native
+
+
+def native_class(config) -> type[nn.Module]:
+    """The native decoder class for a config native_supports accepts."""
+    if config.model_type == "gpt2":
+        from prime_train.engine.gpt2 import NativeGPT2
+
+        return NativeGPT2
+    from prime_train.engine.llama import NativeCausalLM
+
+    return NativeCausalLM
 
 
 def is_native(model: nn.Module) -> bool:
@@ -167,8 +181,9 @@ def _load_pretrained(cfg: ModelConfig, vocab_size: int):
     return model
 
 
-def _random_init(cfg: ModelConfig, vocab_size: int):
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+def _random_config(cfg: ModelConfig, vocab_size: int):
+    """The transformers config of the random-initialised model `cfg` describes (model.arch and its shape keys)."""
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
     config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gpt2": GPT2Config}[cfg.arch]
     # the built-in byte tokenizer's special tokens (the config classes default to other ids: Llama's eos is 2);
@@ -199,8 +214,34 @@ def _random_init(cfg: ModelConfig, vocab_size: int):
             "num_key_value_heads": cfg.num_kv_heads or cfg.num_heads,
         }
     hf_config = config_class(**token_ids, **shape, **family)
-    # initialised on the CPU from the caller's torch seed: every rank (and a GPU run) gets the same weights,
-    # which FSDP2 relies on since fully_shard keeps each rank's own slice without broadcasting
+    # what transformers' from_config records on the config it builds from, so both models below export alike
+    hf_config.dtype = torch.float32
+    hf_config._attn_implementation = cfg.attn_implementation
+    return hf_config
+
+
+# Both are initialised on the CPU from the caller's torch seed: every rank (and a GPU run) gets the same weights,
+# which FSDP2 relies on since fully_shard keeps each rank's own slice without broadcasting.
+
+
+def _random_native(cfg: ModelConfig, hf_config) -> nn.Module:
+    from prime_train.engine.hf_init import random_native
+
+    model = random_native(hf_config)
+    model.config.use_cache = False
+    logger.info(
+        "random-initialised the native %s decoder: %d layers, hidden %d, vocab %d",
+        hf_config.model_type,
+        cfg.num_layers,
+        cfg.hidden_size,
+        hf_config.vocab_size,
+    )
+    return model
+
+
+def _random_init(cfg: ModelConfig, hf_config):
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_config(
         hf_config, dtype=torch.float32, attn_implementation=cfg.attn_implementation
     )
@@ -209,7 +250,7 @@ def _random_init(cfg: ModelConfig, vocab_size: int):
         type(model).__name__,
         cfg.num_layers,
         cfg.hidden_size,
-        vocab_size,
+        hf_config.vocab_size,
     )
     return model
 
@@ -257,12 +298,16 @@ def flops_per_token(model_config, seq_len: int, *, adapter_params: int | None = 
     `adapter_params` (a LoRA run: the adapters' parameter count): the base is frozen, so its weights need no
     gradient: 4N for its matmuls (forward, and the gradient of each activation the adapters' gradients flow back
     through) plus 6 per adapter parameter, instead of 6N."""
-    from transformers import AutoModelForCausalLM
-
     # A meta-device model counts the parameters of any architecture exactly, allocates nothing and
-    # leaves the torch RNG alone.
+    # leaves the torch RNG alone. The native decoder holds the same parameters as transformers' model where it
+    # runs the config, and needs none of transformers' model code imported (a second of a trainer's start-up).
     with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(model_config)
+        if native_supports(model_config) is None:
+            meta = native_class(model_config)(model_config)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            meta = AutoModelForCausalLM.from_config(model_config)
     n_non_embedding = num_parameters(meta, exclude_embeddings=True)
     output = meta.get_output_embeddings()
     if output is not None and output.weight is meta.get_input_embeddings().weight:
