@@ -121,3 +121,21 @@ def test_a_continual_run_evaluates_the_previous_data_and_resumes_with_its_ewc_an
     out = more.stdout + more.stderr
     assert more.returncode == 0, out[-3000:]
     assert "resumed from" in out and "EWC: Fisher information" not in out
+
+
+@pytest.mark.slow
+def test_ewc_penalty_under_tensor_parallel_is_the_whole_models_as_in_one_process(tmp_path):
+    # the column/row-parallel weights are cut in two and the norms replicated: the penalty sums the cuts and counts
+    # each norm once (each rank used to report its own half)
+    keys = {"continual.ewc_lambda": 1000.0, "continual.fisher_batches": 2, "train.max_steps": 3, "ckpt.interval": 3,
+            "logging.log_interval": 1}  # fmt: skip
+    penalties = {}
+    for name, extra in (("one", {}), ("tp2", {"distributed.nproc_per_node": 2, "distributed.tp_size": 2})):
+        result = run(tmp_path, name, **keys, **extra)
+        assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+        penalties[name] = {r["step"]: r["ewc_penalty"] for r in metrics(tmp_path / name) if "ewc_penalty" in r}
+    assert sorted(penalties["one"]) == sorted(penalties["tp2"]) == [1, 2, 3]
+    for step, value in penalties["one"].items():
+        assert value > 0
+        # the drift from the anchor is a difference of nearly equal weights: its rounding differs at ~1e-4 relative
+        assert penalties["tp2"][step] == pytest.approx(value, rel=1e-2), (step, penalties)

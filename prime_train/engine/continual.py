@@ -14,6 +14,7 @@ needs nothing here: it is a mixing weight of the data loader (engine/data.py).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
@@ -88,12 +89,29 @@ class ElasticWeights:
                 p.grad.add_(self.fisher[name] * (p.detach() - self.anchor[name]), alpha=self.strength)
 
     @torch.no_grad()
-    def local_penalty(self) -> torch.Tensor:
-        """λ/2 Σ F (θ - θ*)² over this rank's part of the parameters (a 0-dim tensor on the device, no sync)."""
+    def local_penalty(self, holders: int = 1) -> torch.Tensor:
+        """This rank's share of λ/2 Σ F (θ - θ*)² (a 0-dim tensor on the device, no sync): summed over ranks, the
+        whole model's penalty, each parameter counted once.
+
+        holders: how many ranks hold this rank's parameters (its pipeline stage's), in shards or whole. A parameter
+        (shard) held whole by k of them counts 1/k here: a DTensor's shards are distinct along the mesh dims it is
+        Shard on (FSDP's, tensor parallel's column/row cuts) and copies along the rest (HSDP's replicas, a tensor
+        parallel norm); a plain tensor (DDP) is a copy on every holder."""
         total = None
         for name, p in self.params.items():
             term = (_local(self.fisher[name]) * (_local(p.detach()) - _local(self.anchor[name])).pow(2)).sum()
+            term = term / (holders // _distinct_shards(p))
             total = term if total is None else total + term
         if total is None:
             return torch.zeros(())
         return total.float() * (self.strength / 2)
+
+
+def _distinct_shards(p: torch.Tensor) -> int:
+    """Into how many different pieces a parameter is cut across the ranks holding it (1 unless a sharded DTensor)."""
+    from torch.distributed.tensor import Shard
+
+    placements = getattr(p, "placements", None)
+    if placements is None:
+        return 1
+    return math.prod(p.device_mesh.size(d) for d, placement in enumerate(placements) if isinstance(placement, Shard))

@@ -228,11 +228,11 @@ class SFTJob(TrainingJob):
         self.batches.self_paced.observe(every[:, 0].astype(np.int64), every[:, 1].astype(np.int64), every[:, 2])
 
     def _ewc_penalty(self) -> torch.Tensor:
-        """EWC's penalty over the whole model: shards summed under FSDP (replicas counted once); no host sync."""
-        local = self.ewc.local_penalty().to(self.dist.device)
-        if self.strategy in ("fsdp", "hsdp"):
-            return parallel.all_reduce_sum(local.reshape(1), self.dist)[0] / parallel.replica_count(self.dist, self.cfg)
-        return local
+        """EWC's penalty over the whole model, whatever holds its parameters (DDP copies, FSDP/HSDP shards, tensor
+        parallel cuts, pipeline stages): one all-reduce of each rank's share, no host sync."""
+        holders = self.dist.world_size // self.cfg.distributed.pp_size  # the ranks holding this rank's stage
+        local = self.ewc.local_penalty(holders).to(self.dist.device)
+        return parallel.all_reduce_sum(local.reshape(1), self.dist)[0]
 
     def throughput(self, tokens: int, seconds: float) -> dict[str, float]:
         out = super().throughput(tokens, seconds)
