@@ -94,13 +94,11 @@ def init_as_transformers(model: nn.Module) -> None:
         head.weight = tied_to
 
 
-def random_native(config, *, max_seq_len: int | None = None) -> nn.Module:
-    """The native model of `config` (llama/qwen2/gpt2 and the other types the native decoders run), fp32 on the CPU,
-    random-initialised as transformers would from the current torch seed."""
-    from prime_train.engine.model import native_class
-
+def random_native(native_class: type[nn.Module], config, *, max_seq_len: int | None = None) -> nn.Module:
+    """The `native_class` model (NativeCausalLM or NativeGPT2) of `config`, fp32 on the CPU, random-initialised as
+    transformers would from the current torch seed."""
     with torch.device("meta"):
-        model = native_class(config)(config, max_seq_len=max_seq_len)
+        model = native_class(config, max_seq_len=max_seq_len)
     model.to_empty(device="cpu")
     if config.tie_word_embeddings:
         model.lm_head.weight = model.get_input_embeddings().weight  # to_empty gave each its own storage

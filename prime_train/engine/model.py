@@ -227,7 +227,7 @@ def _random_config(cfg: ModelConfig, vocab_size: int):
 def _random_native(cfg: ModelConfig, hf_config) -> nn.Module:
     from prime_train.engine.hf_init import random_native
 
-    model = random_native(hf_config)
+    model = random_native(native_class(hf_config), hf_config)
     model.config.use_cache = False
     logger.info(
         "random-initialised the native %s decoder: %d layers, hidden %d, vocab %d",
