@@ -238,6 +238,7 @@ class Event(enum.StrEnum):
     ATTEMPT_ENDED = "attempt_ended"  # the attempt's processes are stopped; any left alive are named
     FAILURE = "failure"  # an attempt failed: the classified Failure (kind, message, evidence, retryable)
     DECISION = "decision"  # the restart policy's answer to a failure: restart or not, the delay, why
+    RENDEZVOUS_WAIT = "rendezvous_wait"  # node k > 0 holds its restart until node 0's old agent has left
     RUN_FINISHED = "run_finished"  # the job finished
     RUN_STOPPED = "run_stopped"  # the run stopped on request
     RUN_PREEMPTED = "run_preempted"  # the instance is going away: exit 75 for the layer above

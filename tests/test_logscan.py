@@ -583,6 +583,15 @@ FAMILIES = [
         id="rendezvous-role-info-wait",  # recorded here: node 0's new agent while node 1 joined its old store
     ),
     pytest.param(
+        K.NCCL_TIMEOUT,
+        "rendezvous_timeout",
+        [
+            "torch.distributed.DistNetworkError: The client socket has timed out after 4000ms while trying to"
+            " connect to (127.0.0.1, 58013)."
+        ],
+        id="rendezvous-connect-timeout",  # recorded here (torch 2.13): node 1's agent, no node 0 at the endpoint
+    ),
+    pytest.param(
         K.NODE_LOST,
         "rendezvous_store_lost",
         ["torch.distributed.DistNetworkError: Broken pipe"],

@@ -347,6 +347,18 @@ def test_worker_node_does_not_bind_the_rendezvous_port_of_another_host(tmp_path)
     assert preflight.ports_to_bind(cfg) == []
 
 
+def test_a_node_other_than_0_on_node_0s_host_passes_while_node_0_holds_the_rendezvous_port(tmp_path):
+    # two node ranks on one machine: node 1 (re)started while node 0's agent serves the store only connects to it
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        endpoint = f"127.0.0.1:{held.getsockname()[1]}"
+        node1 = make_config(tmp_path, distributed={"nnodes": 2, "node_rank": 1, "rdzv_endpoint": endpoint})
+        node0 = make_config(tmp_path, distributed={"nnodes": 2, "node_rank": 0, "rdzv_endpoint": endpoint})
+        assert check_ports(node1).status == PASS
+        assert check_ports(node0).status == FAIL
+
+
 # ---------------------------------------------------------------- secrets
 
 

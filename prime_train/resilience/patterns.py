@@ -348,8 +348,12 @@ PATTERNS: list[Pattern] = [
         K.NCCL_TIMEOUT,
         "the ranks never all met: a node or rank did not start or cannot reach distributed.rdzv_endpoint / "
         "MASTER_ADDR:MASTER_PORT (firewall, wrong address); check every node's log for why it did not join",
-        ("Timed out after", "RendezvousTimeoutError", "waiting for clients", "wait timeout after"),
+        ("Timed out after", "RendezvousTimeoutError", "waiting for clients", "wait timeout after", "has timed out"),
         (r"DistStoreError: Timed out after \d+ seconds waiting for clients", "torch c10d TCPStore"),
+        (
+            r"DistNetworkError: The client socket has timed out after \d+ms while trying to connect to",
+            "torchrun agent of a node other than 0 (2.x): nothing served the store at the endpoint in time",
+        ),
         (
             r"DistStoreError: wait timeout after \d+ms, keys: \S*/torchelastic/",
             "torchrun agent (2.x): a node's role info never came to the store",

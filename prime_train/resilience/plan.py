@@ -17,6 +17,7 @@ watchers that look after the attempt. `plan_for` is the one place that looks at 
 from __future__ import annotations
 
 import os
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from prime_train.kit.observe import Note, Watcher, note
 from prime_train.kit.ownership import disk_statement, supervisor_token
 from prime_train.kit.process import ChildProcess, ProcessSpec, Role
 from prime_train.kit.redact import Redactor
-from prime_train.launch import gpu_devices, job_environment, plan_engine_launch
+from prime_train.launch import gpu_devices, job_environment, node_rank, plan_engine_launch, rendezvous_endpoint
 from prime_train.resilience.logscan import Finding
 from prime_train.resilience.watchers import (
     DiskWatcher,
@@ -46,6 +47,7 @@ from prime_train.resilience.watchers import (
     ProgressSource,
     ProgressWatcher,
     RankLogs,
+    RendezvousWatcher,
     detect_cloud,
 )
 from prime_train.retention import newest_external_checkpoint
@@ -174,6 +176,11 @@ class JobPlan(ABC):
         pointless; None when a restart may help."""
         return None
 
+    def before_restart(self, stop: threading.Event, tell: Tell) -> None:
+        """After a failed attempt's backoff, before the next attempt starts: whatever must be over first (returns
+        early when `stop` is set)."""
+        return None
+
     def _worker_watchers(self, ctx: AttemptContext) -> list[Watcher]:
         return []
 
@@ -283,6 +290,11 @@ class EnginePlan(JobPlan):
         self.kind = cfg.run.job
         self.max_steps = cfg.train.max_steps
         self.backs_up = cfg.ckpt.remote is not None
+        self.rendezvous: RendezvousWatcher | None = None
+        if cfg.distributed.nnodes > 1 and node_rank(cfg) > 0:
+            # node 0's old agent lives on until node 0 notices the loss: peer_timeout_s, a beat, its teardown
+            bound = 2 * cfg.distributed.peer_timeout_s + 30
+            self.rendezvous = RendezvousWatcher(rendezvous_endpoint(cfg), bound_s=bound)
 
     def specs(self, attempt: int, *, first: bool, tell: Tell) -> list[ProcessSpec]:
         config_path = str(self._attempt_config_path(attempt, first=first))
@@ -340,6 +352,13 @@ class EnginePlan(JobPlan):
     def _log_watchers(self, ctx: AttemptContext) -> list[Watcher]:
         # torchrun keeps the other ranks' output in its --log-dir only: their failures are scanned there
         return [RankLogs(self.layout.rank_logs(ctx.number), ctx.on_finding)]
+
+    def watchers(self, ctx: AttemptContext) -> list[Watcher]:
+        return super().watchers(ctx) + ([self.rendezvous] if self.rendezvous is not None else [])
+
+    def before_restart(self, stop: threading.Event, tell: Tell) -> None:
+        if self.rendezvous is not None:
+            self.rendezvous.wait_until_gone(stop, tell)
 
 
 class RLPlan(EnginePlan):

@@ -263,6 +263,10 @@ class Supervisor:
         if self._stop.wait(decision.delay_s):
             self._set_state(SupervisorState.STOPPED)
             return ExitCode.PREEMPTED
+        self.plan.before_restart(self._stop, self._tell)  # node k > 0: node 0's old rendezvous gone first
+        if self._stop.is_set():
+            self._set_state(SupervisorState.STOPPED)
+            return ExitCode.PREEMPTED
         return None
 
     # ------------------------------------------------------------------ object storage

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import threading
 import time
 import urllib.error
@@ -22,7 +23,7 @@ from typing import Any, Protocol
 
 from prime_train.contract import SLOW_PHASES, STARTUP_PHASES, Event, Heartbeat, Phase, list_checkpoints, read_json
 from prime_train.kit.failures import Failure, FailureKind
-from prime_train.kit.observe import ForwardStop, Note, Observation, StatusKey, Watcher, note
+from prime_train.kit.observe import NOTHING, ForwardStop, Note, Observation, StatusKey, Watcher, note
 from prime_train.kit.process import Role
 from prime_train.resilience.logscan import Finding, LogScanner
 from prime_train.retention import safe_remove_checkpoint, select_for_deletion
@@ -448,6 +449,75 @@ class PreemptionWatcher(Watcher):
         with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
             body = r.read().decode().strip()
         return "preempted" if body.upper() == "TRUE" else None
+
+
+class RendezvousWatcher(Watcher):
+    """A node other than node 0 of a multi-node engine run: whether node 0's torchrun agent of this attempt, which
+    serves the static rendezvous' store at the rendezvous endpoint, has gone; and, before a restart, a wait for it.
+
+    A node that restarts while node 0's agent of the failed attempt still serves (node 0 has not noticed the loss
+    yet: up to distributed.peer_timeout_s when the dead rank reset no connection, as under NCCL) joins that dying
+    store. At best its new agent meets it as it goes (`DistNetworkError: Broken pipe`: a restart lost); at worst it
+    completes the old rendezvous, and node 0's next agent waits distributed.join_timeout_s for a node that never
+    comes. So the store is probed at each poll (a TCP connect, nothing sent; blocking: the watchers' thread), and
+    `wait_until_gone` holds the next attempt until a store seen open in this attempt has been seen closed. A
+    closure shorter than a poll (node 0's next agent up within supervisor.poll_interval_s) can be missed: the wait
+    then ends at its bound and the node rejoins, as it did before.
+    """
+
+    blocking = True
+
+    def __init__(self, endpoint: str, *, bound_s: float, probe_timeout_s: float = 1.0):
+        host, _, port = endpoint.rpartition(":")
+        self.endpoint = endpoint
+        self.address = (host.strip("[]"), int(port))
+        self.bound_s = bound_s
+        self.probe_timeout_s = probe_timeout_s
+        self.seen_open = False  # in this attempt
+        self.gone = False  # ... and closed after that
+
+    def begin(self, now: float) -> Observation:
+        self.seen_open = self.gone = False
+        return NOTHING
+
+    def poll(self, now: float | None = None) -> Observation:
+        self._look()
+        return NOTHING
+
+    def _look(self) -> bool:
+        """Whether something listens at the endpoint now; remembered for the wait."""
+        try:
+            with socket.create_connection(self.address, timeout=self.probe_timeout_s):
+                pass
+        except OSError:  # refused, unreachable, timed out: no store there now
+            self.gone = self.gone or self.seen_open
+            return False
+        self.seen_open = True
+        return True
+
+    def wait_until_gone(self, stop: threading.Event, tell: Callable[[Note, str], None], poll_s: float = 0.2) -> None:
+        """Before the next attempt: return once the store this attempt met is gone (at once if it was seen to go, or
+        never seen), after bound_s, or when `stop` is set."""
+        if not self.seen_open or self.gone:
+            return
+        where = self.endpoint
+        tell(
+            note(Event.RENDEZVOUS_WAIT, endpoint=where, bound_s=self.bound_s),
+            f"waiting for node 0's agent of the failed attempt to leave {where} before rejoining (at most "
+            f"{self.bound_s:.0f}s): a node that rejoins that store is lost with it",
+        )
+        started = time.monotonic()
+        while (waited := time.monotonic() - started) < self.bound_s:
+            if not self._look():
+                line = f"node 0's agent of the failed attempt left {where} after {waited:.0f}s: rejoining"
+                tell(note(Event.RENDEZVOUS_WAIT, endpoint=where, waited_s=round(waited, 1), gone=True), line)
+                return
+            if stop.wait(poll_s):
+                return
+        line = (
+            f"{where} still answers after {self.bound_s:.0f}s (node 0 may have restarted between two looks): rejoining"
+        )
+        tell(note(Event.RENDEZVOUS_WAIT, endpoint=where, waited_s=self.bound_s, gone=False), line)
 
 
 def detect_cloud() -> str | None:

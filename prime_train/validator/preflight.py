@@ -486,11 +486,15 @@ def ports_to_bind(cfg: Config) -> list[tuple[int, str]]:
     if cfg.distributed.nnodes == 1:
         # one node: torchrun --standalone picks a free rendezvous port itself (launch.py)
         return workers
+    if node_rank(cfg) != 0:
+        # the static rendezvous (launch.py) has node 0's agent serve the store: another node only connects to it,
+        # even one on this host (node 0 there already holds the port while a restarted node 1 checks it)
+        return workers
     host, _, port = rendezvous_endpoint(cfg).rpartition(":")
     key = "distributed.rdzv_endpoint" if cfg.distributed.rdzv_endpoint else "distributed.master_port"
-    # torchrun's c10d rendezvous serves its store on the endpoint's host only; a name we cannot match
-    # without DNS (slow, and this runs before everything else) is taken to be node 0's
-    local = host in _local_addresses() or (not _is_ip(host) and node_rank(cfg) == 0)
+    # node 0 serves it on the endpoint's host: a name we cannot match without DNS (slow, and this runs before
+    # everything else) is taken to be this host
+    local = host in _local_addresses() or not _is_ip(host)
     return workers + ([(int(port), key)] if local and port.isdigit() else [])
 
 
