@@ -196,6 +196,7 @@ def write_heartbeat(path: str | os.PathLike[str], heartbeat: Heartbeat, *, durab
 ENV_RUN_DIR = "PRIME_TRAIN_RUN_DIR"  # the run directory, absolute
 ENV_ATTEMPT = "PRIME_TRAIN_ATTEMPT"  # the attempt number, from 1
 ENV_PROFILE = "PRIME_TRAIN_PROFILE"  # "<warmup>,<steps>": `prime-train profile` asks the job to time itself
+ENV_STOP_AT = "PRIME_TRAIN_STOP_AT_STEP"  # N: the engine stops at step N as on SIGTERM (a PBT round's end)
 # "<pid>:<create time>" of the process that started the job (`prime-train run` or `train`): the job must not
 # outlive it. The create time (seconds since the epoch, as psutil.Process.create_time gives it) tells that
 # process from a later one that got its recycled pid.

@@ -199,15 +199,18 @@ def test_pbt_copies_a_better_checkpoint_perturbs_lr_and_resumes_from_it(tmp_path
     def logs(n: int) -> str:
         return "".join(p.read_text() for p in (sweep_dir / f"trial-{n:04d}").glob("logs/attempt-*/trainer.log"))
 
-    # A round's stop is asked for once a trial's heartbeat reaches it, so a loaded machine lets a trial run a step or
-    # two past it; an exploit made while the trial is already past the next round's end is replaced by the next one
-    # before the trial runs again. One with steps after it must have been resumed from, at its step.
+    # Each round ends exactly at its step (the engine stops there itself, PRIME_TRAIN_STOP_AT_STEP): every copied
+    # checkpoint is a round's end, and every exploited trial resumes from its copy in the next round.
+    assert all(copy["step"] in (2, 4, 6) for _, copy, _ in exploited), [c["checkpoint"] for _, c, _ in exploited]
+    for n in (0, 1):
+        stops = [e for e in read_events(sweep_dir / f"trial-{n:04d}" / "events.jsonl") if e["event"] == "run_stopped"]
+        assert [e["step"] for e in stops] == [2, 4, 6], stops
     resumed = [
         (n, copy, explore)
         for n, copy, explore in exploited
-        if copy["step"] < 8 and f"resumed from {copy['checkpoint']} at step {copy['step']}" in logs(n)
+        if f"resumed from {copy['checkpoint']} at step {copy['step']}" in logs(n)
     ]
-    assert resumed, [(n, c["checkpoint"]) for n, c, _ in exploited]
+    assert len(resumed) == len(exploited), [(n, c["checkpoint"]) for n, c, _ in exploited]
     n, copy, explore = resumed[0]
     new_lr = explore["after"]["train.lr"]
     run_dir = sweep_dir / f"trial-{n:04d}"

@@ -485,7 +485,7 @@ class TrainingJob:
         Returns an exit code when the run must end here (stopped, diverged), else None. Between logging steps it
         only buffers the step's metrics and writes the heartbeat when a second has passed: no host sync.
         """
-        if self.stopping.agreed():
+        if self.stop.due_at(self.state.step) or self.stopping.agreed():
             return self._stop()
         m = self.train_step()
         step = self.state.step

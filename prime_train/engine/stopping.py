@@ -16,6 +16,7 @@ import signal
 
 import torch
 
+from prime_train.contract import ENV_STOP_AT
 from prime_train.engine import parallel
 
 STOP_CHECK_S = 2.0
@@ -29,13 +30,25 @@ class StopRequested(BaseException):
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT: finish the step, save, exit 75. During start-up it raises StopRequested instead."""
+    """Set by SIGTERM/SIGINT: finish the step, save, exit 75. During start-up it raises StopRequested instead.
+
+    PRIME_TRAIN_STOP_AT_STEP=N (a PBT round's end, set by the sweep) stops the same way once step N is trained:
+    every rank reads it and counts the same steps, so they stop together without agreeing on it."""
 
     def __init__(self) -> None:
         self.requested = False
         self.signal_name = ""
         self.reason = ""  # why, when it was not a signal from outside (the supervisor is gone)
         self.startup = True  # until the training loop starts: a stop ends start-up at once
+        value = os.environ.get(ENV_STOP_AT, "").strip()
+        self.stop_at = int(value) if value.isdigit() else None
+
+    def due_at(self, step: int) -> bool:
+        """Whether the run stops at `step` (the steps trained so far) because it was asked to stop there."""
+        if self.stop_at is None or step < self.stop_at:
+            return False
+        self.reason = self.reason or f"asked to stop at step {self.stop_at} ({ENV_STOP_AT})"
+        return True
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):

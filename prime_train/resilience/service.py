@@ -75,6 +75,7 @@ class RunRequest:
     skip_preflight: bool = False  # run: launch even if preflight fails
     verbose_inference: bool = False  # run: stream the inference workers' logs whole
     own_signals: bool = True  # run: SIGINT/SIGTERM stop this run; False when a caller (a sweep) owns them
+    stop_at_step: int | None = None  # a sweep's PBT round: the job stops with a checkpoint at this step (75)
 
 
 def _silent(_: str) -> None:
@@ -159,7 +160,9 @@ class RunService:
         from prime_train.resilience.supervisor import Supervisor, SupervisorOptions
 
         self._drift = self._config_drift()  # before the supervisor is built: it runs the config this settles
-        options = SupervisorOptions(verbose_inference=self.request.verbose_inference)
+        options = SupervisorOptions(
+            verbose_inference=self.request.verbose_inference, stop_at_step=self.request.stop_at_step
+        )
         sup = Supervisor(self.cfg, self.reporter.observer, options)
         self.supervisor = sup
         if self._stop_reason is not None:  # asked before the supervisor existed

@@ -29,6 +29,7 @@ from typing import Any
 
 from prime_train.config.schema import Config
 from prime_train.contract import (
+    ENV_STOP_AT,
     LIVE_STATES,
     Event,
     ExitCode,
@@ -94,6 +95,7 @@ class SupervisorOptions:
     preemption: PreemptionWatcher | None = None  # None: on AWS/GCP only, found from DMI
     verbose_inference: bool = False
     extra_env: dict[str, str] = field(default_factory=dict)
+    stop_at_step: int | None = None  # the job checkpoints and stops at this step (75): a stop on request, not a failure
 
 
 class Supervisor:
@@ -102,8 +104,11 @@ class Supervisor:
         self.options = options or SupervisorOptions()
         # secrets out of every file it writes and every line it prints: by shape, and by value (the credentials
         # of its environment and of the config)
-        self.redactor = Redactor.for_run(cfg, {**os.environ, **self.options.extra_env})
-        self.plan: JobPlan = plan_for(cfg, redactor=self.redactor, extra_env=self.options.extra_env)
+        extra_env = dict(self.options.extra_env)
+        if self.options.stop_at_step is not None:
+            extra_env[ENV_STOP_AT] = str(self.options.stop_at_step)  # engine/stopping.py
+        self.redactor = Redactor.for_run(cfg, {**os.environ, **extra_env})
+        self.plan: JobPlan = plan_for(cfg, redactor=self.redactor, extra_env=extra_env)
         self.run_dir = self.plan.layout  # its checkpoints where ckpt.dir puts them: what the job writes, this watches
         self.observer = _redacting(observer or Observer(), self.redactor)
         self.policy = RestartPolicy(
@@ -508,6 +513,9 @@ class Supervisor:
         hb = read_heartbeat(self.run_dir.progress_path)
         code = job_exit_code(returncode, hb, child.started_at)
         attempt.exit_code = code
+        asked = self.options.stop_at_step
+        if code == ExitCode.PREEMPTED and asked is not None and hb is not None and (hb.step or 0) >= asked:
+            self.request_stop(f"stopped at step {hb.step}, as asked (stop at step {asked})")
         assert self.events is not None
         self.events.emit(
             Event.PROCESS_EXITED, process=child.name, exit_code=code, returncode=returncode, step=progress.step

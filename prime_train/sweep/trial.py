@@ -130,7 +130,9 @@ def run_trial(
         return
     # resume: the sweep's values are the trial's (PBT's explored ones, its copied checkpoint), never the run dir's old
     # config.toml, which a plain rerun of a stopped run would keep (resilience/rerun.py config_drift)
-    request = RunRequest(own_signals=False, resume=True)
+    # a PBT round ends at an exact step: the engine stops there itself (a stop asked for once the heartbeat showed the
+    # step came a step or two late on a loaded machine, and the round's checkpoints were not at its end)
+    request = RunRequest(own_signals=False, resume=True, stop_at_step=run.stop_at)
     service = RunService(cfg, request, Reporter(preflight=_preflight(say, run.run_dir.name)))
     run.service = service
     follower = MetricFollower(run.run_dir / "metrics.jsonl", spec.section.metric)
@@ -148,9 +150,6 @@ def run_trial(
                 if on_value is not None and run.pruned_at is None and on_value(step, value):
                     run.pruned_at = step
                     service.request_stop(f"pruned by the sweep at step {step}")
-            if run.stop_at is not None and run.step is not None and run.step >= run.stop_at:
-                service.request_stop(f"PBT round ends at step {run.stop_at}")
-                run.stop_at = None
             if beat is not None and time.time() - last_beat > HEARTBEAT_S:
                 last_beat = time.time()
                 beat()
