@@ -436,7 +436,10 @@ def _shard_stage(part: StageModule, cfg: Config, dist: DistInfo, dp_mesh) -> Non
                     reshard_after_forward=reshard and i < len(layers) - 1)  # fmt: skip
     fully_shard(part, mesh=dp_mesh, mp_policy=policy, offload_policy=offload)
     extras = [f"ZeRO stage {d.zero_stage}"] * (d.zero_stage is not None) + ["CPU offload"] * d.cpu_offload
-    logger.info("Applied FSDP to this stage over mesh['dp'] (%d replicas)%s", dp_mesh.size(),
+    ids = [int(i) for i in part.model.layers]
+    held = f"layers {ids[0]}-{ids[-1]}" if len(ids) > 1 else f"layer {ids[0]}" if ids else "no layers"
+    held += " and the embedding" * (part.model.embed_tokens is not None) + " and the head" * (part.lm_head is not None)
+    logger.info("Applied FSDP to the stage of %s over mesh['dp'] (%d replicas)%s", held, dp_mesh.size(),
                 "".join(f"; {e}" for e in extras))  # fmt: skip
 
 
