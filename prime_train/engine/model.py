@@ -56,10 +56,9 @@ def build_model(
             model = _load_pretrained(cfg, vocab_size)
         else:
             hf_config = _random_config(cfg, vocab_size)
-            if for_training and resolve_implementation(cfg, hf_config) == "native":
-                # filled directly, with transformers' numbers: its model code is never imported (engine/hf_init.py)
-                return _random_native(cfg, hf_config).to(device)
-            model = _random_init(cfg, hf_config)
+            # the native one filled directly, with transformers' numbers: its model code is never imported
+            native = for_training and resolve_implementation(cfg, hf_config) == "native"
+            model = _random_native(cfg, hf_config) if native else _random_init(cfg, hf_config)
     except ImportError as exc:
         # transformers refuses an attention implementation whose package is missing (flash_attention_2 without
         # flash-attn): the config asks for something this environment cannot do, and a retry would fail again
@@ -228,7 +227,6 @@ def _random_native(cfg: ModelConfig, hf_config) -> nn.Module:
     from prime_train.engine.hf_init import random_native
 
     model = random_native(native_class(hf_config), hf_config)
-    model.config.use_cache = False
     logger.info(
         "random-initialised the native %s decoder: %d layers, hidden %d, vocab %d",
         hf_config.model_type,
