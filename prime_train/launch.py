@@ -13,16 +13,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prime_train.config.schema import Config
-from prime_train.contract import (
-    ENV_ATTEMPT,
-    ENV_RUN_DIR,
-    ENV_SUPERVISOR,
-    ExitCode,
-    Heartbeat,
-    RunDir,
-    replace_file_atomic,
-)
+from prime_train.contract import ENV_ATTEMPT, ENV_RUN_DIR, ENV_SUPERVISOR, ExitCode, Heartbeat, replace_file_atomic
 from prime_train.cpu_share import usable_cores
+from prime_train.rundir import RunDir
 
 if TYPE_CHECKING:
     from prime_train.kit.redact import MaskedConfig

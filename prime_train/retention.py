@@ -1,6 +1,6 @@
 """Checkpoint retention and deletion: the only code that deletes checkpoints.
 
-Two rules guard them (the run-directory contract, prime_train/contract.py): a directory named step-<N>
+Two rules guard them (the run-directory contract, prime_train/rundir.py): a directory named step-<N>
 is always whole, and cleanup never deletes outside the checkpoints directory, through a symlink, or
 the newest whole checkpoint. The supervisor's disk watcher, the engine's checkpointer and the bucket's
 retention all decide here. A checkpoints directory that is itself a symlink is never cleaned (the link could
@@ -21,17 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prime_train.contract import (
-    QUARANTINE_NOTE,
-    QUARANTINE_RE,
-    STEP_RE,
-    TMP_RE,
-    list_checkpoints,
-    process_started_at,
-    read_json,
-    same_process_alive,
-    write_json_atomic,
-)
+from prime_train.contract import process_started_at, read_json, same_process_alive, write_json_atomic
+from prime_train.rundir import QUARANTINE_NOTE, QUARANTINE_RE, STEP_RE, TMP_RE, list_checkpoints
 
 logger = logging.getLogger("prime_train.retention")
 

@@ -5,7 +5,7 @@
 - the supervisor side never imports torch, and never the engine or RL's training half;
   only the CLI may reach the engine, lazily, inside a command that needs it;
 - RL's torch-free half (what lint, preflight and the supervisor import) never imports its training half;
-- the job contract imports nothing of the package but itself;
+- the job contract imports nothing of the package, and its other half (rundir) only the contract;
 - prime_train's direct children stand in layers (LAYERS): each imports only its own layer's bottom modules
   or layers below it, so no two of them import each other, however indirectly.
 """
@@ -34,6 +34,7 @@ SUPERVISOR_SIDE = (
 TORCH_FREE = (*SUPERVISOR_SIDE, "prime_train.config")
 TORCH_FREE_TOP = (
     "prime_train.contract",
+    "prime_train.rundir",
     "prime_train.retention",
     "prime_train.launch",
     "prime_train.tasks",
@@ -231,6 +232,10 @@ def test_the_cli_reaches_the_engine_only_lazily():
 
 def test_the_contract_imports_nothing_of_the_package():
     assert not [where(i) for i in IMPORTS["prime_train.contract"] if i.target.startswith("prime_train")]
+    # the run directory's half of the contract leans on the contract alone
+    assert {i.target for i in IMPORTS["prime_train.rundir"] if i.target.startswith("prime_train")} == {
+        "prime_train.contract"
+    }
 
 
 def test_importing_every_supervisor_side_module_loads_no_torch():
@@ -251,7 +256,7 @@ def test_importing_every_supervisor_side_module_loads_no_torch():
 # prime_train's direct children, bottom first (docs/architecture.md "The layers"). A package imports only from
 # layers below its own; the modules of the bottom layer may also import each other.
 LAYERS = (
-    ("contract", "retention", "tasks", "vocab", "environments", "reward_scorer", "cpu_share"),
+    ("contract", "rundir", "retention", "tasks", "vocab", "environments", "reward_scorer", "cpu_share"),
     ("config",),
     ("kit",),
     ("engine",),
@@ -356,7 +361,7 @@ def test_every_event_the_package_records_is_named_from_the_contracts_catalogue()
 
 def test_a_runs_paths_come_from_its_layout_never_from_a_run_directory_built_again_from_its_config():
     # RunDir(cfg.run_dir) would put the checkpoints in checkpoints/ whatever ckpt.dir says: Config.layout is the one
-    # place a config's run directory is built (contract.RunDir, docs/architecture.md "The layout")
+    # place a config's run directory is built (rundir.RunDir, docs/architecture.md "The layout")
     import re
 
     rebuilt = re.compile(r"RunDir\([^)]*\bcfg\b")

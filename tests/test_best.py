@@ -13,11 +13,12 @@ from safetensors.torch import load_file
 
 from prime_train.config.methods import EarlyStoppingConfig, KeepBestConfig
 from prime_train.config.schema import Config
-from prime_train.contract import BEST_FILE, Phase, best_checkpoint_step, list_checkpoints, read_heartbeat, read_json
+from prime_train.contract import Phase, read_heartbeat, read_json
 from prime_train.engine.best import EarlyStopping, Judges, KeepBest, MetricWatch
 from prime_train.engine.export import dcp_to_hf
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.resilience.plan import _kept_steps
+from prime_train.rundir import BEST_FILE, best_checkpoint_step, list_checkpoints
 
 # ----------------------------------------------------------------------------- the judges
 

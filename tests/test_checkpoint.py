@@ -23,8 +23,9 @@ import torch
 from enginetools import tiny_llama
 
 from prime_train.config.schema import CkptConfig
-from prime_train.contract import RunDir, list_checkpoints, read_json
+from prime_train.contract import read_json
 from prime_train.engine.checkpoint import Checkpointer, TrainState
+from prime_train.rundir import RunDir, list_checkpoints
 
 THIS_FILE = Path(__file__).resolve()
 # one-process saves pass no_dist=True on purpose; pytest re-enables the warning the module silences

@@ -26,7 +26,7 @@ from enginetools import TINY, run_cli, tiny_llama, tiny_overrides
 from test_checkpoint import BrokenTokenizer, build_state, make_checkpointer, steps_on_disk, train
 
 from prime_train.config.schema import CkptConfig
-from prime_train.contract import list_checkpoints, read_heartbeat
+from prime_train.contract import read_heartbeat
 from prime_train.engine.checkpoint import MANIFEST_FILE, digest_files, verify_checkpoint
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.integrations.checkpoint_archive import (
@@ -37,6 +37,7 @@ from prime_train.integrations.checkpoint_archive import (
 )
 from prime_train.kit.events import read_events
 from prime_train.retention import list_quarantined
+from prime_train.rundir import list_checkpoints
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -63,7 +63,8 @@ def test_profile_of_an_external_job_names_the_job_table(tmp_path):
 
 
 def test_status_shows_a_failure_message_with_brackets_as_written(tmp_path):
-    from prime_train.contract import RunDir, write_json_atomic
+    from prime_train.contract import write_json_atomic
+    from prime_train.rundir import RunDir
 
     run = RunDir(tmp_path / "run")
     run.create()

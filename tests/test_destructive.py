@@ -16,8 +16,9 @@ import pytest
 from enginetools import TINY, run_cli, run_train
 from typer.testing import CliRunner
 
-from prime_train.contract import ExitCode, RunDir, list_checkpoints, process_started_at, write_json_atomic
+from prime_train.contract import ExitCode, process_started_at, write_json_atomic
 from prime_train.retention import TMP_OWNER_FILE, apply_retention, clean_stale_tmp, safe_remove_checkpoint
+from prime_train.rundir import RunDir, list_checkpoints
 
 # engine/export.py's EXPORT_MARKER: what makes a directory an export of ours (refusals are its ExportRefused, a
 # ValueError: exit 78 from the CLI and from the engine)

@@ -226,8 +226,8 @@ def _worker(root: Path) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from prime_train.config.schema import CkptConfig
-    from prime_train.contract import RunDir
     from prime_train.engine.checkpoint import Checkpointer, TrainState
+    from prime_train.rundir import RunDir
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

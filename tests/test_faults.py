@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from enginetools import TINY, WIDE, cli, env, kill_group, start, tiny_overrides, wait_for
 
-from prime_train.contract import RunDir, read_heartbeat, read_json
+from prime_train.contract import read_heartbeat, read_json
 from prime_train.kit.events import read_events
+from prime_train.rundir import RunDir
 
 JOBS = Path(__file__).parent / "jobs"
 FAST = {"data.datasets.0.num_examples": 400, "supervisor.poll_interval_s": 0.5, "supervisor.backoff_initial_s": 0.2}

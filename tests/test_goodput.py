@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from prime_train.contract import RunDir
 from prime_train.resilience.goodput import goodput, goodput_line
+from prime_train.rundir import RunDir
 
 
 def write_lines(path, rows):

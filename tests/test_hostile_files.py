@@ -21,12 +21,13 @@ import pytest
 from rich.console import Console
 
 from prime_train.config.schema import Config
-from prime_train.contract import ExitCode, RunDir
+from prime_train.contract import ExitCode
 from prime_train.kit import bounded
 from prime_train.kit.failures import Failure, FailureKind
 from prime_train.resilience import logscan
 from prime_train.resilience.console import summary_table
 from prime_train.resilience.supervisor import Attempt
+from prime_train.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 WIDE = {"COLUMNS": "200", "TERMINAL_WIDTH": "200", "NO_COLOR": "1"}

@@ -20,7 +20,6 @@ from enginetools import free_port
 
 from prime_train.config.loader import dump_toml
 from prime_train.config.schema import Config
-from prime_train.contract import RunDir
 from prime_train.engine.model import build_model
 from prime_train.engine.tokenizer import build_byte_tokenizer, padded_vocab_size
 from prime_train.rl.client import (
@@ -39,6 +38,7 @@ from prime_train.rl.generation import (
     prompt_too_long_message,
 )
 from prime_train.rl.worker import WorkerServer
+from prime_train.rundir import RunDir
 
 MAX_MODEL_LEN = 96
 STARTUP_TIMEOUT_S = 60.0

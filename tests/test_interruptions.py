@@ -20,12 +20,13 @@ import pytest
 from enginetools import TINY, WIDE, cli, env, run_cli, tiny_overrides
 
 from prime_train.config.schema import Config
-from prime_train.contract import ExitCode, RunDir, read_json
+from prime_train.contract import ExitCode, read_json
 from prime_train.kit.events import read_events
 from prime_train.resilience.logscan import LogScanner
 from prime_train.resilience.rerun import SET_ASIDE_JOURNAL, finish_set_aside, plan_rerun
 from prime_train.resilience.supervisor import Observer, Supervisor
 from prime_train.rl.workers import never_starts
+from prime_train.rundir import RunDir
 from prime_train.validator.checks import FAIL, PASS
 from prime_train.validator.preflight import check_ports
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from prime_train.config.schema import Config
-from prime_train.contract import RunDir
 from prime_train.engine.metrics import MetricsLogger, read_metrics
+from prime_train.rundir import RunDir
 
 SECRET = "sk-test-0123456789abcdef0123456789abcdef01234567"  # 40+ characters, like a real W&B key
 

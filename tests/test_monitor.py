@@ -16,10 +16,10 @@ import yaml
 
 from prime_train.config.loader import load_config
 from prime_train.config.schema import Config
-from prime_train.contract import RunDir
 from prime_train.engine.metrics import MetricsLogger
 from prime_train.integrations import monitor as mon
 from prime_train.kit.redact import redact
+from prime_train.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / ".github" / "workflows" / "training-monitor.yml"

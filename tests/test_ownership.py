@@ -19,8 +19,9 @@ from enginetools import TINY, cli, env, kill_group, start, tiny_overrides, wait_
 
 from prime_train.config.loader import dump_toml
 from prime_train.config.schema import Config
-from prime_train.contract import RunDir, read_json
+from prime_train.contract import read_json
 from prime_train.kit.events import read_events
+from prime_train.rundir import RunDir
 
 JOB = Path(__file__).parent / "jobs" / "counter_job.py"
 
@@ -70,11 +71,11 @@ def started_pids(run_dir: Path) -> list[int]:
 
 
 def test_the_run_lock_names_its_holder_and_the_kernel_releases_it_when_the_holder_is_killed(tmp_path):
-    from prime_train.contract import RunDirBusy, RunLock
+    from prime_train.rundir import RunDirBusy, RunLock
 
     run_dir = RunDir(tmp_path / "run")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom prime_train.contract import RunDir, RunLock\n"
+        [sys.executable, "-c", "import sys, time\nfrom prime_train.rundir import RunDir, RunLock\n"
          f"RunLock.acquire(RunDir({str(run_dir.root)!r}), 'prime-train run')\nprint('held', flush=True)\n"
          "time.sleep(600)\n"],
         stdout=subprocess.PIPE, text=True,

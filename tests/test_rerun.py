@@ -12,10 +12,11 @@ import pytest
 from enginetools import TINY, WIDE, cli, env, run_cli, tiny_overrides
 
 from prime_train.config.schema import Config
-from prime_train.contract import RunDir, read_json
+from prime_train.contract import read_json
 from prime_train.engine.metrics import rewind_metrics
 from prime_train.kit.events import read_events
 from prime_train.resilience.rerun import RerunRefused, plan_rerun
+from prime_train.rundir import RunDir
 
 # checkpoints at step 4 and (ckpt.resumable_final_save, on by default) at the last step, 6
 SHORT = {"train.max_steps": 6, "ckpt.interval": 4}

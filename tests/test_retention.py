@@ -11,16 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prime_train import retention
-from prime_train.contract import (
-    CheckpointInfo,
-    RunDir,
-    append_jsonl,
-    list_checkpoints,
-    newest_checkpoint,
-    read_json,
-    write_json_atomic,
-)
+from prime_train.contract import append_jsonl, read_json, write_json_atomic
 from prime_train.retention import apply_retention, clean_stale_tmp, safe_remove_checkpoint, select_for_deletion
+from prime_train.rundir import CheckpointInfo, RunDir, list_checkpoints, newest_checkpoint
 
 
 def make_ckpt(ckpt_dir: Path, name: str) -> Path:

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from enginetools import run_cli
 
-from prime_train.contract import RunDir
 from prime_train.resilience.console import final_results
 from prime_train.resilience.rl_summary import rl_summary, sparkline, status_rows, summary_lines
+from prime_train.rundir import RunDir
 
 
 def write_rl_metrics(root: Path, steps: int = 30) -> RunDir:

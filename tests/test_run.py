@@ -22,9 +22,10 @@ from enginetools import (
     wait_for,
 )
 
-from prime_train.contract import RunDir, read_json
+from prime_train.contract import read_json
 from prime_train.kit.events import read_events
 from prime_train.resilience.goodput import goodput
+from prime_train.rundir import RunDir
 
 
 def trainer_pids(run_dir) -> list[int]:

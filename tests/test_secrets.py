@@ -17,8 +17,9 @@ import tomli_w
 
 from prime_train.config.loader import ENV_CONFIG_SECRETS, MASK, load_config
 from prime_train.config.schema import Config
-from prime_train.contract import RunDir, write_json_atomic
+from prime_train.contract import write_json_atomic
 from prime_train.kit.redact import REDACTED, Redactor
+from prime_train.rundir import RunDir
 
 # No shape any rule knows: only their names (a flag, a job.env key, an environment variable) say they are secret.
 WANDB = "0123456789abcdef0123456789abcdef01234567"  # a W&B key given as --wandb_key, printed alone

@@ -20,8 +20,8 @@ import tomli_w
 
 from prime_train.config.loader import load_config
 from prime_train.config.schema import Config
-from prime_train.contract import RunDir
 from prime_train.kit.redact import REDACTED, Redactor, redact
+from prime_train.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 # No shape any rule knows; a quote and a backslash, so that every escaped form differs from the value.

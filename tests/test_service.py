@@ -14,8 +14,9 @@ from prime_train import launch
 from prime_train.cli import common
 from prime_train.cli.app import app
 from prime_train.config.schema import Config
-from prime_train.contract import ENV_ATTEMPT, ENV_RUN_DIR, ENV_SUPERVISOR, ExitCode, RunLock
+from prime_train.contract import ENV_ATTEMPT, ENV_RUN_DIR, ENV_SUPERVISOR, ExitCode
 from prime_train.resilience.service import Reporter, RunRefused, RunRequest, RunService
+from prime_train.rundir import RunLock
 
 WIDE = {"COLUMNS": "200"}
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from enginetools import run_cli
 
-from prime_train.contract import RunDir
 from prime_train.kit.events import read_events
 from prime_train.resilience.status import run_status
+from prime_train.rundir import RunDir
 
 GOOD_EVENT = {"time": 1_700_000_000.0, "event": "attempt_started", "attempt": 1}
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from prime_train.contract import list_checkpoints, write_json_atomic
+from prime_train.contract import write_json_atomic
 from prime_train.integrations.storage import (
     CheckpointStore,
     CorruptCheckpoint,
@@ -35,6 +35,7 @@ from prime_train.integrations.storage import (
 from prime_train.kit.events import EventLog, read_events
 from prime_train.resilience.backup import BackupWatcher, restore_before_start
 from prime_train.retention import safe_remove_checkpoint
+from prime_train.rundir import list_checkpoints
 
 boto3 = pytest.importorskip("boto3")
 
@@ -570,7 +571,7 @@ def test_stale_staging_files_are_cleaned_and_step_dirs_untouched(s3_endpoint, bu
 def test_engine_resumes_from_a_checkpoint_restored_from_the_bucket(s3_endpoint, bucket, tmp_path):
     from enginetools import losses_by_step, run_train
 
-    from prime_train.contract import newest_checkpoint
+    from prime_train.rundir import newest_checkpoint
 
     # no save at the last step: step-8 is the newest checkpoint
     first = run_train(

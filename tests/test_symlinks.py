@@ -20,18 +20,10 @@ from enginetools import TINY, cli, env
 
 from prime_train.config.loader import dump_toml
 from prime_train.config.schema import Config
-from prime_train.contract import (
-    RunDir,
-    RunDirBusy,
-    RunDirUnsafe,
-    RunLock,
-    UnsafeLink,
-    append_jsonl,
-    open_nofollow,
-    write_json_atomic,
-)
+from prime_train.contract import UnsafeLink, append_jsonl, open_nofollow, write_json_atomic
 from prime_train.kit.events import EventLog, read_events
 from prime_train.kit.ownership import claim_run_dir
+from prime_train.rundir import RunDir, RunDirBusy, RunDirUnsafe, RunLock
 
 VICTIM_BYTES = b"precious: not prime-train's to touch\n" * 3
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from prime_train.config.schema import Config
-from prime_train.contract import Event, list_checkpoints
+from prime_train.contract import Event
 from prime_train.kit.events import read_events
 from prime_train.kit.failures import Failure, FailureKind
 from prime_train.kit.observe import ForwardStop, Note, Observation, RestartWorker, StatusKey, Watcher, note
@@ -22,6 +22,7 @@ from prime_train.resilience.background import Watching
 from prime_train.resilience.policy import RestartPolicy
 from prime_train.resilience.supervisor import Observer, Supervisor, SupervisorOptions
 from prime_train.resilience.watchers import DiskWatcher, PreemptionWatcher, ProgressWatcher
+from prime_train.rundir import list_checkpoints
 
 JOB = Path(__file__).parent / "jobs" / "counter_job.py"
 

@@ -71,8 +71,8 @@ def ckpt_to_hf(
 def _checkpoints_dir(run_dir: Path) -> Path:
     """Where a run's checkpoints are (its config's ckpt.dir, else checkpoints/); 78 for a directory that holds no
     run."""
-    from prime_train.contract import RunDir
     from prime_train.resilience.status import NotARunDir, _run_config, check_run_dir
+    from prime_train.rundir import RunDir
 
     try:
         check_run_dir(run_dir)

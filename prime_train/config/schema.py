@@ -30,7 +30,7 @@ from prime_train.config.section import (  # noqa: F401 (re-exported)
     YEAR_S,
     Section,
 )
-from prime_train.contract import RunDir
+from prime_train.rundir import RunDir
 
 
 class RunConfig(Section):
@@ -723,5 +723,5 @@ class Config(Section):
     @property
     def layout(self) -> RunDir:
         """The run directory's paths, its checkpoints where ckpt.dir puts them: what the supervisor, the engine and
-        every command read (contract.RunDir)."""
+        every command read (rundir.RunDir)."""
         return RunDir(self.run_dir, ckpt_dir=self.ckpt.dir)

@@ -52,15 +52,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from prime_train.config.schema import CkptConfig
-from prime_train.contract import (
-    STEP_RE,
-    RunDir,
-    fsync_dir,
-    list_checkpoints,
-    newest_checkpoint,
-    read_json,
-    write_json_atomic,
-)
+from prime_train.contract import fsync_dir, read_json, write_json_atomic
 from prime_train.engine import safe_dcp
 from prime_train.engine.lora import check_resume_compatible
 from prime_train.engine.metrics import EngineConfigError
@@ -82,6 +74,7 @@ from prime_train.retention import (
     safe_remove_checkpoint,
     tmp_writer,
 )
+from prime_train.rundir import STEP_RE, RunDir, list_checkpoints, newest_checkpoint
 
 logger = logging.getLogger("prime_train.engine.checkpoint")
 

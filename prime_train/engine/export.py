@@ -42,7 +42,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from prime_train.contract import QUARANTINE_RE, STEP_RE, TMP_RE, RunDir, fsync_dir
+from prime_train.contract import fsync_dir
 from prime_train.engine import safe_dcp  # never torch's reader: it unpickles .metadata and bytes items unrestricted
 from prime_train.engine.checkpoint import (
     DCP_METADATA_FILE,
@@ -63,6 +63,7 @@ from prime_train.engine.lora import (
 )
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.model import is_native
+from prime_train.rundir import QUARANTINE_RE, STEP_RE, TMP_RE, RunDir
 
 logger = logging.getLogger("prime_train.engine.export")
 

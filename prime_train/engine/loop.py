@@ -58,7 +58,6 @@ from prime_train import cpu_share
 from prime_train.config.loader import ConfigError, load_config
 from prime_train.config.schema import Config
 from prime_train.contract import (
-    BEST_FILE,
     EVALUATION_S,
     FIRST_STEP_S,
     SAVE_S,
@@ -84,6 +83,7 @@ from prime_train.engine.profiling import NullProfile, ProfileSession, profile_re
 from prime_train.engine.records import shown_path
 from prime_train.engine.schedule import build_scheduler
 from prime_train.engine.stopping import StopAgreement, StopFlag, StopRequested
+from prime_train.rundir import BEST_FILE
 
 logger = logging.getLogger("prime_train.engine")
 

@@ -19,16 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from prime_train.config.schema import Config
-from prime_train.contract import (
-    Heartbeat,
-    Phase,
-    RunDir,
-    open_nofollow,
-    read_jsonl,
-    replace_file_atomic,
-    write_heartbeat,
-)
+from prime_train.contract import Heartbeat, Phase, open_nofollow, read_jsonl, replace_file_atomic, write_heartbeat
 from prime_train.engine.errors import EngineConfigError  # noqa: F401 (re-exported: where the engine raises it from)
+from prime_train.rundir import RunDir
 
 logger = logging.getLogger("prime_train.engine")
 

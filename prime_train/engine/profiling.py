@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prime_train.contract import ENV_PROFILE, RunDir, write_json_atomic
+from prime_train.contract import ENV_PROFILE, write_json_atomic
+from prime_train.rundir import RunDir
 
 logger = logging.getLogger("prime_train.engine.profiling")
 

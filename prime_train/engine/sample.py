@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from prime_train.contract import RunDir, list_checkpoints, read_json
+from prime_train.contract import read_json
 from prime_train.engine.metrics import EngineConfigError
+from prime_train.rundir import RunDir, list_checkpoints
 
 ADAPTER_CONFIG = "adapter_config.json"
 

@@ -26,8 +26,9 @@ import time
 from typing import Any, Protocol
 
 from prime_train.config.schema import Config
-from prime_train.contract import RunDir, UnsafeLink, read_json, write_json_atomic
+from prime_train.contract import UnsafeLink, read_json, write_json_atomic
 from prime_train.engine.errors import EngineConfigError
+from prime_train.rundir import RunDir
 
 logger = logging.getLogger("prime_train.engine")
 

@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from prime_train.contract import STEP_RE
 from prime_train.engine import safe_dcp
+from prime_train.rundir import STEP_RE
 
 DCP_METADATA_FILE = ".metadata"
 MANIFEST_FILE = "manifest.json"  # every file of the checkpoint: {"files": {relative path: {"bytes", "crc32"}}}

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prime_train.contract import RunDir
 from prime_train.kit import bounded
 from prime_train.kit.redact import Redactor
+from prime_train.rundir import RunDir
 
 # what the engine reads of a model: weights in safetensors, configs, the tokenizer, a chat template
 ENGINE_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "tokenizer*")

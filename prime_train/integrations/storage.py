@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
-from prime_train.contract import Event, ExitCode, fsync_dir, newest_checkpoint, read_json, write_json_atomic
+from prime_train.contract import Event, ExitCode, fsync_dir, read_json, write_json_atomic
 from prime_train.integrations.checkpoint_archive import (
     ARCHIVE_SUFFIXES,
     STAGING_PREFIX,
@@ -52,6 +52,7 @@ from prime_train.integrations.checkpoint_archive import (
 )
 from prime_train.kit.redact import REDACTED, redact
 from prime_train.retention import safe_remove_checkpoint, select_for_deletion
+from prime_train.rundir import newest_checkpoint
 
 logger = logging.getLogger("prime_train.storage")
 

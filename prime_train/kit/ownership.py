@@ -1,7 +1,7 @@
 """One owner per run directory: its lock, the record of its job's processes, and ending an orphaned job.
 
 The process that runs a job in a run directory (`prime-train run`'s supervisor, or `prime-train train`)
-holds <run>/.lock for its whole life (contract.RunLock; the kernel releases it however the process
+holds <run>/.lock for its whole life (rundir.RunLock; the kernel releases it however the process
 dies). A second one is refused, naming the holder. Holding the lock also proves that no owner is alive,
 so whatever the last owner's job left running is an orphan: the owner records its job's processes in
 <run>/processes.json (pid, process group, create time), and the next owner ends those still alive
@@ -23,24 +23,16 @@ from typing import Any
 
 import psutil
 
-from prime_train.contract import (
-    Event,
-    RunDir,
-    RunDirUnsafe,
-    RunLock,
-    UnsafeLink,
-    list_checkpoints,
-    read_json,
-    write_json_atomic,
-)
+from prime_train.contract import Event, UnsafeLink, read_json, write_json_atomic
 from prime_train.kit.events import EventLog
 from prime_train.retention import clean_stale_tmp, list_quarantined
+from prime_train.rundir import RunDir, RunDirUnsafe, RunLock, list_checkpoints
 
 
 def claim_run_dir(run_dir: RunDir, command: str) -> RunLock:
-    """Lock the run directory for this process (contract.RunDirBusy, naming the holder, when another has it).
+    """Lock the run directory for this process (rundir.RunDirBusy, naming the holder, when another has it).
 
-    First, before anything is written: contract.RunDirUnsafe (a RunDirBusy: exit 78), naming them, when the run
+    First, before anything is written: rundir.RunDirUnsafe (a RunDirBusy: exit 78), naming them, when the run
     directory holds symlinks where prime-train writes (RunDir.unsafe_links: config.toml, .lock, events.jsonl, ...,
     or logs/, tensorboard/, checkpoints/, ... leading out of it). Every writer refuses a link on its own as well
     (O_NOFOLLOW, atomic replace), so one planted later is not followed either.

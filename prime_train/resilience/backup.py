@@ -24,9 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prime_train.contract import Event, RunDir, newest_checkpoint
+from prime_train.contract import Event
 from prime_train.integrations.storage import CheckpointStore, EventSink, StorageError, remove_stale_staging
 from prime_train.kit.observe import Note, Observation, Watcher, note
+from prime_train.rundir import RunDir, newest_checkpoint
 
 if TYPE_CHECKING:
     from prime_train.config.schema import CkptConfig

@@ -25,8 +25,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from prime_train.contract import EVALUATION_S, FIRST_STEP_S, SAVE_S, Event, RunDir
+from prime_train.contract import EVALUATION_S, FIRST_STEP_S, SAVE_S, Event
 from prime_train.kit import bounded
+from prime_train.rundir import RunDir
 
 PARTS = ("startup", "compile", "save", "eval", "restart", "lost_steps", "end")
 LABELS = {

@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from prime_train.contract import LATEST_LOGS
 from prime_train.kit.failures import FailureKind
 from prime_train.kit.redact import redact
 from prime_train.resilience.patterns import (
@@ -41,6 +40,7 @@ from prime_train.resilience.patterns import (
     TRACEBACK_CUT_OFF,
     Pattern,
 )
+from prime_train.rundir import LATEST_LOGS
 
 # Longer lines are cut in findings: vLLM's "Supported architectures: dict_keys([...])" runs to
 # thousands of characters and would bury the console.

@@ -25,13 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prime_train.config.schema import Config
-from prime_train.contract import (
-    Event,
-    Phase,
-    best_checkpoint_step,
-    newest_checkpoint,
-    replace_file_atomic,
-)
+from prime_train.contract import Event, Phase, replace_file_atomic
 from prime_train.kit.gpu import GpuHealthWatcher, GpuRecorder, GpuSource, gpu_source, visible_devices
 from prime_train.kit.observe import Note, Watcher, note
 from prime_train.kit.ownership import disk_statement, supervisor_token
@@ -54,6 +48,7 @@ from prime_train.retention import newest_external_checkpoint
 from prime_train.rl.client import worker_url
 from prime_train.rl.workers import InferenceHealthWatcher, gpu_plan, inference_specs, worker_name
 from prime_train.rl.workers import never_starts as worker_never_starts
+from prime_train.rundir import best_checkpoint_step, newest_checkpoint
 
 if TYPE_CHECKING:
     from prime_train.resilience.backup import BackupWatcher

@@ -55,8 +55,9 @@ def _clear_previous(root: Path) -> None:
 def run_profile(pcfg: Config, *, warmup: int, steps: int, observer) -> tuple[int, dict | None, Path]:
     """Run a profile config (from `profile_config`) under the supervisor; returns (exit code, summary or None,
     profile run directory)."""
-    from prime_train.contract import ENV_PROFILE, RunDir, read_json
+    from prime_train.contract import ENV_PROFILE, read_json
     from prime_train.resilience.supervisor import Supervisor, SupervisorOptions
+    from prime_train.rundir import RunDir
 
     root = Path(pcfg.run_dir)
     _clear_previous(root)

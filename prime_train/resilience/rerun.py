@@ -33,18 +33,9 @@ from typing import Any
 from prime_train.config.diff import Change, diff
 from prime_train.config.loader import MASK, to_toml_dict
 from prime_train.config.schema import Config
-from prime_train.contract import (
-    Phase,
-    RunDir,
-    SupervisorState,
-    fsync_dir,
-    list_checkpoints,
-    newest_checkpoint,
-    read_heartbeat,
-    read_json,
-    write_json_atomic,
-)
+from prime_train.contract import Phase, SupervisorState, fsync_dir, read_heartbeat, read_json, write_json_atomic
 from prime_train.retention import newest_external_checkpoint
+from prime_train.rundir import RunDir, list_checkpoints, newest_checkpoint
 
 # The old run's outputs, moved aside by --fresh; what remains (events.jsonl, logs/, gpu.jsonl) is history.
 # The heartbeat first: it is what says "finished", and a move cut short after it can never read as a finished run.

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from prime_train.config.schema import Config
-from prime_train.contract import Event, ExitCode, RunDir, RunDirBusy, SupervisorState, read_heartbeat
+from prime_train.contract import Event, ExitCode, SupervisorState, read_heartbeat
 from prime_train.kit.events import EventLog
 from prime_train.kit.ownership import claim_run_dir, end_orphans, record_processes, supervisor_token
 from prime_train.kit.redact import Redactor
@@ -50,6 +50,7 @@ from prime_train.resilience.rerun import (
     plan_rerun,
     set_aside,
 )
+from prime_train.rundir import RunDir, RunDirBusy
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -340,7 +341,7 @@ class RunService:
 
 @contextlib.contextmanager
 def _refused_when_busy() -> Iterator[None]:
-    """Another live owner, or symlinks where prime-train writes (contract.RunDirBusy): a configuration error."""
+    """Another live owner, or symlinks where prime-train writes (rundir.RunDirBusy): a configuration error."""
     try:
         yield
     except RunDirBusy as exc:

@@ -21,11 +21,12 @@ from typing import BinaryIO
 
 import psutil
 
-from prime_train.contract import LIVE_STATES, Heartbeat, RunDir, list_checkpoints
+from prime_train.contract import LIVE_STATES, Heartbeat
 from prime_train.kit import bounded
 from prime_train.kit.redact import Redactor
 from prime_train.resilience.goodput import goodput
 from prime_train.resilience.rl_summary import rl_summary
+from prime_train.rundir import RunDir, list_checkpoints
 
 
 def _alive(pid: object) -> bool:

@@ -34,7 +34,6 @@ from prime_train.contract import (
     Event,
     ExitCode,
     Heartbeat,
-    RunLock,
     SupervisorState,
     read_heartbeat,
     replace_file_atomic,
@@ -53,6 +52,7 @@ from prime_train.resilience.plan import AttemptContext, JobPlan, plan_for
 from prime_train.resilience.policy import RestartPolicy
 from prime_train.resilience.verdict import exit_verdict, stop_signal
 from prime_train.resilience.watchers import PreemptionWatcher, ProgressSource, ProgressWatcher
+from prime_train.rundir import RunLock
 
 
 @dataclass
@@ -151,7 +151,7 @@ class Supervisor:
         self._wake.set()
 
     def claim(self) -> None:
-        """Own the run directory: take its lock (contract.RunDirBusy, naming the holder, when another process
+        """Own the run directory: take its lock (rundir.RunDirBusy, naming the holder, when another process
         has it) and end whatever job a killed predecessor left running. `run` claims if this was not called;
         the CLI calls it first, so that preflight never sees an orphan's ports and GPU memory."""
         if self.lock is not None:

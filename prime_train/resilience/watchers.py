@@ -21,12 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from prime_train.contract import SLOW_PHASES, STARTUP_PHASES, Event, Heartbeat, Phase, list_checkpoints, read_json
+from prime_train.contract import SLOW_PHASES, STARTUP_PHASES, Event, Heartbeat, Phase, read_json
 from prime_train.kit.failures import Failure, FailureKind
 from prime_train.kit.observe import NOTHING, ForwardStop, Note, Observation, StatusKey, Watcher, note
 from prime_train.kit.process import Role
 from prime_train.resilience.logscan import Finding, LogScanner
 from prime_train.retention import safe_remove_checkpoint, select_for_deletion
+from prime_train.rundir import list_checkpoints
 
 
 class ProgressWatcher(Watcher):

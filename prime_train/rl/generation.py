@@ -22,7 +22,7 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
-from prime_train.contract import RunDir
+from prime_train.rundir import RunDir
 
 logger = logging.getLogger("prime_train.rl.worker")
 

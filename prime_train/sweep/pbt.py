@@ -14,8 +14,9 @@ import shutil
 import threading
 from typing import Any
 
-from prime_train.contract import Event, newest_checkpoint
+from prime_train.contract import Event
 from prime_train.kit.events import EventLog
+from prime_train.rundir import newest_checkpoint
 from prime_train.sweep.runner import Sweep
 from prime_train.sweep.spec import is_int_key
 from prime_train.sweep.study import owner, owner_gone, set_trial_attr, study_lock, suggest
