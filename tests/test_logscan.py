@@ -76,7 +76,7 @@ EXPECTED: dict[str, tuple[str, int, FailureKind | None]] = {
     "vllm_engine_dead.log": ("vllm_engine_dead", 2, K.CUDA_ERROR),
     "hf_gated_repo.log": ("hf_hub_access_denied", 5, K.CONFIG_ERROR),
     "nccl_watchdog_timeout.log": ("nccl_watchdog_timeout", 2, K.NCCL_TIMEOUT),
-    "rendezvous_timeout.log": ("rendezvous_timeout", 5, K.NCCL_TIMEOUT),
+    "rendezvous_timeout.log": ("rendezvous_timeout", 5, K.RENDEZVOUS_TIMEOUT),
     "nccl_unhandled_cuda_error.log": ("nccl_error", 6, K.NCCL_ERROR),
     "nccl_system_error.log": ("nccl_error", 1, K.NCCL_ERROR),
     "nccl_internal_error.log": ("nccl_error", 4, K.NCCL_ERROR),
@@ -574,7 +574,7 @@ FAMILIES = [
         id="ctx-too-long-to-fit",
     ),
     pytest.param(
-        K.NCCL_TIMEOUT,
+        K.RENDEZVOUS_TIMEOUT,
         "rendezvous_timeout",
         [
             "torch.distributed.DistStoreError: wait timeout after 60000ms, keys: /job/torchelastic/role_info/0,"
@@ -583,7 +583,7 @@ FAMILIES = [
         id="rendezvous-role-info-wait",  # recorded here: node 0's new agent while node 1 joined its old store
     ),
     pytest.param(
-        K.NCCL_TIMEOUT,
+        K.RENDEZVOUS_TIMEOUT,
         "rendezvous_timeout",
         [
             "torch.distributed.DistNetworkError: The client socket has timed out after 4000ms while trying to"

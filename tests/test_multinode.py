@@ -337,6 +337,7 @@ def test_a_frozen_node_is_lost_by_the_other_within_peer_timeout_s_which_then_wai
     assert failures[0]["time"] - froze < 3 + 5, failures[0]["time"] - froze  # the bound, and a beat and a poll
     # restarted, it waits for node 1 at the rendezvous for join_timeout_s, then says so
     assert len(failures) == 2 and "clients joined" in failures[1]["message"], failures
+    assert failures[1]["kind"] == "rendezvous_timeout", failures  # a kind of its own, not a collective's timeout
     assert "the ranks never all met" in out
 
 
@@ -367,6 +368,7 @@ def test_kill9_of_one_nodes_supervisor_stops_both_with_a_checkpoint_and_the_othe
     assert restart["resume_from"] == stopped_at["step"]
     # node 0 restarted and waited join_timeout_s for node 1 at the rendezvous; it never came
     assert len(failures) == 2 and "clients joined" in failures[1]["message"], failures
+    assert failures[1]["kind"] == "rendezvous_timeout", failures  # a kind of its own, not a collective's timeout
     assert "the ranks never all met" in out
 
 

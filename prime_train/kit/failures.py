@@ -16,6 +16,9 @@ class FailureKind(StrEnum):
     OUT_OF_MEMORY = "out_of_memory"  # GPU memory
     HOST_OUT_OF_MEMORY = "host_out_of_memory"  # the machine's RAM: the OOM killer, Ray's memory monitor
     NCCL_TIMEOUT = "nccl_timeout"
+    RENDEZVOUS_TIMEOUT = (
+        "rendezvous_timeout"  # the ranks never all met: a node did not start or cannot reach the endpoint
+    )
     NCCL_ERROR = "nccl_error"  # NCCL failed outright: network, driver, or a peer rank that died
     HANG = "hang"
     GPU_BROKEN = "gpu_broken"
@@ -67,6 +70,10 @@ RULES: dict[FailureKind, Rule] = {
     FailureKind.NCCL_TIMEOUT: Rule(
         "a rank stalled in a collective: check the other ranks' logs and the network; raise distributed.timeout_s "
         "only if a step legitimately takes that long"
+    ),
+    FailureKind.RENDEZVOUS_TIMEOUT: Rule(
+        "the ranks never all met at the rendezvous: a node did not start, or cannot reach distributed.rdzv_endpoint "
+        "(firewall, wrong address); each node's `prime-train status` says whether it is up"
     ),
     FailureKind.NCCL_ERROR: Rule(
         "NCCL failed: if it says a remote process exited, another rank died first (its log has the cause); "

@@ -345,7 +345,7 @@ PATTERNS: list[Pattern] = [
     ),
     _pattern(
         "rendezvous_timeout",
-        K.NCCL_TIMEOUT,
+        K.RENDEZVOUS_TIMEOUT,
         "the ranks never all met: a node or rank did not start or cannot reach distributed.rdzv_endpoint / "
         "MASTER_ADDR:MASTER_PORT (firewall, wrong address); check every node's log for why it did not join",
         ("Timed out after", "RendezvousTimeoutError", "waiting for clients", "wait timeout after", "has timed out"),
@@ -583,7 +583,7 @@ ROOT_CAUSE_TIERS: tuple[frozenset[FailureKind], ...] = (
         }
     ),
     frozenset({K.NCCL_ERROR}),
-    frozenset({K.NCCL_TIMEOUT, K.INFERENCE_DIED, K.HANG, K.PREEMPTED, K.NODE_LOST}),
+    frozenset({K.NCCL_TIMEOUT, K.RENDEZVOUS_TIMEOUT, K.INFERENCE_DIED, K.HANG, K.PREEMPTED, K.NODE_LOST}),
     frozenset({K.KILLED_BY_SIGNAL}),
     frozenset({K.CRASH, K.TRACKER_ERROR}),
 )
