@@ -289,6 +289,16 @@ def test_eval_runs_lm_eval_on_local_task_files_and_reports_their_accuracy(sft_mo
     assert bad.exit_code == CONFIG and f'"{tmp_path / "bad.yaml"}", line 1' in bad.output, bad.output[-2000:]
 
 
+def test_an_unknown_lm_eval_task_is_named_before_any_model_loads(tmp_path):
+    pytest.importorskip("lm_eval")
+    # the directory holds no model: had the model loaded first, the error would be about it, after its load
+    (tmp_path / "run").mkdir()
+    result = invoke("eval", str(tmp_path / "run"), "--tasks", "no_such_task_xyz")
+    assert result.exit_code == CONFIG, result.output[-2000:]
+    assert "--tasks no_such_task_xyz: no such task in lm-eval's registry" in result.output, result.output[-2000:]
+    assert "Traceback" not in result.output
+
+
 def test_data_inspect_shows_the_loss_mask_packing_and_warnings():
     result = invoke("data", "inspect", "-n", "1", "--limit", "200", "--json")
     assert result.exit_code == 0, result.output[-2000:]

@@ -77,7 +77,7 @@ def evaluate(
         what = "does not exist" if not source.exists() else "is not a directory"
         raise CliError(f"{source} {what}: pass a run directory or a model directory", BAD_INPUT)
     if tasks is not None:  # the harness's tasks name their own data: no config is read
-        doc = _lm_eval(_load(source, step), names, limit, include_path)
+        doc = _lm_eval(source, step, names, limit, include_path)
     else:
         from prime_train.engine.metrics import EngineConfigError
         from prime_train.engine.model_eval import evaluate_model
@@ -91,13 +91,16 @@ def evaluate(
     output.emit(doc, as_json, lambda console: _render(doc))
 
 
-def _lm_eval(loaded, names: list[str], limit: int | None, include_path: list[Path] | None) -> dict:
+def _lm_eval(source: Path, step: int | None, names: list[str], limit: int | None, include_path: list[Path] | None):
+    """The harness's tasks on the model at `source`: every task name is found in its index before the model loads
+    (an unknown name costs seconds, not a model load first)."""
     from prime_train.engine.metrics import EngineConfigError
-    from prime_train.engine.model_eval import lm_eval_tasks
+    from prime_train.engine.model_eval import lm_eval_task_manager, lm_eval_tasks
 
-    dirs = [str(p.resolve()) for p in include_path or []]
     try:
-        return {"model": loaded.source, "lm_eval": lm_eval_tasks(loaded, names, limit=limit, include_paths=dirs)}
+        manager = lm_eval_task_manager(names, [str(p.resolve()) for p in include_path or []])
+        loaded = _load(source, step)
+        return {"model": loaded.source, "lm_eval": lm_eval_tasks(loaded, names, limit=limit, manager=manager)}
     except EngineConfigError as exc:  # a task the harness does not know or cannot build
         raise CliError(exc, BAD_INPUT) from None
 

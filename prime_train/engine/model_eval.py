@@ -89,18 +89,18 @@ def lm_eval_tasks(
     tasks: list[str],
     *,
     limit: int | None,
-    include_paths: list[str] | None = None,
+    manager: Any,
     batch_size: int = 8,
 ) -> dict[str, Any]:
     """lm-evaluation-harness's `tasks` on the loaded model (its HFLM wrapper): each task's metrics as it reports
-    them, the filter suffix `,none` left off. A task is a name from the harness's registry or `include_paths`, or
-    a task YAML file (which may read a local dataset: `dataset_path: json` with `dataset_kwargs.data_files`). The
-    harness reads hub datasets through the Hugging Face cache (HF_HUB_OFFLINE is respected)."""
+    them, the filter suffix `,none` left off. A task is a name from the harness's registry or the include paths of
+    `manager` (lm_eval_task_manager), or a task YAML file (which may read a local dataset: `dataset_path: json`
+    with `dataset_kwargs.data_files`). The harness reads hub datasets through the Hugging Face cache
+    (HF_HUB_OFFLINE is respected)."""
     import yaml  # lm-eval's own dependency: a task file that does not parse raises its error
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    manager = _task_manager(tasks, include_paths or [])
     lm = HFLM(pretrained=loaded.model, tokenizer=loaded.tokenizer, batch_size=batch_size)
     try:
         result = simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager)
@@ -116,9 +116,10 @@ def lm_eval_tasks(
     return out
 
 
-def _task_manager(tasks: list[str], include_paths: list[str]):
+def lm_eval_task_manager(tasks: list[str], include_paths: list[str]):
     """The harness's TaskManager for `tasks`: the include paths alone when they and the YAML files name every task
-    (indexing the harness's thousands of built-in task files takes seconds), else the built-in tasks too."""
+    (indexing the harness's thousands of built-in task files takes seconds), else the built-in tasks too;
+    EngineConfigError naming a task found in neither. Needs no model: callers check the names before loading one."""
     from lm_eval.tasks import TaskManager
 
     names = [t for t in tasks if not t.endswith((".yaml", ".yml"))]
