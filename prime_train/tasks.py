@@ -6,6 +6,7 @@ under 32 bytes so a ~1M-parameter model on CPU learns a task within a few hundre
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import string
@@ -114,10 +115,17 @@ def get_task(name: str) -> Task:
 
 def generate_examples(name: str, n: int, seed: int) -> list[Example]:
     """`n` examples of task `name`, the same for the same (name, n, seed) on any machine."""
+    return list(_examples(name, n, seed))
+
+
+@functools.lru_cache(maxsize=8)
+def _examples(name: str, n: int, seed: int) -> tuple[Example, ...]:
+    """Generated once a process: a trainer reads a task's examples for its rows, its held-out loss and its exact
+    match (three passes over the same 20k examples, ~0.2 s each on the default job)."""
     task = get_task(name)
     # Seeding with a string is stable across processes (hash randomisation does not apply to it).
     rng = random.Random(f"{name}:{seed}")
-    return [task.generate(rng) for _ in range(n)]
+    return tuple(task.generate(rng) for _ in range(n))
 
 
 def read_multiple_choice(path: str | Path, limit: int = 500) -> list[tuple[str, list[str], int]]:

@@ -344,6 +344,44 @@ def test_documents_start_with_the_bos_a_tokenizer_adds_and_prompts_encode_the_sa
     assert encode_prompt(tok, prompt) == list(prompt.encode())  # the byte tokenizer adds nothing
 
 
+def test_documents_tokenize_through_the_fast_backend_to_exactly_the_ids_the_tokenizer_call_gives():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from prime_train.engine.documents import Encoder
+
+    texts = ["reverse hello=olleh", "caf\u00e9 \u2603 <|eos|> tail", "", "  two  spaces", "12+34=46<|pad|>"] * 3
+    bpe = Tokenizer(models.BPE(unk_token=None))
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    special = ["<|eos|>", "<|pad|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(texts * 10, trainer)
+    split = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|eos|>", pad_token="<|pad|>", split_special_tokens=True
+    )
+
+    class OwnEncoding(PreTrainedTokenizerFast):
+        def _encode_plus(self, *args, **kwargs):
+            return super()._encode_plus(*args, **kwargs)
+
+    own = OwnEncoding(tokenizer_object=Tokenizer.from_str(bpe.to_str()), eos_token="<|eos|>", pad_token="<|pad|>")
+    for name, tokenizer, fast in (("byte", build_byte_tokenizer(), True), ("bpe, special tokens split", split, True),
+                                  ("a subclass's own encoding", own, False)):  # fmt: skip
+        encoder = Encoder(tokenizer, "sft")
+        assert (encoder._backend() is not None) == fast, name
+        assert encoder._encode(texts) == tokenizer(texts, add_special_tokens=False)["input_ids"], name
+    # the special token is one id unless the tokenizer splits it
+    assert Encoder(split, "sft")._encode(["<|eos|>"]) != [[split.eos_token_id]]
+    # a backend left truncating by someone else's call is not used: the ids stay whole, as the tokenizer's call gives
+    encoder = Encoder(split, "sft")
+    split.backend_tokenizer.enable_truncation(2)
+    assert encoder._backend() is None
+    assert encoder._encode(texts) == split(texts, add_special_tokens=False)["input_ids"]
+    assert max(map(len, encoder._encode(texts))) > 2
+
+
 def test_sampling_probs_must_match_the_datasets(tok):
     two = [DatasetConfig(task="arithmetic", num_examples=50), DatasetConfig(task="sorting", num_examples=50)]
     with pytest.raises(ValueError, match=r"data\.sampling_probs has 1 values for 2 datasets"):
