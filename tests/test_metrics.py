@@ -361,7 +361,7 @@ import sys
 sys.modules["wandb"] = None
 from prime_train.config.schema import Config
 from prime_train.engine.metrics import EngineConfigError, MetricsLogger
-from prime_train.contract import RunDir
+from prime_train.rundir import RunDir
 cfg = Config.model_validate({{
     "run": {{"output_dir": {str(tmp_path)!r}, "name": "no-wandb"}},
     "logging": {{"tensorboard": False, "wandb_project": "prime-train-test", "wandb_mode": "offline"}},
