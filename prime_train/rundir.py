@@ -47,7 +47,19 @@ RUN_FILES = frozenset(
 )
 CONFIG_ATTEMPT_RE = re.compile(r"^config\.attempt-\d+\.toml$")  # the config of a restart that resumes
 RUN_DIRS = frozenset(
-    {"logs", "checkpoints", "weights", "final", "profile", "tensorboard", "previous", "inference", "wandb", "trackers"}
+    {
+        "logs",
+        "checkpoints",
+        "weights",
+        "final",
+        "profile",
+        "tensorboard",
+        "previous",
+        "inference",
+        "wandb",
+        "trackers",
+        "cache",
+    }
 )
 
 
@@ -76,6 +88,7 @@ class RunDir:
       final/                    HF-format export
       profile/summary.json      `prime-train profile`
       tensorboard/
+      cache/rows-<part>-<key>.safetensors  the trainer's tokenized, packed rows (engine/row_cache.py)
     ```
 
     The checkpoints are where the run's config puts them: `ckpt_dir` is its ckpt.dir (a directory every node
@@ -103,6 +116,7 @@ class RunDir:
         self.profile_dir = self.root / "profile"
         self.profile_summary_path = self.profile_dir / "summary.json"
         self.tensorboard_dir = self.root / "tensorboard"
+        self.cache_dir = self.root / "cache"
 
     @classmethod
     def of_run(cls, root: str | os.PathLike[str], config: Any) -> RunDir:

@@ -46,8 +46,9 @@ def processes_of(run_dir) -> list[psutil.Process]:
 
 def test_kill9_trainer_is_resumed_and_final_weights_equal_an_uninterrupted_run(tmp_path):
     steps = {"train.max_steps": 40, "ckpt.interval": 20}
-    straight = run_train(tmp_path, "straight", **steps)
+    straight = run_train(tmp_path, "straight", **steps, **{"data.cache_rows": "false"})
     assert straight.returncode == 0, straight.stdout[-3000:]
+    assert not (tmp_path / "straight" / "cache").exists()
 
     run_dir = tmp_path / "supervised"
     proc = start(
@@ -85,6 +86,9 @@ def test_kill9_trainer_is_resumed_and_final_weights_equal_an_uninterrupted_run(t
     assert figures["lost_s"]["restart"] > 0 and figures["lost_s"]["lost_steps"] > 0
     assert figures["lost_s"]["startup"] > 0 and figures["lost_s"]["end"] > 0  # the final save and export
     assert "goodput " in out and "restarts " in out and "lost steps " in out
+    # the restart read the rows the first attempt tokenized (cache/), and trained to the same weights
+    assert "the tokenized rows from" not in (run_dir / "logs" / "attempt-1" / "trainer.log").read_text()
+    assert "the tokenized rows from" in (run_dir / "logs" / "attempt-2" / "trainer.log").read_text()
     wa, wb = final_weights(tmp_path / "straight"), final_weights(run_dir)
     for key in wa:
         assert torch.equal(wa[key], wb[key]), key

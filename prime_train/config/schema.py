@@ -197,6 +197,11 @@ class DataConfig(Section):
     num_workers: int | None = Field(
         None, ge=0, le=1024, description="Data-loader workers; unset: chosen from CPU cores."
     )
+    cache_rows: bool = Field(
+        True,
+        description="Keep the tokenized, packed training rows in the run directory's cache/ so that a restart "
+        "reads them instead of tokenizing the data again (local files and built-in tasks; not hub datasets).",
+    )
     streaming: bool = Field(
         False,
         description="Read parquet shards (local `path`, or a hub dataset's shards by HTTP range requests) as a "

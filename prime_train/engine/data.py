@@ -39,6 +39,7 @@ from prime_train.engine.records import (
     read_records,
     task_record,
 )
+from prime_train.engine.row_cache import RowCache, rows_key
 from prime_train.engine.streaming import build_streaming_loader
 
 if TYPE_CHECKING:
@@ -129,12 +130,14 @@ def _rank_rows(
     world_size: int,
     seed: int,
     replayed: list[DatasetConfig] | None = None,
+    cache: RowCache | None = None,
 ) -> tuple[list[PackedRows], bool, np.ndarray | None]:
     """Packed training rows of each dataset, and whether they are the global rows every rank shares.
 
     Data that fits in memory and is not split by shards is packed whole on every rank, identically,
     and each rank reads every world_size-th row of one shared order: the global batch of a step is
     then the same rows whatever the world size, so 1 process and N processes train alike.
+    With `cache`, rows an earlier start built from the same inputs are read back (row_cache.py).
     """
     encoder = Encoder(tokenizer, job)
 
@@ -143,27 +146,38 @@ def _rank_rows(
 
     datasets = [*data.datasets, *(replayed or [])]  # continual.previous after this run's own
     shared = not any(_splits_by_shard(ds, world_size) for ds in datasets)
-    parts, row_difficulty = [], []
-    for index, ds in enumerate(datasets):
-        scores: list[float] | None = [] if data.curriculum == "difficulty" else None
-        fmt, contents = _dataset_contents(
-            ds, index, seed, data.held_out_fraction, rank, world_size, held_out=False, keep_all=shared,
-            difficulties=scores, difficulty_field=data.difficulty_field,
+
+    def build() -> tuple[list[PackedRows], np.ndarray | None]:
+        parts, row_difficulty = [], []
+        for index, ds in enumerate(datasets):
+            scores: list[float] | None = [] if data.curriculum == "difficulty" else None
+            fmt, contents = _dataset_contents(
+                ds, index, seed, data.held_out_fraction, rank, world_size, held_out=False, keep_all=shared,
+                difficulties=scores, difficulty_field=data.difficulty_field,
+            )  # fmt: skip
+            docs = encoder.encode(fmt, contents)
+            if data.curriculum == "none":
+                parts.append(rows_of(docs))
+                continue
+            if scores is None:  # by length: the document's tokens
+                scores = [float(len(doc.ids)) for doc in docs]
+            groups = buckets(scores)
+            # packed within each group: a row holds documents of one difficulty
+            rows = [rows_of([docs[i] for i in g]) for g in groups]
+            parts.append(concat_rows(rows) if rows else rows_of([]))
+            row_difficulty += [
+                np.full(len(r.lengths), np.mean([scores[i] for i in g])) for r, g in zip(rows, groups, strict=True)
+            ]
+        return parts, np.concatenate(row_difficulty) if data.curriculum != "none" and row_difficulty else None
+
+    if cache is None:
+        parts, difficulty = build()
+    else:
+        key = rows_key(data, datasets, encoder, seed=seed, rank=rank, world_size=world_size, shared=shared)
+        parts, difficulty = cache.rows(
+            RowCache.part(shared, rank), key, build, num_datasets=len(datasets), seq_len=data.seq_len,
+            vocab=len(tokenizer), difficulty=data.curriculum != "none",
         )  # fmt: skip
-        docs = encoder.encode(fmt, contents)
-        if data.curriculum == "none":
-            parts.append(rows_of(docs))
-            continue
-        if scores is None:  # by length: the document's tokens
-            scores = [float(len(doc.ids)) for doc in docs]
-        groups = buckets(scores)
-        # packed within each group: a row holds documents of one difficulty
-        rows = [rows_of([docs[i] for i in g]) for g in groups]
-        parts.append(concat_rows(rows) if rows else rows_of([]))
-        row_difficulty += [
-            np.full(len(r.lengths), np.mean([scores[i] for i in g])) for r, g in zip(rows, groups, strict=True)
-        ]
-    difficulty = np.concatenate(row_difficulty) if data.curriculum != "none" and row_difficulty else None
     return parts, shared, difficulty
 
 
@@ -449,9 +463,11 @@ def build_train_loader(
     replay: float = 0.0,
     global_batch_size: int | None = None,
     max_steps: int | None = None,
+    cache: RowCache | None = None,
 ) -> TrainLoader:
     """This rank's endless, resumable stream of packed training micro-batches; with `replay` > 0 a fraction `replay`
-    of the sequences comes from the `replayed` datasets (continual learning), mixed into the same epoch order."""
+    of the sequences comes from the `replayed` datasets (continual learning), mixed into the same epoch order;
+    with `cache`, the rows are kept between starts (row_cache.py)."""
     _check_data_config(data)
     if data.streaming:
         return build_streaming_loader(  # type: ignore[return-value]
@@ -465,7 +481,7 @@ def build_train_loader(
     replayed = replayed if replay > 0 else None
     if data.curriculum != "none" and data.streaming:
         raise EngineConfigError("data.curriculum needs data that fits in memory: set data.streaming = false")
-    parts, shared, difficulty = _rank_rows(data, tokenizer, job, rank, world_size, seed, replayed)
+    parts, shared, difficulty = _rank_rows(data, tokenizer, job, rank, world_size, seed, replayed, cache)
     rows = concat_rows(parts)
     sizes = [len(p.lengths) for p in parts]
     probs = (
@@ -536,21 +552,33 @@ def build_eval_batches(
     world_size: int,
     seed: int,
     max_batches: int,
+    cache: RowCache | None = None,
 ) -> list[Batch]:
-    """Fixed held-out micro-batches for this rank; every rank gets the same count (collectives stay paired)."""
+    """Fixed held-out micro-batches for this rank; every rank gets the same count (collectives stay paired).
+    With `cache`, the held-out rows are kept between starts as the training rows are (row_cache.py)."""
     _check_data_config(data)
     encoder = Encoder(tokenizer, job)
-    docs: list[Document] = []
-    # a streamed dataset may be web-scale: read only the first held-out documents the eval can use
-    # (every rank reads the same ones, so the eval set still agrees across ranks)
-    limit = max_batches * micro_batch_size * world_size * EVAL_DOCS_PER_ROW if data.streaming else None
-    for index, ds in enumerate(data.datasets):
-        fmt, contents = _dataset_contents(
-            ds, index, seed, data.held_out_fraction, rank, world_size, held_out=True, limit=limit,
-            streaming=data.streaming,
-        )  # fmt: skip
-        docs.extend(encoder.encode(fmt, contents))
-    rows = build_rows(docs, data.seq_len, tokenizer.pad_token_id, data.packing, data.document_masking)
+
+    def build() -> tuple[list[PackedRows], None]:
+        docs: list[Document] = []
+        # a streamed dataset may be web-scale: read only the first held-out documents the eval can use
+        # (every rank reads the same ones, so the eval set still agrees across ranks)
+        limit = max_batches * micro_batch_size * world_size * EVAL_DOCS_PER_ROW if data.streaming else None
+        for index, ds in enumerate(data.datasets):
+            fmt, contents = _dataset_contents(
+                ds, index, seed, data.held_out_fraction, rank, world_size, held_out=True, limit=limit,
+                streaming=data.streaming,
+            )  # fmt: skip
+            docs.extend(encoder.encode(fmt, contents))
+        return [build_rows(docs, data.seq_len, tokenizer.pad_token_id, data.packing, data.document_masking)], None
+
+    if cache is None or data.streaming:
+        (rows,), _ = build()
+    else:  # every rank packs the same held-out rows
+        key = rows_key(data, data.datasets, encoder, seed=seed, rank=0, world_size=1, shared=True, held_out=True)
+        (rows,), _ = cache.rows(
+            "eval", key, build, num_datasets=1, seq_len=data.seq_len, vocab=len(tokenizer), difficulty=False
+        )
     total = len(rows.lengths)
     if total == 0 or max_batches < 1:
         return []
