@@ -51,7 +51,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("prime_train.engine.data")
 
 FORMAT = 1  # of the file: a change of what is stored changes every key
-CACHE_DIR = "cache"
 _NAME_RE = re.compile(r"^rows-(?P<part>all|eval|rank\d+)-(?P<key>[0-9a-f]{32})\.safetensors$")
 _ARRAYS = ("ids", "loss", "starts", "lengths")
 _DTYPES = {"ids": np.int32, "loss": np.bool_, "starts": np.bool_, "lengths": np.int32}
