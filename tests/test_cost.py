@@ -14,12 +14,12 @@ from prime_train.validator.cost import (
     estimate_cost,
     flops_per_token,
     gpu_to_measure,
-    load_prices,
     render_cost,
     total_sequences,
     usd,
 )
 from prime_train.validator.model_shape import model_shape
+from prime_train.validator.prices import load_prices
 
 # hidden 512, 2 layers, 8 heads of 64, MLP 1024, vocab 1000, tied: parameters by hand
 #   embedding 1000·512 = 512,000; per layer q,k,v,o 4·512² = 1,048,576 + gate,up,down 3·512·1024 = 1,572,864
