@@ -167,13 +167,18 @@ def _damage(run_dir: RunDir, how: str, tmp_path) -> None:
         arrays = load(path.read_bytes())
         arrays["loss.0"] = arrays["loss.0"][:, :-1].copy()
         path.write_bytes(save(arrays))
+    elif how == "a FIFO":
+        path.unlink()
+        os.mkfifo(path)
     elif how == "a symlink":
         elsewhere = tmp_path / "elsewhere.safetensors"
         os.replace(path, elsewhere)
         path.symlink_to(elsewhere)
 
 
-@pytest.mark.parametrize("how", ["garbage", "truncated", "ids outside the vocabulary", "another shape", "a symlink"])
+@pytest.mark.parametrize(
+    "how", ["garbage", "truncated", "ids outside the vocabulary", "another shape", "a symlink", "a FIFO"]
+)
 def test_a_damaged_or_planted_cache_file_is_said_and_the_rows_are_built_again(
     tok, tmp_path, count_encoding, caplog, how
 ):

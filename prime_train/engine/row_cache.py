@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -187,7 +188,7 @@ class RowCache:
         """The rows stored under `key`, or None (missing, unreadable, or not rows of this shape: said, then rebuilt)."""
         path = self.path(part, key)
         try:
-            fd = open_nofollow(path, os.O_RDONLY)
+            fd = open_nofollow(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO planted there opens without a writer
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -195,6 +196,8 @@ class RowCache:
             return None
         try:
             with os.fdopen(fd, "rb") as handle:
+                if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                    raise ValueError("not a regular file")
                 blob = handle.read()
             from safetensors.numpy import load
 
