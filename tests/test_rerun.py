@@ -227,3 +227,25 @@ def test_a_rerun_with_a_changed_config_says_what_differs_and_keeps_the_runs_valu
     said.clear()
     assert RunService(run_cfg)._config_drift() is None
     assert serve(fresh=True).cfg.train.max_steps == 300 and not said
+
+
+def test_a_moved_run_directory_resumes_where_it_is_now_with_its_own_values(tmp_path):
+    # the trial: a stopped run moved to a bigger disk and resumed there trained from step 0 in its old place
+    from prime_train.launch import write_run_config
+    from prime_train.resilience.service import Reporter, RunService
+
+    old = _config(tmp_path / "old", train={"max_steps": 340, "lr": 1e-3})
+    write_run_config(old)
+    (Path(old.run_dir) / "progress.json").write_text(json.dumps({"step": 218, "phase": "stopped"}))
+    (tmp_path / "old").rename(tmp_path / "new")
+    said: list[str] = []
+    moved = _config(tmp_path / "new", train={"max_steps": 340, "lr": 1e-3})
+    service = RunService(moved, reporter=Reporter(say=said.append))
+    assert service._config_drift() is None and service.cfg.run_dir == moved.run_dir
+    # with a changed value too, the run's own values are kept, in the place the directory is now
+    asked = _config(tmp_path / "new", train={"max_steps": 300, "lr": 1e-3})
+    service = RunService(asked, reporter=Reporter(say=said.append))
+    drift = service._config_drift()
+    assert drift is not None and drift.kept and [c.key for c in drift.changes] == ["train.max_steps"]
+    assert service.cfg.run_dir == asked.run_dir and service.cfg.train.max_steps == 340
+    assert not (tmp_path / "old").exists()

@@ -49,6 +49,8 @@ OLD_RUN_OUTPUTS = (
     "wandb_id.json",  # a fresh run is a new W&B run: W&B drops steps lower than a resumed run's last
 )
 PREVIOUS_DIR = "previous"
+# the keys that say where the run directory is (Config.run_dir): a resumed run keeps its own values but these
+PLACE_KEYS = ("run.output_dir", "run.name")
 # --fresh's journal in the run directory: {"dest": "<folder in previous/>", "moving": [names], "started": time},
 # written before the first rename and removed after the last (see finish_set_aside)
 SET_ASIDE_JOURNAL = ".set-aside.json"
@@ -115,7 +117,9 @@ def config_drift(cfg: Config, *, fresh: bool, resume: bool) -> ConfigDrift | Non
     except (OSError, ValueError):
         return None  # no earlier config (a new run), or one that is not TOML: nothing to compare with
     new = tomllib.loads(masked_run_config(cfg).text)
-    changes = [c for c in diff(stored, new) if MASK not in f"{c.old}{c.new}"]
+    # where the directory is, this command found it: one moved or copied since its config.toml was written is this
+    # run in its new place, never a reason to train in the old one
+    changes = [c for c in diff(stored, new) if MASK not in f"{c.old}{c.new}" and c.key not in PLACE_KEYS]
     if not changes:
         return None
     resumable = (
@@ -123,6 +127,8 @@ def config_drift(cfg: Config, *, fresh: bool, resume: bool) -> ConfigDrift | Non
     )
     if resume or not resumable or finished_run(cfg) is not None:
         return ConfigDrift(changes, kept=False, cfg=cfg)
+    if isinstance(stored.get("run"), dict):
+        stored["run"].update(output_dir=cfg.run.output_dir, name=cfg.run.name)
     try:
         kept = Config.model_validate(_unmasked(stored, to_toml_dict(cfg)))
     except ValueError:  # written by another version of prime-train: the new config it is, said
