@@ -17,6 +17,7 @@ import errno
 import json
 import math
 import os
+import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -401,6 +402,18 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, durable: bool =
     replace_file_atomic(path, (json.dumps(obj) + "\n").encode("utf-8"), durable=durable)
 
 
+def read_regular(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of the regular file at `path`; OSError when it is missing, unreadable or not a regular file.
+
+    Opened non-blocking, so a FIFO planted at a name the tool reads (progress.json, events.jsonl) is an error at
+    once instead of a read that waits forever for a writer."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return f.read()
+
+
 def read_json(path: str | os.PathLike[str]) -> dict | None:
     """The JSON object in `path`, or None when the file is missing, unreadable, half-written or not an object.
 
@@ -408,7 +421,7 @@ def read_json(path: str | os.PathLike[str]) -> dict | None:
     does not hide the whole heartbeat; NaN and Infinity read as floats, null as None.
     """
     try:
-        data = Path(path).read_bytes()
+        data = read_regular(path)
     except OSError:
         return None
     try:
@@ -439,7 +452,7 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     A missing or unreadable file has no records.
     """
     try:
-        data = Path(path).read_bytes()
+        data = read_regular(path)
     except OSError:
         return []
     out = []
@@ -465,11 +478,11 @@ def process_started_at(pid: int) -> float | None:
     """
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode("ascii", "replace")
+            proc_stat = f.read().decode("ascii", "replace")
         with open("/proc/stat", "rb") as f:
             btime = next(int(line.split()[1]) for line in f.read().decode().splitlines() if line.startswith("btime"))
         # the command name (field 2) may hold spaces and parentheses: count the fields after its last ')'
-        ticks = int(stat[stat.rindex(")") + 2 :].split()[19])
+        ticks = int(proc_stat[proc_stat.rindex(")") + 2 :].split()[19])
         return ticks / os.sysconf("SC_CLK_TCK") + btime
     except (OSError, ValueError, IndexError, StopIteration):
         return None

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import re
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,9 +171,11 @@ class RunDir:
             raise UnsafeLink(path, f"leads out of the run directory {self.root}, to {where}")
 
     def unsafe_links(self) -> list[str]:
-        """The symlinks at the names prime-train writes in this run directory that it must not write through, as
-        "<name> -> <target>": any link at one of its files (its writers never follow one, so what they write
-        would be lost), and a link at one of its directories that leads out of the run directory."""
+        """What stands at the names prime-train writes in this run directory that it must not write to: a symlink
+        at one of its files (its writers never follow one, so what they write would be lost) or at one of its
+        directories leading out of the run directory, as "<name> -> <target>"; and at one of its files anything but
+        a file (a named pipe, whose opening for an append waits for a reader forever; a socket, a device, a
+        directory), as "<name> (a named pipe)"."""
         try:
             entries = sorted(os.scandir(self.root), key=lambda e: e.name)
         except OSError:  # missing (a new run), or not a directory: nothing written yet is at risk
@@ -181,6 +184,9 @@ class RunDir:
         found = []
         for entry in entries:
             file_name = entry.name in RUN_FILES or CONFIG_ATTEMPT_RE.match(entry.name) is not None
+            if file_name and not entry.is_symlink() and (special := _special_kind(entry)):
+                found.append(f"{entry.name} ({special})")
+                continue
             if not (file_name or entry.name in RUN_DIRS) or not entry.is_symlink():
                 continue
             if file_name or not _inside(os.path.realpath(entry.path), root):
@@ -190,6 +196,17 @@ class RunDir:
                     target = "?"
                 found.append(f"{entry.name} -> {target}")
         return found
+
+
+def _special_kind(entry: os.DirEntry) -> str | None:
+    """What a directory entry is when it is not a regular file ("a named pipe", ...); None for a file."""
+    try:
+        mode = entry.stat(follow_symlinks=False).st_mode
+    except OSError:
+        return None
+    kinds = ((stat.S_ISREG, None), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))  # fmt: skip
+    return next((kind for test, kind in kinds if test(mode)), "not a regular file")
 
 
 @dataclass(frozen=True)
@@ -269,12 +286,13 @@ class RunDirUnsafe(RunDirBusy):
         hint = ""
         if any(link.split(" -> ")[0] == "checkpoints" for link in links):
             hint = " To keep checkpoints on another disk, set ckpt.dir to it instead of linking checkpoints/."
+        what = "a symbolic link" if all(" -> " in link for link in links) else "what it must not write to"
         Exception.__init__(
             self,
-            f"run directory {run_dir.root} holds a symbolic link where prime-train writes its own files: "
+            f"run directory {run_dir.root} holds {what} where prime-train writes its own files: "
             f"{'; '.join(links)}. prime-train never writes through a link there (the write would land outside the "
-            f"run directory, or be lost); remove the link(s), or give this run another run.name or run.output_dir."
-            + hint,
+            f"run directory, or be lost), nor into a pipe, socket or device; remove them, or give this run another "
+            f"run.name or run.output_dir." + hint,
         )
 
 

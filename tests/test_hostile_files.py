@@ -145,6 +145,33 @@ def test_status_on_absurdly_big_supervisor_progress_metrics_and_config_files(tmp
     assert run_measured(tmp_path, "status", str(run.root)).code == 0
 
 
+@pytest.mark.parametrize("name", ["progress.json", "supervisor.json", "events.jsonl", "metrics.jsonl", "config.toml"])
+def test_a_fifo_at_a_file_the_run_directory_holds_is_not_waited_on(tmp_path, name):
+    # the trial: a named pipe planted at progress.json hung `status` forever in open(), waiting for a writer
+    run = RunDir(tmp_path / "run")
+    run.create()
+    run.supervisor_path.write_text(json.dumps({"state": "failed", "pid": 0, "attempt": 1, "restarts": 0}))
+    run.events_path.write_text(json.dumps({"time": 1.0, "event": "attempt_started", "attempt": 1}) + "\n")
+    run.progress_path.write_text(json.dumps({"step": 3, "phase": "failed"}))
+    folder = run.attempt_logs(1)
+    folder.mkdir(parents=True)
+    (folder / "trainer.log").write_text("a line\n")
+    (run.logs_dir / "latest").symlink_to("attempt-1")
+    (run.root / name).unlink(missing_ok=True)
+    os.mkfifo(run.root / name)
+    for args in (("status", str(run.root), "--json"), ("status", str(run.root)), ("logs", str(run.root))):
+        ran = run_measured(tmp_path, *args)  # fails at its hang guard when a reader waits on the pipe
+        assert ran.code == 0 and "Traceback" not in ran.stderr, (args, ran.stderr)
+    os.mkfifo(folder / "worker.log")
+    for lines in ("20", "0"):  # from the end, and every line
+        assert run_measured(tmp_path, "logs", str(run.root), "--process", "worker", "-n", lines).code in (0, 1)
+    # the readers the supervisor and the engine share: an unreadable file reads as missing
+    from prime_train.contract import read_json, read_jsonl
+
+    assert read_json(run.root / name) is None and read_jsonl(run.root / name) == []
+    assert bounded.read_json(run.root / name) is None and bounded.read_text(run.root / name) is None
+
+
 # ---------------------------------------------------------------- logs
 
 

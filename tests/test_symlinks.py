@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -157,6 +158,22 @@ def test_links_that_stay_inside_and_a_ckpt_dir_elsewhere_still_run(tmp_path):
     second = prime_train("run", str(config), "--fresh", cwd=tmp_path)  # with logs/latest in place
     assert second.returncode == 0, second.stdout + second.stderr
     assert "symbolic link" not in second.stdout + second.stderr
+
+
+@pytest.mark.parametrize("name", ["events.jsonl", "metrics.jsonl", ".lock", "config.toml"])
+def test_run_refuses_a_named_pipe_or_a_directory_where_it_writes_a_file_instead_of_waiting_on_it(tmp_path, name):
+    # the trial: a named pipe planted at events.jsonl hung `run --resume` forever, its append waiting for a reader
+    root = tmp_path / "runs" / "r"
+    root.mkdir(parents=True)
+    os.mkfifo(root / name)
+    result = prime_train("run", str(job_config(tmp_path)), cwd=tmp_path)  # its timeout is the hang guard
+    out = result.stdout + result.stderr
+    assert result.returncode == 78 and "Traceback" not in out, out
+    assert f"{name} (a named pipe)" in out and "nor into a pipe" in out, out
+    (root / name).unlink()
+    (root / name).mkdir()
+    with pytest.raises(RunDirUnsafe, match=rf"{re.escape(name)} \(a directory\)"):
+        claim_run_dir(RunDir(root), "test")
 
 
 # ---------------------------------------------------------------- the writers never follow a link planted later

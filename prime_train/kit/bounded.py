@@ -47,10 +47,19 @@ def _file_size(fh: IO[bytes]) -> int | None:
     return st.st_size if st.st_mode & 0o170000 == 0o100000 else None  # a regular file's; a pipe has none
 
 
+def _open(path: str | os.PathLike[str]) -> IO[bytes]:
+    """open(path, "rb"), except that a FIFO opens at once instead of waiting for a writer (O_NONBLOCK): each reader
+    then reads only a regular file (_file_size), so a FIFO planted at progress.json cannot hang `status`."""
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb")
+
+
 def read_bytes(path: str | os.PathLike[str], limit: int, notes: list[str] | None = None) -> bytes | None:
-    """The bytes of `path` when it holds at most `limit`; None (with a note) when it holds more, or is unreadable."""
+    """The bytes of `path` when it holds at most `limit`; None (with a note) when it holds more, or is unreadable
+    or not a regular file."""
     try:
-        with open(path, "rb") as fh:
+        with _open(path) as fh:
+            if _file_size(fh) is None:  # a FIFO, a device, a directory: nothing a run writes
+                return None
             data = fh.read(limit + 1)
             if len(data) <= limit:
                 return data
@@ -157,7 +166,7 @@ def records_from_end(
     unparsed."""
     name = str(path)
     try:
-        fh = open(path, "rb")  # noqa: SIM115 (a generator: closed in finally)
+        fh = _open(path)
     except OSError:
         return
     try:
@@ -223,7 +232,7 @@ def records(
     are skipped unparsed."""
     name = str(path)
     try:
-        fh = open(path, "rb")  # noqa: SIM115 (a generator: closed in finally)
+        fh = _open(path)
     except OSError:
         return
     try:
@@ -259,7 +268,7 @@ def tail_lines(
     Reads from the end, at most `budget` bytes. A line over `max_line` bytes shows its head and a note of how long
     it was; a line that starts before the bytes read shows its end, after a note."""
     out: list[str] = []
-    with open(path, "rb") as fh:
+    with _open(path) as fh:
         if _file_size(fh) is None:  # a pipe or a device: no end to read back from
             return [f"[prime-train: {path} is not a regular file; not read]\n"]
         for line in lines_from_end(fh, max_line=max_line, budget=budget, keep_empty=True):
@@ -281,7 +290,9 @@ def tail_lines(
 def all_lines(path: str | os.PathLike[str], *, max_line: int = MAX_LOG_LINE_BYTES) -> Iterator[str]:
     """Every line of a log file in order, each ending in a newline; a line over `max_line` bytes cut to its head,
     with a note. Memory stays within `max_line` and a chunk."""
-    with open(path, "rb") as fh:
+    with _open(path) as fh:
+        if _file_size(fh) is None:  # a pipe or a device: no lines of a log
+            return
         yield from cut_lines(fh, max_line=max_line)
 
 

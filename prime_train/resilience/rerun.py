@@ -33,7 +33,15 @@ from typing import Any
 from prime_train.config.diff import Change, diff
 from prime_train.config.loader import MASK, to_toml_dict
 from prime_train.config.schema import Config
-from prime_train.contract import Phase, SupervisorState, fsync_dir, read_heartbeat, read_json, write_json_atomic
+from prime_train.contract import (
+    Phase,
+    SupervisorState,
+    fsync_dir,
+    read_heartbeat,
+    read_json,
+    read_regular,
+    write_json_atomic,
+)
 from prime_train.retention import newest_external_checkpoint
 from prime_train.rundir import RunDir, list_checkpoints, newest_checkpoint
 
@@ -113,7 +121,7 @@ def config_drift(cfg: Config, *, fresh: bool, resume: bool) -> ConfigDrift | Non
 
     layout = cfg.layout
     try:
-        stored = tomllib.loads(layout.config_path.read_text(encoding="utf-8"))
+        stored = tomllib.loads(read_regular(layout.config_path).decode("utf-8"))
     except (OSError, ValueError):
         return None  # no earlier config (a new run), or one that is not TOML: nothing to compare with
     new = tomllib.loads(masked_run_config(cfg).text)
