@@ -331,10 +331,12 @@ def open_nofollow(path: str | os.PathLike[str], flags: int, mode: int = 0o666) -
     (before the umask) as open() gives a file it creates.
 
     For appends: `open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)`, then os.fdopen(fd, "ab") if a
-    file object is wanted. Directories on the way are followed: see RunDir.ensure_dir for those.
+    file object is wanted. Directories on the way are followed: see RunDir.ensure_dir for those. Also O_NONBLOCK
+    (no effect on a file): a named pipe planted there is an error at once (ENXIO with no reader), never an open
+    that waits forever.
     """
     try:
-        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
     except OSError as exc:
         # ELOOP on Linux and macOS, EMLINK on FreeBSD; a loop among the directories on the way says ELOOP too
         if exc.errno in (errno.ELOOP, errno.EMLINK) and os.path.islink(path):

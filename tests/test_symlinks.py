@@ -176,6 +176,25 @@ def test_run_refuses_a_named_pipe_or_a_directory_where_it_writes_a_file_instead_
         claim_run_dir(RunDir(root), "test")
 
 
+def test_a_named_pipe_planted_after_the_claim_fails_the_append_at_once(tmp_path):
+    # the event log keeps what it could not write, as on a full disk; append_jsonl says why (no reader: ENXIO)
+    pipe = tmp_path / "events.jsonl"
+    os.mkfifo(pipe)
+    program = f"""
+from prime_train.contract import append_jsonl
+from prime_train.kit.events import EventLog
+log = EventLog({str(pipe)!r})
+log.emit("attempt_started", attempt=1)
+assert b"attempt_started" in log._unwritten
+try:
+    append_jsonl({str(pipe)!r}, {{"a": 1}})
+except OSError as exc:
+    print("refused:", exc.strerror)
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "refused: No such device or address" in done.stdout, done.stderr
+
+
 # ---------------------------------------------------------------- the writers never follow a link planted later
 
 

@@ -188,7 +188,7 @@ class RowCache:
         """The rows stored under `key`, or None (missing, unreadable, or not rows of this shape: said, then rebuilt)."""
         path = self.path(part, key)
         try:
-            fd = open_nofollow(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO planted there opens without a writer
+            fd = open_nofollow(path, os.O_RDONLY)  # non-blocking: a FIFO planted there opens without a writer
         except FileNotFoundError:
             return None
         except OSError as exc:
