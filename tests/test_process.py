@@ -132,3 +132,16 @@ def test_a_line_without_newline_is_logged_whole_and_delivered_cut(tmp_path):
     (bar, bar_no), killed = got
     assert bar_no == 1 and len(bar) <= LINE_CHARS + 3 and bar.startswith("xxx") and bar.endswith("it/s]")
     assert killed == ("Killed", 2)
+
+
+def test_a_named_pipe_at_a_log_is_dropped_without_a_wait_or_a_leaked_descriptor(tmp_path):
+    from prime_train.kit.process import _LogFile
+
+    pipe = tmp_path / "trainer.log"
+    os.mkfifo(pipe)
+    before = len(os.listdir("/proc/self/fd"))
+    log = _LogFile(pipe, None, None)
+    log.write(b"a line\n")
+    log.close()
+    assert log.fd is None and log.lost > 0
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -110,12 +110,16 @@ class _LogFile:
         self._head_end: int | None = None  # where the head ends, once the cap has cut the file
         self._note_len = 0
         self.fd: int | None
+        fd = None
         try:
             # read and write (the cap moves the tail up), never through a link planted at the log's name
-            self.fd = open_nofollow(path, os.O_RDWR | os.O_CREAT)
-            self.size = os.lseek(self.fd, 0, os.SEEK_END)  # a restarted process appends to its log
-        except OSError:  # UnsafeLink is one too
+            fd = open_nofollow(path, os.O_RDWR | os.O_CREAT)
+            self.size = os.lseek(fd, 0, os.SEEK_END)  # a restarted process appends to its log
+            self.fd = fd
+        except OSError:  # UnsafeLink is one too; a named pipe planted there cannot seek
             # a full disk (or a link) refused even the file: the pipe is drained all the same, the loss counted
+            if fd is not None:
+                os.close(fd)
             self.fd, self.size = None, 0
 
     def write(self, chunk: bytes) -> None:
