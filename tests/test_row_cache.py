@@ -59,7 +59,11 @@ def count_encoding(monkeypatch):
 
 
 def cache_files(run_dir: RunDir) -> list[str]:
-    return sorted(os.listdir(run_dir.cache_dir)) if run_dir.cache_dir.is_dir() else []
+    return (
+        sorted(n for n in os.listdir(run_dir.cache_dir) if n.endswith(".safetensors"))
+        if run_dir.cache_dir.is_dir()
+        else []
+    )
 
 
 def write_jsonl(path, n, word="abc") -> str:
@@ -123,6 +127,23 @@ def test_changed_data_or_config_is_tokenized_again_and_the_old_rows_are_removed(
     count_encoding.clear()
     build(tok, data.model_copy(update={"seq_len": 64}), run_dir)  # a config that packs differently
     assert count_encoding and len(cache_files(run_dir)) == 1
+
+
+def test_a_write_killed_part_way_leaves_a_temporary_file_the_next_writer_removes_when_an_hour_old(tok, tmp_path):
+    data = DataConfig(datasets=[DatasetConfig(task="sorting", num_examples=50)])
+    run_dir = RunDir(tmp_path / "run")
+    build(tok, data, run_dir)
+    (name,) = cache_files(run_dir)
+    old, fresh, other = (run_dir.cache_dir / f".{n}.{tag}.tmp" for n, tag in (
+        (name, "a" * 12), (name, "b" * 12), (name.replace("rows-all-", "rows-eval-"), "c" * 12)))  # fmt: skip
+    for path in (old, fresh, other):
+        path.write_bytes(b"half a file")
+    hours_ago = os.stat(old).st_mtime - 2 * 3600
+    os.utime(old, (hours_ago, hours_ago))
+    os.utime(other, (hours_ago, hours_ago))
+    build(tok, data.model_copy(update={"seq_len": 64}), run_dir)  # another key: a write
+    assert not old.exists() and fresh.exists()  # a peer's write in progress is left alone
+    assert other.exists()  # another part's: its own writer's to remove
 
 
 def test_each_rank_caches_its_own_shards_and_only_a_nodes_first_process_writes_shared_rows(

@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import stat
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,9 @@ logger = logging.getLogger("prime_train.engine.data")
 
 FORMAT = 1  # of the file: a change of what is stored changes every key
 _NAME_RE = re.compile(r"^rows-(?P<part>all|eval|rank\d+)-(?P<key>[0-9a-f]{32})\.safetensors$")
+# replace_file_atomic's temporary name for one of them: removed by the next writer of its part when an hour old
+_TMP_RE = re.compile(r"^\.rows-(?P<part>all|eval|rank\d+)-(?P<key>[0-9a-f]{32})\.safetensors\.[0-9a-f]{12}\.tmp$")
+STALE_TMP_S = 3600
 _ARRAYS = ("ids", "loss", "starts", "lengths")
 _DTYPES = {"ids": np.int32, "loss": np.bool_, "starts": np.bool_, "lengths": np.int32}
 
@@ -240,11 +244,18 @@ class RowCache:
         self._remove_others(part, key)
 
     def _remove_others(self, part: str, key: str) -> None:
+        """This part's files under other keys, and the temporary files of its writes killed part way (an hour old:
+        a peer writing the same part now is not disturbed)."""
         try:
             entries = list(os.scandir(self.dir))
         except OSError:
             return
         for entry in entries:
+            if (tmp := _TMP_RE.match(entry.name)) and tmp["part"] == part:
+                with contextlib.suppress(OSError):
+                    if time.time() - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_S:
+                        os.unlink(entry.path)
+                continue
             match = _NAME_RE.match(entry.name)
             if match and match["part"] == part and match["key"] != key:
                 with contextlib.suppress(OSError):
