@@ -404,12 +404,16 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, durable: bool =
     replace_file_atomic(path, (json.dumps(obj) + "\n").encode("utf-8"), durable=durable)
 
 
-def read_regular(path: str | os.PathLike[str]) -> bytes:
-    """The bytes of the regular file at `path`; OSError when it is missing, unreadable or not a regular file.
+def read_regular(path: str | os.PathLike[str], *, follow: bool = True) -> bytes:
+    """The bytes of the regular file at `path`; OSError when it is missing, unreadable or not a regular file
+    (UnsafeLink, with follow=False, when it is a symlink).
 
     Opened non-blocking, so a FIFO planted at a name the tool reads (progress.json, events.jsonl) is an error at
     once instead of a read that waits forever for a writer."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    if follow:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    else:
+        fd = open_nofollow(path, os.O_RDONLY)  # non-blocking too
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))

@@ -32,7 +32,6 @@ import logging
 import os
 import re
 import shutil
-import stat
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from prime_train.contract import open_nofollow, replace_file_atomic
+from prime_train.contract import read_regular, replace_file_atomic
 from prime_train.engine.packing import PackedRows
 
 if TYPE_CHECKING:
@@ -53,9 +52,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("prime_train.engine.data")
 
 FORMAT = 1  # of the file: a change of what is stored changes every key
-_NAME_RE = re.compile(r"^rows-(?P<part>all|eval|rank\d+)-(?P<key>[0-9a-f]{32})\.safetensors$")
+_FILE = r"rows-(?P<part>all|eval|rank\d+)-(?P<key>[0-9a-f]{32})\.safetensors"  # RowCache.path's names
+_NAME_RE = re.compile(rf"^{_FILE}$")
 # replace_file_atomic's temporary name for one of them: removed by the next writer of its part when an hour old
-_TMP_RE = re.compile(r"^\.rows-(?P<part>all|eval|rank\d+)-(?P<key>[0-9a-f]{32})\.safetensors\.[0-9a-f]{12}\.tmp$")
+_TMP_RE = re.compile(rf"^\.{_FILE}\.[0-9a-f]{{12}}\.tmp$")
 STALE_TMP_S = 3600
 _ARRAYS = ("ids", "loss", "starts", "lengths")
 _DTYPES = {"ids": np.int32, "loss": np.bool_, "starts": np.bool_, "lengths": np.int32}
@@ -192,17 +192,13 @@ class RowCache:
         """The rows stored under `key`, or None (missing, unreadable, or not rows of this shape: said, then rebuilt)."""
         path = self.path(part, key)
         try:
-            fd = open_nofollow(path, os.O_RDONLY)  # non-blocking: a FIFO planted there opens without a writer
+            blob = read_regular(path, follow=False)  # a link refused; a FIFO planted there neither read nor waited on
         except FileNotFoundError:
             return None
         except OSError as exc:
             logger.warning("the cached rows %s cannot be opened (%s); tokenizing the data again", path, exc)
             return None
         try:
-            with os.fdopen(fd, "rb") as handle:
-                if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-                    raise ValueError("not a regular file")
-                blob = handle.read()
             from safetensors.numpy import load
 
             arrays = load(blob)
