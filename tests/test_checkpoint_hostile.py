@@ -26,7 +26,7 @@ from enginetools import TINY, run_cli, tiny_llama, tiny_overrides
 from test_checkpoint import BrokenTokenizer, build_state, make_checkpointer, steps_on_disk, train
 
 from prime_train.config.schema import CkptConfig
-from prime_train.contract import read_heartbeat
+from prime_train.contract import read_heartbeat, read_json
 from prime_train.engine.checkpoint import MANIFEST_FILE, digest_files, verify_checkpoint
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.integrations.checkpoint_archive import (
@@ -189,6 +189,31 @@ def test_a_payload_in_the_step_item_does_not_run_and_the_checkpoint_is_set_aside
     assert re.search(r"verifies but does not load .*'step' is not plain data .*exec", aside["reason"]), aside
     assert [name for name, _ in fresh.quarantined] == ["step-4"]
     assert steps_on_disk(fresh) == [2]
+
+
+def test_the_job_hears_before_each_load_and_after_a_failed_one_that_the_model_is_part_loaded(tmp_path):
+    """Checkpointer.before_load: a job that must act on the starting weights (DPO's precomputed reference) is called
+    before each checkpoint loads, told when a failed load has touched the model; its meta.json fields are saved."""
+    ckpt = make_checkpointer(tmp_path / "run", async_save=False, keep_last=5)
+    ckpt.meta_fields = {"reference_pairs": "abc"}
+    state = build_state(seed=0)
+    for step in (2, 4):
+        train(state, 2)
+        ckpt.save(state, step)
+    ckpt.close()
+    plant_step_payload(ckpt.ckpt_dir / "step-4", tmp_path / "pwned")
+
+    fresh = make_checkpointer(tmp_path / "run", resume="auto")
+    calls = []
+    fresh.before_load = lambda path, meta, touched: calls.append((path and path.name, meta and meta["step"], touched))
+    assert fresh.resume(build_state(seed=1)) == fresh.ckpt_dir / "step-2"
+    assert calls == [("step-4", 4, False), ("step-2", 2, True)]
+    assert read_json(fresh.ckpt_dir / "step-2" / "meta.json")["reference_pairs"] == "abc"
+
+    empty = make_checkpointer(tmp_path / "other", resume="auto")
+    calls.clear()
+    empty.before_load = lambda path, meta, touched: calls.append((path, meta, touched))
+    assert empty.resume(build_state(seed=1)) is None and calls == [(None, None, False)]
 
 
 def test_a_payload_in_the_only_checkpoint_stops_the_start_and_the_next_trains_from_step_0(tmp_path):

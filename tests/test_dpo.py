@@ -6,6 +6,7 @@ give the same losses; a run killed with -9 resumes from its checkpoint exactly."
 from __future__ import annotations
 
 import math
+import re
 import signal
 import subprocess
 
@@ -201,8 +202,58 @@ def test_a_dpo_run_killed_after_a_checkpoint_resumes_from_it_exactly(tmp_path):
     resumed = run_train(tmp_path, "killed", **RESUMABLE)
     assert resumed.returncode == 0, output(resumed)[-4000:]
     assert "resumed from" in output(resumed) and "no reference model held" in output(resumed)
+    # the reference values came with the checkpoint: no second pass over the pairs
+    assert re.search(r"reference log-probs of \d+ pairs read from checkpoint step-\d+", output(resumed))
+    assert "precomputed" not in output(resumed)
     a, b = losses_by_step(tmp_path / "straight"), losses_by_step(tmp_path / "killed")
     for step in range(17, 25):  # after any checkpoint the killed run could have resumed from
         assert a[step] == b[step], (step, a[step], b[step])  # bitwise on CPU
     wa, wb = final_weights(tmp_path / "straight"), final_weights(tmp_path / "killed")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _saved_reference(checkpoint) -> torch.Tensor:
+    """The training pairs' reference log-probs a checkpoint holds, read as a resume reads them (no pickle)."""
+    from prime_train.engine import safe_dcp
+    from prime_train.engine.dpo import REFERENCE_KEY
+
+    size = safe_dcp.read_metadata(checkpoint).state_dict_metadata[REFERENCE_KEY].size
+    box = {REFERENCE_KEY: torch.full(tuple(size), float("nan"), dtype=torch.float64)}
+    safe_dcp.load(box, checkpoint, no_dist=True)
+    return box[REFERENCE_KEY]
+
+
+@pytest.mark.slow
+def test_a_resume_reads_the_reference_log_probs_of_its_pairs_and_computes_those_of_changed_pairs(tmp_path):
+    """dpo.precompute_reference: a checkpoint keeps the training pairs' reference log-probs with the digest of the
+    pairs; a resume over the same pairs reads them, one over other pairs (here the same number of pairs, cut shorter
+    by a lower data.seq_len) computes them again from the starting weights and saves those."""
+    base = {"run.job": "dpo", "ckpt.interval": 4, "data.datasets.0.num_examples": 400,
+            "dpo.precompute_reference": "true"}  # fmt: skip
+    first = run_train(tmp_path, "run", **base, **{"train.max_steps": 4})
+    assert first.returncode == 0, output(first)[-4000:]
+    assert "reference log-probs precomputed for" in output(first)
+    step4 = tmp_path / "run" / "checkpoints" / "step-4"
+    saved = _saved_reference(step4)
+    assert saved.shape[1] == 2 and torch.isfinite(saved).all() and (saved < 0).all()
+    digest = read_json(step4 / "meta.json")["reference_pairs"]
+
+    same = run_train(tmp_path, "run", flags=("--resume",), **base, **{"train.max_steps": 8})
+    assert same.returncode == 0, output(same)[-4000:]
+    assert f"reference log-probs of {saved.shape[0]} pairs read from checkpoint step-4" in output(same)
+    assert "precomputed" not in output(same)
+    assert torch.equal(_saved_reference(tmp_path / "run" / "checkpoints" / "step-8"), saved)
+
+    short = {**base, "data.seq_len": 16}
+    changed = run_train(tmp_path, "run", flags=("--resume",), **short, **{"train.max_steps": 12})
+    assert changed.returncode == 0, output(changed)[-4000:]
+    assert f"reference log-probs precomputed for {saved.shape[0]} pairs" in output(changed)
+    assert "read from checkpoint" not in output(changed) and "starting it fresh" not in output(changed)
+    step12 = tmp_path / "run" / "checkpoints" / "step-12"
+    assert read_json(step12 / "meta.json")["reference_pairs"] != digest
+    # the values of the shorter pairs under the starting weights: those a fresh run over them computes
+    fresh = run_train(tmp_path, "fresh", **short, **{"train.max_steps": 4})
+    assert fresh.returncode == 0, output(fresh)[-4000:]
+    recomputed = _saved_reference(step12)
+    assert torch.equal(recomputed, _saved_reference(tmp_path / "fresh" / "checkpoints" / "step-4"))
+    assert not torch.equal(recomputed, saved)

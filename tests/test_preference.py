@@ -326,7 +326,7 @@ def test_lint_and_the_engine_judge_preference_records_alike(record):
 
 
 def test_reference_values_ride_with_their_pairs(byte_tokenizer):
-    from prime_train.engine.preference import precompute_reference
+    from prime_train.engine.preference import reference_of_batches, reference_of_rows
 
     data = DataConfig(seq_len=64, held_out_fraction=0.2, datasets=[{"task": "arithmetic", "num_examples": 60}])
     loader = _loader(data, byte_tokenizer, mbs=4)
@@ -336,7 +336,8 @@ def test_reference_values_ride_with_their_pairs(byte_tokenizer):
         counts = (~batch.pad_mask).sum(-1).float()
         return counts[: batch.num_pairs], counts[batch.num_pairs :] + 0.5
 
-    precompute_reference(loader.rows, evals, 4, fake)
+    reference_of_rows(loader.rows, 4, fake)
+    reference_of_batches(evals, fake)
     batch = next(loader)
     torch.testing.assert_close(batch.ref_logps, (~batch.pad_mask).sum(-1).float() + torch.tensor([0.0] * 4 + [0.5] * 4))
     assert all(b.ref_logps is not None and b.ref_logps.shape == (2 * b.num_pairs,) for b in evals)

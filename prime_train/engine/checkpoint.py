@@ -41,6 +41,7 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,6 +195,11 @@ class Checkpointer:
         self.quarantined: list[tuple[str, str]] = []  # (checkpoint, what was wrong) set aside by resolve_resume
         # a LoRA run's adapter_identity: written into meta.json, and a checkpoint made with others is not resumed
         self.lora_identity: dict[str, Any] | None = None
+        # what the job adds to meta.json (DPO: the digest of the pairs its saved reference log-probs belong to)
+        self.meta_fields: dict[str, Any] = {}
+        # called before a checkpoint loads, on every rank, with its path (None: none to resume), its meta.json (or
+        # None) and whether an earlier load of this start failed part way (the model no longer the starting weights)
+        self.before_load: Callable[[Path | None, dict[str, Any] | None, bool], None] | None = None
         self._hf_config = None
         self._tokenizer = None
 
@@ -207,7 +213,7 @@ class Checkpointer:
             if self._distributed:
                 probe = self._write_probe()
         # the broadcast also keeps other ranks from writing before the stale .tmp dirs are gone
-        self._latest_step, probe = self._from_rank0((newest, probe))
+        self._latest_step, probe = self.from_rank0((newest, probe))
         if probe is not None:
             self._check_shared(*probe)
 
@@ -241,7 +247,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ collectives
 
-    def _from_rank0(self, obj: Any) -> Any:
+    def from_rank0(self, obj: Any) -> Any:
         """Rank 0's value of `obj` on every rank."""
         if not self._distributed:
             return obj
@@ -300,7 +306,7 @@ class Checkpointer:
             except Exception as e:  # every rank must hear of it, or the others wait in DCP forever
                 decision = f"cannot prepare {tmp}: {type(e).__name__}: {e}"
         # rank 0 decides for all; the broadcast is also the barrier before anyone writes into tmp
-        decision = self._from_rank0(decision)
+        decision = self.from_rank0(decision)
         if decision == "exists":
             logger.info("checkpoint step-%d already exists; not saving it again", step)
             return
@@ -392,7 +398,7 @@ class Checkpointer:
         result: tuple[str | None, str | None, list] = (None, None, [])
         if self.rank == 0 or not self._distributed:
             result = self._resolve_resume_local()
-        path, error, self.quarantined = self._from_rank0(result)
+        path, error, self.quarantined = self.from_rank0(result)
         if error is not None:
             raise EngineConfigError(error)
         if self.quarantined:
@@ -446,7 +452,7 @@ class Checkpointer:
     def problem_with(self, path: Path) -> str | None:
         """Why `path` is not a whole checkpoint (rank 0's verdict, on every rank), or None."""
         problem = verify_checkpoint(path) if self.rank == 0 or not self._distributed else None
-        return self._from_rank0(problem)
+        return self.from_rank0(problem)
 
     def resume(self, state: TrainState) -> Path | None:
         """Resolve ckpt.resume and load it into `state`: the path loaded, or None (start at step 0).
@@ -457,10 +463,13 @@ class Checkpointer:
         With no earlier checkpoint the model is half loaded: this raises, and the next start trains from step 0.
         """
         set_aside: list[tuple[str, str]] = []
+        touched = False  # a load failed part way: the model holds some of a checkpoint's weights
         while True:
             path = self.resolve_resume()
             self.quarantined = set_aside = set_aside + self.quarantined
             if path is None:
+                if self.before_load is not None and not touched:
+                    self.before_load(None, None, False)
                 if any(why.startswith(safe_dcp.DOES_NOT_LOAD) for _, why in set_aside):
                     raise StartOver(
                         f"{'; '.join(f'{name} {why}' for name, why in set_aside)}. It is set aside as .corrupt and "
@@ -468,7 +477,9 @@ class Checkpointer:
                         "next one trains from step 0"
                     )
                 return None
-            self._check_adapter(path)  # before anything loads: a refusal is exit 78 and the checkpoint stays whole
+            meta = self._check_adapter(path)  # before anything loads: a refusal is exit 78, the checkpoint stays whole
+            if self.before_load is not None:
+                self.before_load(path, meta, touched)
             failure: BaseException | None = None
             try:
                 self.load(state, path)
@@ -500,27 +511,30 @@ class Checkpointer:
                     quarantine_checkpoint(path, self.ckpt_dir, problem)
                 except (OSError, ValueError) as e:
                     error = f"{path.name} {problem}, and it could not be set aside ({e}); move it away by hand"
-            if (error := self._from_rank0(error)) is not None:  # resolving again would pick the same checkpoint
+            if (error := self.from_rank0(error)) is not None:  # resolving again would pick the same checkpoint
                 raise RuntimeError(error)
             set_aside.append((path.name, problem))
+            touched = True
             logger.warning("%s %s; set aside, trying the checkpoint before it", path.name, problem)
 
-    def _check_adapter(self, path: Path) -> None:
+    def _check_adapter(self, path: Path) -> dict[str, Any] | None:
         """Refuse (EngineConfigError, exit 78, nothing loaded or set aside) a checkpoint whose LoRA settings, in its
         meta.json, are not this run's: a LoRA checkpoint without LoRA, a full one with it, another rank or alpha or
-        other targets. A meta.json that cannot be read says nothing here; loading decides."""
+        other targets. A meta.json that cannot be read says nothing here; loading decides. Returns the meta.json
+        (rank 0's read, on every rank), or None."""
         meta = read_json(path / META_FILE) if self.rank == 0 or not self._distributed else None
-        if (meta := self._from_rank0(meta)) is None:
-            return
+        if not isinstance(meta := self.from_rank0(meta), dict):
+            return None
         saved = meta.get("lora")
         if saved is not None and not (isinstance(saved, dict) and {"rank", "alpha", "target_modules"} <= set(saved)):
-            return  # not what a save writes: loading decides
+            return meta  # not what a save writes: loading decides
         try:
             check_resume_compatible(saved, self.lora_identity, checkpoint=f"checkpoint {path}")
         except EngineConfigError:
             raise
         except (TypeError, ValueError):  # a hand-edited identity that does not compare: loading decides
-            return
+            pass
+        return meta
 
     def load(self, state: TrainState, path: Path) -> None:
         """Load checkpoint `path` into `state` (any saving world size), this rank's RNG included."""
@@ -571,6 +585,7 @@ class Checkpointer:
         }
         if self.lora_identity is not None:
             meta["lora"] = self.lora_identity  # what a resume must agree on (engine/lora.py check_resume_compatible)
+        meta.update(self.meta_fields)
         write_json_atomic(p.tmp / META_FILE, meta)
         if p.hf_config is not None or p.tokenizer is not None:
             hf_dir = p.tmp / HF_ASSETS_DIR
@@ -620,7 +635,7 @@ class Checkpointer:
             committed_error = "; ".join(failed)
         elif self._distributed:
             # the broadcast is the barrier after which step-N exists for every rank
-            committed_error = self._from_rank0(committed_error)
+            committed_error = self.from_rank0(committed_error)
 
         if committed_error is None:
             self._latest_step = p.step if self._latest_step is None else max(self._latest_step, p.step)

@@ -14,8 +14,11 @@ The reference is one of three, none of them a second copy where it can be avoide
 - with LoRA, the policy itself with its adapters switched off (the frozen base; engine/lora.py adapters_disabled);
 - with dpo.precompute_reference, the reference's log-probs of every training and held-out pair, computed in one pass
   at start-up, before any checkpoint is loaded, so from the starting weights, and kept with the pairs; no reference
-  model is held while training. They are not checkpointed: a resumed run computes them again the same way (one
-  forward over the pairs, from model.path or the seed as at the first start).
+  model is held while training. The training pairs' values are saved with every checkpoint (16 bytes a pair, with
+  the digest of the pairs they belong to in its meta.json) and a resume reads them back instead of a forward over
+  every pair: exactly the values of the first start. A checkpoint without them (saved before they were, or of other
+  pairs: the data changed) has them computed again from the starting weights, before it loads. The held-out
+  pairs' (train.eval_batches batches a rank) are computed again at every start.
 
 Each step logs loss, rewards_chosen and rewards_rejected (β times each side's log-ratio to the reference, the implicit
 rewards, means over the step's pairs), reward_margin (their difference) and reward_accuracy (the fraction of pairs
@@ -29,8 +32,10 @@ from __future__ import annotations
 
 import copy
 import logging
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -45,13 +50,18 @@ from prime_train.engine.preference import (
     PairLoader,
     build_eval_pairs,
     build_pair_loader,
-    precompute_reference,
+    reference_of_batches,
+    reference_of_rows,
     sequence_logprobs,
 )
 
 logger = logging.getLogger("prime_train.engine")
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+# dpo.precompute_reference: the training pairs' reference log-probs [N, 2] in a checkpoint, and the digest of the pairs
+# they belong to in its meta.json
+REFERENCE_KEY = "reference/logps"
+REFERENCE_META = "reference_pairs"
 
 
 def preference_loss(
@@ -94,16 +104,12 @@ class DPOJob(TrainingJob):
             world_size=self.dist.world_size, seed=cfg.run.seed, max_batches=cfg.train.eval_batches,
         )  # fmt: skip
         self.eval_examples = held_out_examples(cfg.data, cfg.run.seed, 64)
+        self._reference_source: Path | None = None  # the checkpoint the training pairs' reference values came from
+        self._eval_reference_done = False
         if cfg.dpo.precompute_reference:
-            # the model holds the starting weights until fit() resumes: the reference, here as at every start
-            self._beat(None, Phase.STARTUP)
-            was_training = self.model.training
-            self.model.eval()
-            precompute_reference(
-                self.batches.rows, self.eval_pairs, cfg.train.micro_batch_size, self._reference_logprobs
-            )
-            self.model.train(was_training)
-            logger.info("reference log-probs precomputed for %d pairs; no reference model held", len(self.batches.rows))
+            # computed or read when fit() resumes, before a checkpoint loads: the model holds the starting weights
+            self.checkpointer.meta_fields[REFERENCE_META] = self.batches.rows.digest()
+            self.checkpointer.before_load = self._reference_before_load
 
     def configure(self) -> None:
         self.reference = None
@@ -123,6 +129,70 @@ class DPOJob(TrainingJob):
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the reference
+
+    def _saved_reference_fits(self, path: Path, meta: dict[str, Any] | None) -> bool:
+        """Whether checkpoint `path` holds reference log-probs of exactly these training pairs."""
+        from prime_train.engine import safe_dcp
+
+        if not isinstance(meta, dict) or meta.get(REFERENCE_META) != self.checkpointer.meta_fields[REFERENCE_META]:
+            return False
+        fits = None
+        if self.dist.rank == 0:  # every rank decides alike: they all compute, or none does
+            try:
+                saved = safe_dcp.read_metadata(path).state_dict_metadata.get(REFERENCE_KEY)
+                fits = tuple(getattr(saved, "size", ())) == (len(self.batches.rows), 2)
+            except Exception:  # verified already: loading will say what is wrong
+                fits = False
+        return bool(self.checkpointer.from_rank0(fits))
+
+    def _reference_before_load(self, path: Path | None, meta: dict[str, Any] | None, touched: bool) -> None:
+        """dpo.precompute_reference, called by the checkpointer before it loads `path` (None: a fresh start): the
+        held-out pairs' values computed now, from the starting weights; the training pairs' read with the
+        checkpoint when it holds those of these pairs, else computed now too."""
+        rows = self.batches.rows
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            if not self._eval_reference_done:
+                self._beat(None, Phase.STARTUP)
+                reference_of_batches(self.eval_pairs, self._reference_logprobs)
+                self._eval_reference_done = True
+            self.state.tables.pop(REFERENCE_KEY, None)  # a load fills it only from a checkpoint of these pairs
+            if path is not None and self._saved_reference_fits(path, meta):
+                rows.ref_logps = np.full((len(rows), 2), np.nan)
+                self.state.tables[REFERENCE_KEY] = torch.from_numpy(rows.ref_logps)  # the load fills it in place
+                self._reference_source = path
+            elif touched:
+                raise RuntimeError(
+                    f"{path} holds no reference log-probs of these pairs, and a failed load of a later checkpoint "
+                    "left the model part loaded: this start cannot compute them from the starting weights; the next "
+                    "start will, before it loads"
+                )
+            else:
+                self._beat(None, Phase.STARTUP)
+                reference_of_rows(rows, self.cfg.train.micro_batch_size, self._reference_logprobs)
+                self._reference_source = None
+        finally:
+            self.model.train(was_training)
+
+    def resume(self) -> None:
+        super().resume()
+        if not self.cfg.dpo.precompute_reference:
+            return
+        rows, source = self.batches.rows, self._reference_source
+        self.state.tables[REFERENCE_KEY] = torch.from_numpy(rows.ref_logps)  # saved with every checkpoint from here
+        if source is None:
+            logger.info("reference log-probs precomputed for %d pairs; no reference model held", len(rows))
+        elif not np.isfinite(rows.ref_logps).all():
+            raise EngineConfigError(
+                f"{source} holds reference log-probs ({REFERENCE_KEY}) that are not finite numbers: resume from an "
+                "earlier checkpoint (ckpt.resume = 'step-N') or start over with --fresh"
+            )
+        else:
+            logger.info(
+                "reference log-probs of %d pairs read from checkpoint %s; no reference model held", len(rows),
+                source.name,
+            )  # fmt: skip
 
     def _reference_logprobs(self, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference's summed completion log-probs of `batch` (chosen, rejected): precomputed, the frozen copy,

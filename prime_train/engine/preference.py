@@ -23,6 +23,7 @@ log-probs.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import random
@@ -350,6 +351,15 @@ class PairRows:
     def __len__(self) -> int:
         return len(self.pairs)
 
+    def digest(self) -> str:
+        """What the pairs are, token by token and in order: reference log-probs saved for other pairs are not theirs."""
+        h = hashlib.sha256()
+        for pair in self.pairs:
+            for doc in (pair.chosen, pair.rejected):
+                h.update(np.asarray(doc.ids, dtype=np.int64).tobytes() + b"|")
+                h.update(np.asarray(doc.loss, dtype=np.bool_).tobytes() + b";")
+        return h.hexdigest()
+
     def batch(self, indices: np.ndarray) -> PairBatch:
         ref = None if self.ref_logps is None else self.ref_logps[indices]
         return collate_pairs([self.pairs[i] for i in indices], self.pad_id, ref)
@@ -475,17 +485,23 @@ def compute_reference(
     return np.concatenate(parts) if parts else np.zeros((0, 2))
 
 
-def precompute_reference(
-    rows: PairRows, eval_batches: list[PairBatch], micro_batch_size: int,
-    logprobs: Callable[[PairBatch], tuple[torch.Tensor, torch.Tensor]],
-) -> None:  # fmt: skip
-    """Fill in the reference log-probs of every training pair (`rows.ref_logps`) and held-out batch (`ref_logps`):
-    one pass, after which no reference model need be held. Every rank makes the same calls (FSDP stays in step)."""
+def reference_of_rows(
+    rows: PairRows, micro_batch_size: int, logprobs: Callable[[PairBatch], tuple[torch.Tensor, torch.Tensor]]
+) -> None:
+    """Fill in the reference log-probs of every training pair (`rows.ref_logps`): one pass, after which no reference
+    model need be held. Every rank makes the same calls (FSDP stays in step)."""
     order = np.argsort(rows.lengths, kind="stable")  # similar lengths together: less padding
     chunks = [order[i : i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
     values = compute_reference((rows.batch(c) for c in chunks), logprobs)
     ref = np.zeros((len(rows), 2))
     ref[order] = values
     rows.ref_logps = ref
-    for batch, logp in zip(eval_batches, (compute_reference(iter([b]), logprobs) for b in eval_batches), strict=True):
+
+
+def reference_of_batches(
+    batches: list[PairBatch], logprobs: Callable[[PairBatch], tuple[torch.Tensor, torch.Tensor]]
+) -> None:
+    """Fill in each held-out batch's reference log-probs (`batch.ref_logps`)."""
+    for batch in batches:
+        logp = compute_reference(iter([batch]), logprobs)
         batch.ref_logps = torch.from_numpy(np.concatenate([logp[:, 0], logp[:, 1]]).astype(np.float32))

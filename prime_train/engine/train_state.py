@@ -1,6 +1,6 @@
 """What a checkpoint holds of a run (TrainState): the model's and optimizer's state dicts as DCP saves them, the
-scheduler, the data loader's position (and a self-paced curriculum's score table), every rank's RNG states and, in
-fp16, the loss scaler.
+scheduler, the data loader's position (and a self-paced curriculum's score table), every rank's RNG states, in
+fp16 the loss scaler, and a job's own tables (dpo.precompute_reference's log-probs of the training pairs).
 
 Small states whose shape can change travel as one opaque blob each (`_pack`): torch.save'd plain data that
 `torch.load(weights_only=True)` reads back, so nothing in a checkpoint is unpickled as code."""
@@ -88,6 +88,9 @@ class TrainState(Stateful):
         self.scaler = None  # fp16's loss scaler (engine/precision.py): its scale resumes with the run
         self.judges = None  # early stopping and the best checkpoint (engine/best.py): what they have seen
         self.ewc = None  # continual.ewc_lambda (engine/continual.py): the starting weights and their Fisher
+        # tensors the same on every rank that a job keeps with its checkpoints (DCP writes each once, a load fills
+        # them in place): dpo.precompute_reference's log-probs of the training pairs
+        self.tables: dict[str, torch.Tensor] = {}
 
     def _score_table(self) -> torch.Tensor | None:
         """data.curriculum = 'self_paced': the loader's per-row scores, a snapshot (an async save writes it later)."""
@@ -120,6 +123,7 @@ class TrainState(Stateful):
                 sd[SCORES_KEY] = table  # the same on every rank: DCP writes it once
         # ranks draw different dropout masks and data, so each keeps its own RNG under its own key
         sd[self.rng_key] = _pack(_rng_state())
+        sd.update(self.tables)
         if self.scaler is not None and self.scaler.enabled:
             sd["loss_scaler"] = _pack(self.scaler.state_dict())
         if self.ewc is not None:
@@ -162,6 +166,9 @@ class TrainState(Stateful):
             self.dataloader.load_state_dict(json.loads(state_dict[self.dataloader_key]))
         if self.dataloader is not None and SCORES_KEY in state_dict:
             self.dataloader.load_score_table(state_dict[SCORES_KEY])
+        for key, table in self.tables.items():
+            if key in state_dict and state_dict[key] is not table:
+                table.copy_(state_dict[key])
         if self.rng_key in state_dict:
             _set_rng_state(_unpack(state_dict[self.rng_key]))
         if self.scaler is not None and "loss_scaler" in state_dict:

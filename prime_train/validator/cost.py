@@ -321,7 +321,7 @@ def _job_notes(cfg: Config) -> list[str]:
     elif cfg.dpo.precompute_reference:
         notes.append(
             "dpo.precompute_reference: no reference forward in the steps; its one pass over the training pairs "
-            "before step 1 is not counted"
+            "before step 1 (a resume reads it back from the checkpoint) is not counted"
         )
     else:
         whose = "the base with the adapters switched off (LoRA)" if cfg.lora.enabled else "the frozen reference"
