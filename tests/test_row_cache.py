@@ -290,3 +290,94 @@ def test_the_cache_stores_arrays_only(tok, tmp_path):
     arrays = load(path.read_bytes())
     assert sorted(arrays) == ["counts.0", "difficulty", "ids.0", "lengths.0", "loss.0", "starts.0"]
     assert arrays["ids.0"].dtype == np.int32 and arrays["loss.0"].dtype == np.bool_
+
+
+# ---------------------------------------------------------------- preference pairs (dpo, reward)
+
+
+def _pair_data(tmp_path) -> DataConfig:
+    """A built-in task's pairs, and a file of string and chat pairs, two of them cut by seq_len."""
+    chat = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "?"},
+    ]
+    records = [
+        {"prompt": f"q{i} " * (30 if i < 2 else 1), "chosen": f"yes {i}", "rejected": f"no {i}"} for i in range(40)
+    ]
+    records += [
+        {"prompt": chat, "chosen": [{"role": "assistant", "content": f"a{i}"}], "rejected": f"b{i}"} for i in range(20)
+    ]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return DataConfig(
+        seq_len=64, held_out_fraction=0.2,
+        datasets=[DatasetConfig(task="arithmetic", num_examples=200), DatasetConfig(path=str(path))],
+    )  # fmt: skip
+
+
+def _pairs(tok, data, run_dir, *, cache=True):
+    from prime_train.engine.preference import build_eval_pairs, build_pair_loader
+
+    store = RowCache(run_dir, node_first=True) if cache else None
+    common = dict(micro_batch_size=4, rank=0, world_size=1, seed=0)
+    loader = build_pair_loader(data, tok, device=CPU, cache=store, **common)
+    evals = build_eval_pairs(data, tok, max_batches=3, cache=store, **common)
+    return loader, evals
+
+
+def _same_pairs(a, b) -> bool:
+    return all(
+        torch.equal(x.input_ids, y.input_ids) and torch.equal(x.labels, y.labels)
+        and torch.equal(x.pad_mask, y.pad_mask) for x, y in zip(a, b, strict=True)
+    )  # fmt: skip
+
+
+def test_preference_pairs_are_cached_and_a_second_start_reads_them_without_tokenizing(tok, tmp_path, monkeypatch):
+    from prime_train.engine.preference import PairEncoder
+
+    calls = []
+    real = PairEncoder.encode
+    monkeypatch.setattr(PairEncoder, "encode", lambda self, pairs: calls.append(len(pairs)) or real(self, pairs))
+    data = _pair_data(tmp_path)
+    run_dir = RunDir(tmp_path / "run")
+    plain_loader, plain_evals = _pairs(tok, data, run_dir, cache=False)
+    assert plain_loader.rows.stats.num_truncated_tokens > 0  # the long prompts were cut
+    first_loader, _ = _pairs(tok, data, run_dir)
+    assert [n.split("-")[1] for n in cache_files(run_dir)] == ["pairs", "pairs"]  # training, held-out (pairs-eval)
+    assert any("pairs-eval" in n for n in cache_files(run_dir))
+    calls.clear()
+    loader, evals = _pairs(tok, data, run_dir)
+    assert calls == [], "a second start tokenized its pairs again"
+    assert loader.rows.digest() == plain_loader.rows.digest() == first_loader.rows.digest()
+    assert loader.rows.stats == plain_loader.rows.stats
+    assert _same_pairs([next(loader) for _ in range(10)], [next(plain_loader) for _ in range(10)])
+    assert len(evals) == len(plain_evals) == 3 and _same_pairs(evals, plain_evals)
+    # another seq_len is other pairs: tokenized again, and the old files go
+    calls.clear()
+    _pairs(tok, data.model_copy(update={"seq_len": 48}), run_dir)
+    assert calls and len(cache_files(run_dir)) == 2
+
+
+@pytest.mark.parametrize("how", ["ids outside the vocabulary", "lengths that do not add up", "an array too many"])
+def test_damaged_cached_pairs_are_said_and_tokenized_again(tok, tmp_path, caplog, how):
+    from safetensors.numpy import load, save
+
+    data = _pair_data(tmp_path)
+    run_dir = RunDir(tmp_path / "run")
+    reference, _ = _pairs(tok, data, run_dir)
+    [path] = [run_dir.cache_dir / n for n in cache_files(run_dir) if n.startswith("rows-pairs-") and "eval" not in n]
+    arrays = load(path.read_bytes())
+    if how == "ids outside the vocabulary":
+        arrays["ids"][3] = len(tok) + 5
+    elif how == "lengths that do not add up":
+        arrays["lengths"][0] += 1
+    else:
+        arrays["extra"] = np.zeros(3, dtype=np.int64)
+    path.write_bytes(save(arrays))
+    with caplog.at_level(logging.WARNING, logger="prime_train.engine.data"):
+        loader, _ = _pairs(tok, data, run_dir)
+    assert any(f"cached rows {path}" in r.getMessage() and "tokenizing the data again" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    assert loader.rows.digest() == reference.rows.digest()
+    assert "extra" not in load(path.read_bytes())  # rewritten as it should be

@@ -199,9 +199,9 @@ class DataConfig(Section):
     )
     cache_rows: bool = Field(
         True,
-        description="Keep the tokenized, packed training and held-out rows in the run directory's cache/ so that a "
-        "restart reads them instead of tokenizing the data again (local files and built-in tasks; not hub or "
-        "streamed datasets).",
+        description="Keep the tokenized, packed training and held-out rows (dpo and reward: the tokenized pairs) in "
+        "the run directory's cache/ so that a restart reads them instead of tokenizing the data again (local files "
+        "and built-in tasks; not hub or streamed datasets).",
     )
     streaming: bool = Field(
         False,

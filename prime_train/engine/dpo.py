@@ -102,6 +102,7 @@ class DPOJob(TrainingJob):
         self.eval_pairs = build_eval_pairs(
             cfg.data, self.tokenizer, micro_batch_size=cfg.train.micro_batch_size, rank=self.dist.rank,
             world_size=self.dist.world_size, seed=cfg.run.seed, max_batches=cfg.train.eval_batches,
+            cache=self.row_cache(),
         )  # fmt: skip
         self.eval_examples = held_out_examples(cfg.data, cfg.run.seed, 64)
         self._reference_source: Path | None = None  # the checkpoint the training pairs' reference values came from
@@ -125,7 +126,7 @@ class DPOJob(TrainingJob):
         cfg = self.cfg
         return build_pair_loader(
             cfg.data, self.tokenizer, micro_batch_size=cfg.train.micro_batch_size, rank=self.dist.rank,
-            world_size=self.dist.world_size, seed=cfg.run.seed, device=torch.device("cpu"),
+            world_size=self.dist.world_size, seed=cfg.run.seed, device=torch.device("cpu"), cache=self.row_cache(),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the reference

@@ -81,6 +81,7 @@ from prime_train.engine.pipeline import Pipeline, check_pipeline_config, with_pi
 from prime_train.engine.precision import LossScaler
 from prime_train.engine.profiling import NullProfile, ProfileSession, profile_request
 from prime_train.engine.records import shown_path
+from prime_train.engine.row_cache import RowCache
 from prime_train.engine.schedule import build_scheduler
 from prime_train.engine.stopping import StopAgreement, StopFlag, StopRequested
 from prime_train.rundir import BEST_FILE
@@ -377,6 +378,10 @@ class TrainingJob:
     def make_optimizer(self) -> torch.optim.Optimizer:
         """The optimizer of the job's steps, over the built model: AdamW from [train] (meta: Reptile's outer SGD)."""
         return build_optimizer(self.model, self.cfg.train, self.dist.device)
+
+    def row_cache(self) -> RowCache | None:
+        """Where the job keeps its tokenized rows between starts (data.cache_rows; engine/row_cache.py)."""
+        return RowCache(self.run_dir, node_first=self.dist.local_rank == 0) if self.cfg.data.cache_rows else None
 
     def build_batch_source(self):
         """The job's data: an iterator of batches or a rollout source, with state_dict/load_state_dict."""

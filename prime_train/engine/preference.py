@@ -24,6 +24,7 @@ log-probs.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import math
 import random
@@ -40,6 +41,7 @@ from prime_train.engine.documents import Document, Encoder
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.packing import IGNORE_INDEX, PackingStats
 from prime_train.engine.records import Record, dataset_key, detect_format, is_held_out, read_records
+from prime_train.engine.row_cache import RowCache, rows_key
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -379,6 +381,69 @@ def _pair_stats(tokens: list[TokenPair], truncated: int) -> PackingStats:
     return PackingStats(len(tokens), 2 * len(tokens), real, truncated, 1.0)
 
 
+@dataclass
+class TokenizedPairs:
+    """What tokenizing a job's pairs gives: the pairs, how many each dataset gave, the tokens truncation cut."""
+
+    tokens: list[TokenPair]
+    sizes: list[int]
+    truncated: int
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """As the row cache stores them: every sequence's ids and loss flags end to end (chosen, rejected, chosen,
+        ...), their lengths, the datasets' sizes and the truncated count."""
+        docs = [doc for tp in self.tokens for doc in (tp.chosen, tp.rejected)]
+        return {
+            "ids": np.fromiter((i for d in docs for i in d.ids), dtype=np.int32),
+            "loss": np.fromiter((flag for d in docs for flag in d.loss), dtype=np.bool_),
+            "lengths": np.array([len(d.ids) for d in docs], dtype=np.int32),
+            "sizes": np.array(self.sizes, dtype=np.int64),
+            "truncated": np.array([self.truncated], dtype=np.int64),
+        }
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray], *, seq_len: int, vocab: int) -> TokenizedPairs:
+        """The pairs these arrays hold; ValueError naming the first thing that is not as `arrays()` writes it."""
+        dtypes = {"ids": np.int32, "loss": np.bool_, "lengths": np.int32, "sizes": np.int64, "truncated": np.int64}
+        if set(arrays) != set(dtypes):
+            raise ValueError(f"arrays {sorted(set(arrays) ^ set(dtypes))} differ from what a preference job stores")
+        for name, dtype in dtypes.items():
+            if arrays[name].dtype != dtype or arrays[name].ndim != 1:
+                raise ValueError(f"{name} is not a vector of {np.dtype(dtype)}")
+        ids, loss, lengths, sizes = arrays["ids"], arrays["loss"], arrays["lengths"], arrays["sizes"]
+        if len(lengths) % 2 or (len(lengths) and (lengths.min() < 0 or lengths.max() > seq_len)):
+            raise ValueError(f"lengths is not pairs of sequences of 0..{seq_len} tokens")
+        if len(ids) != int(lengths.sum(dtype=np.int64)) or len(loss) != len(ids):
+            raise ValueError("ids and loss do not hold the tokens lengths counts")
+        if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
+            raise ValueError(f"ids holds token ids outside the tokenizer's {vocab}")
+        if (sizes < 0).any() or int(sizes.sum()) != len(lengths) // 2 or arrays["truncated"].shape != (1,):
+            raise ValueError("sizes does not count the pairs, or truncated is not one count")
+        bounds = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+        id_list, loss_list = ids.tolist(), loss.tolist()
+        docs = [Document(id_list[a:b], loss_list[a:b]) for a, b in itertools.pairwise(bounds.tolist())]
+        tokens = [TokenPair(docs[i], docs[i + 1]) for i in range(0, len(docs), 2)]
+        return cls(tokens, sizes.tolist(), int(arrays["truncated"][0]))
+
+
+def _cached_pairs(
+    cache: RowCache | None, part: str, data: DataConfig, encoder: PairEncoder, seed: int,
+    build: Callable[[], TokenizedPairs],
+) -> TokenizedPairs:  # fmt: skip
+    """`build()`'s pairs, or those an earlier start of the run built from the same inputs (every rank holds all)."""
+    if cache is None:
+        return build()
+    key = rows_key(
+        data, data.datasets, encoder.encoder, seed=seed, rank=0, world_size=1, shared=True,
+        held_out=part == "pairs-eval",
+    )  # fmt: skip
+    vocab = len(encoder.tokenizer)
+    return cache.cached(
+        part, key, build, to_arrays=TokenizedPairs.arrays,
+        from_arrays=lambda arrays: TokenizedPairs.from_arrays(arrays, seq_len=data.seq_len, vocab=vocab),
+    )  # fmt: skip
+
+
 def build_pair_loader(
     data: DataConfig,
     tokenizer: PreTrainedTokenizerBase,
@@ -388,24 +453,32 @@ def build_pair_loader(
     world_size: int,
     seed: int,
     device: torch.device,
+    cache: RowCache | None = None,
 ) -> PairLoader:
-    """This rank's endless, resumable stream of training pair batches (micro_batch_size pairs each)."""
+    """This rank's endless, resumable stream of training pair batches (micro_batch_size pairs each); with `cache`,
+    the tokenized pairs are kept between starts (row_cache.py)."""
     if micro_batch_size < 1:
         raise EngineConfigError(f"train.micro_batch_size must be at least 1, got {micro_batch_size}")
-    per_dataset = read_pairs(data, seed, held_out=False)
     encoder = PairEncoder(tokenizer, data.seq_len)
-    tokens = [tp for pairs in per_dataset for tp in encoder.encode(pairs)]
+
+    def build() -> TokenizedPairs:
+        per_dataset = read_pairs(data, seed, held_out=False)
+        tokens = [tp for pairs in per_dataset for tp in encoder.encode(pairs)]
+        return TokenizedPairs(tokens, [len(p) for p in per_dataset], encoder.truncated_tokens)
+
+    got = _cached_pairs(cache, "pairs", data, encoder, seed, build)
+    tokens = got.tokens
     if len(tokens) < world_size:
         raise EngineConfigError(
             f"rank {rank} of {world_size} has no training pairs: the datasets are too small for this many ranks or "
             "data.held_out_fraction leaves nothing; add data or lower data.held_out_fraction"
         )
-    rows = PairRows(tokens, tokenizer.pad_token_id, _pair_stats(tokens, encoder.truncated_tokens))
+    rows = PairRows(tokens, tokenizer.pad_token_id, _pair_stats(tokens, got.truncated))
     logger.info(
         "rank %d: %d training pairs, %d tokens, %d truncated tokens",
-        rank, len(tokens), rows.stats.num_tokens, encoder.truncated_tokens,
+        rank, len(tokens), rows.stats.num_tokens, got.truncated,
     )  # fmt: skip
-    order = _EpochOrder([len(p) for p in per_dataset], data.sampling_probs, seed, 0)
+    order = _EpochOrder(got.sizes, data.sampling_probs, seed, 0)
     return PairLoader(
         _BatchesAt(rows, order, micro_batch_size, world_size, rank),  # type: ignore[arg-type]
         num_workers=0,  # a batch is a few small tensors built from lists: workers only add IPC
@@ -426,14 +499,21 @@ def build_eval_pairs(
     world_size: int,
     seed: int,
     max_batches: int,
+    cache: RowCache | None = None,
 ) -> list[PairBatch]:
     """Fixed held-out pair batches for this rank; every rank gets the same count (collectives stay paired), a rank
-    whose share ran out repeats pairs with `counted` False."""
-    pairs = [p for group in read_pairs(data, seed, held_out=True) for p in group]
-    total = len(pairs)
+    whose share ran out repeats pairs with `counted` False. With `cache`, the tokenized pairs are kept between
+    starts."""
+    encoder = PairEncoder(tokenizer, data.seq_len)
+
+    def build() -> TokenizedPairs:
+        pairs = [p for group in read_pairs(data, seed, held_out=True) for p in group]
+        return TokenizedPairs(encoder.encode(pairs), [len(pairs)], encoder.truncated_tokens)
+
+    tokens = _cached_pairs(cache, "pairs-eval", data, encoder, seed, build).tokens
+    total = len(tokens)
     if total == 0 or max_batches < 1:
         return []
-    tokens = PairEncoder(tokenizer, data.seq_len).encode(pairs)
     num_batches = min(max_batches, math.ceil(total / (world_size * micro_batch_size)))
     mine = list(range(rank, total, world_size))
     batches = []

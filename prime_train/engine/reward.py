@@ -229,7 +229,7 @@ class RewardJob(TrainingJob):
     def __init__(self, cfg: Config):
         super().__init__(cfg)
         self.eval_batches = build_eval_pairs(
-            cfg.data, self.tokenizer, max_batches=cfg.train.eval_batches, **self._data_args()
+            cfg.data, self.tokenizer, max_batches=cfg.train.eval_batches, cache=self.row_cache(), **self._data_args()
         )
 
     def configure(self) -> None:
@@ -259,7 +259,9 @@ class RewardJob(TrainingJob):
 
     def build_batch_source(self):
         # on the host: train_step counts tokens there, then copies each batch over
-        return build_pair_loader(self.cfg.data, self.tokenizer, device=torch.device("cpu"), **self._data_args())
+        return build_pair_loader(
+            self.cfg.data, self.tokenizer, device=torch.device("cpu"), cache=self.row_cache(), **self._data_args()
+        )
 
     def train_step(self) -> dict[str, float | torch.Tensor]:
         """One optimizer step over global_batch_size pairs (gradient accumulation over micro-batches); the loss is

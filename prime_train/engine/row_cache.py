@@ -5,7 +5,9 @@ datasets, tokenizes and packs them again before its first step: half a second fo
 two-turn chat record with the byte tokenizer, so minutes per million records on every rank at every restart. The
 rows are a function of what the key below hashes, so the first start writes them to
 `<run>/cache/rows-<part>-<key>.safetensors` and every later start with the same inputs reads them back. The
-held-out rows of the loss eval are kept the same way (`part` is `eval`): building them reads every record.
+held-out rows of the loss eval are kept the same way (`part` is `eval`): building them reads every record. The
+dpo and reward jobs keep their tokenized preference pairs so (`pairs`, `pairs-eval`; engine/preference.py), every
+sequence's ids and loss flags end to end with their lengths.
 
 The key hashes the data config (all of it but data.cache_rows and data.num_workers), the datasets continual
 learning replays, the job, the seed, the rank and world size where each rank reads its own shards (`part` is
@@ -35,7 +37,7 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -52,12 +54,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger("prime_train.engine.data")
 
 FORMAT = 1  # of the file: a change of what is stored changes every key
-_FILE = r"rows-(?P<part>all|eval|rank\d+)-(?P<key>[0-9a-f]{32})\.safetensors"  # RowCache.path's names
+_FILE = r"rows-(?P<part>all|eval|pairs|pairs-eval|rank\d+)-(?P<key>[0-9a-f]{32})\.safetensors"  # RowCache.path's names
 _NAME_RE = re.compile(rf"^{_FILE}$")
 # replace_file_atomic's temporary name for one of them: removed by the next writer of its part when an hour old
 _TMP_RE = re.compile(rf"^\.{_FILE}\.[0-9a-f]{{12}}\.tmp$")
 STALE_TMP_S = 3600
 _ARRAYS = ("ids", "loss", "starts", "lengths")
+T = TypeVar("T")
 _DTYPES = {"ids": np.int32, "loss": np.bool_, "starts": np.bool_, "lengths": np.int32}
 
 
@@ -174,22 +177,42 @@ class RowCache:
     ) -> tuple[list[PackedRows], np.ndarray | None]:
         """The rows (one PackedRows a dataset) and their difficulty scores stored under `key`, else `build()`'s,
         written under `key` for the next start; `key` None (rows_key's "not cached"): `build()`'s alone."""
+        return self.cached(
+            part, key, build, to_arrays=lambda built: _rows_arrays(*built),
+            from_arrays=lambda arrays: _check(arrays, num_datasets, seq_len, vocab, difficulty),
+        )  # fmt: skip
+
+    def cached(
+        self,
+        part: str,
+        key: str | None,
+        build: Callable[[], T],
+        *,
+        to_arrays: Callable[[T], dict[str, np.ndarray]],
+        from_arrays: Callable[[dict[str, np.ndarray]], T],
+    ) -> T:
+        """What is stored under `key` (`from_arrays` of its arrays: ValueError when they are not what `to_arrays`
+        writes), else `build()`'s, written under `key` for the next start; `key` None: `build()`'s alone."""
         if key is None:
             return build()
-        found = self.load(part, key, num_datasets=num_datasets, seq_len=seq_len, vocab=vocab, difficulty=difficulty)
-        if found is not None:
-            logger.info("the tokenized rows from %s", self.path(part, key))
-            return found
+        arrays = self.load(part, key)
+        if arrays is not None:
+            try:
+                found = from_arrays(arrays)
+            except Exception as exc:  # a damaged or planted file is rebuilt, whatever it holds
+                path = self.path(part, key)
+                logger.warning("the cached rows %s are not usable (%s); tokenizing the data again", path, exc)
+            else:
+                logger.info("the tokenized rows from %s", self.path(part, key))
+                return found
         built = build()
-        self.save(part, key, *built)
+        self.save(part, key, to_arrays(built))
         return built
 
     # ---------------------------------------------------------------- read
 
-    def load(
-        self, part: str, key: str, *, num_datasets: int, seq_len: int, vocab: int, difficulty: bool
-    ) -> tuple[list[PackedRows], np.ndarray | None] | None:
-        """The rows stored under `key`, or None (missing, unreadable, or not rows of this shape: said, then rebuilt)."""
+    def load(self, part: str, key: str) -> dict[str, np.ndarray] | None:
+        """The arrays stored under `key`, or None (missing, or not a safetensors file: said, then rebuilt)."""
         path = self.path(part, key)
         try:
             blob = read_regular(path, follow=False)  # a link refused; a FIFO planted there neither read nor waited on
@@ -201,25 +224,17 @@ class RowCache:
         try:
             from safetensors.numpy import load
 
-            arrays = load(blob)
-            return _check(arrays, num_datasets, seq_len, vocab, difficulty)
+            return load(blob)
         except Exception as exc:  # a damaged or planted file is rebuilt, whatever it holds
             logger.warning("the cached rows %s are not usable (%s); tokenizing the data again", path, exc)
             return None
 
     # ---------------------------------------------------------------- write
 
-    def save(self, part: str, key: str, parts: list[PackedRows], difficulty: np.ndarray | None) -> None:
-        """Write these rows under `key`, and remove this part's files under other keys; failures are warnings."""
-        if part in ("all", "eval") and not self.node_first:
-            return
-        arrays: dict[str, np.ndarray] = {}
-        for i, rows in enumerate(parts):
-            for name in _ARRAYS:
-                arrays[f"{name}.{i}"] = np.ascontiguousarray(getattr(rows, name), dtype=_DTYPES[name])
-            arrays[f"counts.{i}"] = np.array([rows.num_documents, rows.num_truncated_tokens], dtype=np.int64)
-        if difficulty is not None:
-            arrays["difficulty"] = np.ascontiguousarray(difficulty, dtype=np.float64)
+    def save(self, part: str, key: str, arrays: dict[str, np.ndarray]) -> None:
+        """Write these arrays under `key`, and remove this part's files under other keys; failures are warnings."""
+        if not part.startswith("rank") and not self.node_first:
+            return  # every rank holds the same: each node's first process writes them
         size = sum(a.nbytes for a in arrays.values())
         path = self.path(part, key)
         try:
@@ -256,6 +271,17 @@ class RowCache:
             if match and match["part"] == part and match["key"] != key:
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)  # a link is removed itself, never what it points at
+
+
+def _rows_arrays(parts: list[PackedRows], difficulty: np.ndarray | None) -> dict[str, np.ndarray]:
+    arrays: dict[str, np.ndarray] = {}
+    for i, rows in enumerate(parts):
+        for name in _ARRAYS:
+            arrays[f"{name}.{i}"] = np.ascontiguousarray(getattr(rows, name), dtype=_DTYPES[name])
+        arrays[f"counts.{i}"] = np.array([rows.num_documents, rows.num_truncated_tokens], dtype=np.int64)
+    if difficulty is not None:
+        arrays["difficulty"] = np.ascontiguousarray(difficulty, dtype=np.float64)
+    return arrays
 
 
 def _check(

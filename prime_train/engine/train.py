@@ -21,7 +21,6 @@ from prime_train.engine.evaluate import row_losses, token_losses
 from prime_train.engine.loop import TrainingJob, main
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.model import flops_per_token, num_parameters, peak_flops
-from prime_train.engine.row_cache import RowCache
 
 logger = logging.getLogger("prime_train.engine")
 SAMPLES = 3  # held-out prompts of own data answered at each eval, logged beside their expected completions
@@ -49,7 +48,7 @@ class SFTJob(TrainingJob):
         self.peak_flops = peak_flops(self.device_name)  # FLOP/s per device, None when unknown (never a guess)
         common = self._data_args()
         self.eval_batches = build_eval_batches(
-            cfg.data, self.tokenizer, max_batches=cfg.train.eval_batches, cache=self._row_cache(), **common
+            cfg.data, self.tokenizer, max_batches=cfg.train.eval_batches, cache=self.row_cache(), **common
         )
         self.eval_examples = held_out_examples(cfg.data, cfg.run.seed, 64)
         if self.pipeline is not None and (self.eval_examples or self._env or cfg.train.mc_eval_path):
@@ -133,12 +132,8 @@ class SFTJob(TrainingJob):
         return build_train_loader(
             self.cfg.data, self.tokenizer, device=torch.device("cpu"), replayed=continual.previous,
             replay=continual.replay, global_batch_size=self.cfg.train.global_batch_size,
-            max_steps=self.cfg.train.max_steps, cache=self._row_cache(), **self._data_args(),
+            max_steps=self.cfg.train.max_steps, cache=self.row_cache(), **self._data_args(),
         )  # fmt: skip
-
-    def _row_cache(self) -> RowCache | None:
-        """Where this job keeps its tokenized rows between starts (data.cache_rows; engine/row_cache.py)."""
-        return RowCache(self.run_dir, node_first=self.dist.local_rank == 0) if self.cfg.data.cache_rows else None
 
     # ------------------------------------------------------------------ one step
 
