@@ -21,7 +21,8 @@ _TOKENIZE_CHUNK = 2048
 
 @dataclass
 class Document:
-    """Token ids of one record, eos last, and per token whether the loss is taken on it."""
+    """Token ids of one record, eos last, and per token whether the loss is taken on it (lists; a preference pair
+    read back from the row cache holds numpy views instead)."""
 
     ids: list[int]
     loss: list[bool]

@@ -394,8 +394,8 @@ class TokenizedPairs:
         ...), their lengths, the datasets' sizes and the truncated count."""
         docs = [doc for tp in self.tokens for doc in (tp.chosen, tp.rejected)]
         return {
-            "ids": np.fromiter((i for d in docs for i in d.ids), dtype=np.int32),
-            "loss": np.fromiter((flag for d in docs for flag in d.loss), dtype=np.bool_),
+            "ids": np.concatenate([np.asarray(d.ids, dtype=np.int32) for d in docs] or [np.zeros(0, np.int32)]),
+            "loss": np.concatenate([np.asarray(d.loss, dtype=np.bool_) for d in docs] or [np.zeros(0, np.bool_)]),
             "lengths": np.array([len(d.ids) for d in docs], dtype=np.int32),
             "sizes": np.array(self.sizes, dtype=np.int64),
             "truncated": np.array([self.truncated], dtype=np.int64),
@@ -419,9 +419,9 @@ class TokenizedPairs:
             raise ValueError(f"ids holds token ids outside the tokenizer's {vocab}")
         if (sizes < 0).any() or int(sizes.sum()) != len(lengths) // 2 or arrays["truncated"].shape != (1,):
             raise ValueError("sizes does not count the pairs, or truncated is not one count")
-        bounds = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-        id_list, loss_list = ids.tolist(), loss.tolist()
-        docs = [Document(id_list[a:b], loss_list[a:b]) for a, b in itertools.pairwise(bounds.tolist())]
+        bounds = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).tolist()
+        # views into the two arrays, not lists: a pair is only ever collated (collate_pairs) or hashed from here
+        docs = [Document(ids[a:b], loss[a:b]) for a, b in itertools.pairwise(bounds)]  # type: ignore[arg-type]
         tokens = [TokenPair(docs[i], docs[i + 1]) for i in range(0, len(docs), 2)]
         return cls(tokens, sizes.tolist(), int(arrays["truncated"][0]))
 
