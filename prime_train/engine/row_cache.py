@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from prime_train.rundir import RunDir
 
 logger = logging.getLogger("prime_train.engine.data")
+T = TypeVar("T")  # what a job caches (RowCache.cached)
 
 FORMAT = 1  # of the file: a change of what is stored changes every key
 _FILE = r"rows-(?P<part>all|eval|pairs|pairs-eval|rank\d+)-(?P<key>[0-9a-f]{32})\.safetensors"  # RowCache.path's names
@@ -60,7 +61,6 @@ _NAME_RE = re.compile(rf"^{_FILE}$")
 _TMP_RE = re.compile(rf"^\.{_FILE}\.[0-9a-f]{{12}}\.tmp$")
 STALE_TMP_S = 3600
 _ARRAYS = ("ids", "loss", "starts", "lengths")
-T = TypeVar("T")
 _DTYPES = {"ids": np.int32, "loss": np.bool_, "starts": np.bool_, "lengths": np.int32}
 
 
