@@ -6,8 +6,10 @@
 
 Writes the records to a temporary .jsonl, then, in one process, `--rounds` times each: the rows built as a
 trainer without the cache builds them (read, tokenize with the chat template, pack), and the same rows read back
-from the cache a first build wrote. Printed: the median of each, their ratio, the per-record cost, and the file's
-size. Wall time (time.perf_counter); the two are checked to hold the same rows.
+from the cache a first build wrote (with --pairs: a preference job's tokenized training pairs). Printed: the
+median of each, their ratio, the per-record cost, the file's size and the most memory a cached read held at
+once (tracemalloc: Python's and numpy's allocations). Wall time (time.perf_counter); the two are checked to
+hold the same rows.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import random
 import statistics
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.numpy import load
 
 from prime_train.config.schema import DataConfig, DatasetConfig
 from prime_train.engine.data import _rank_rows
@@ -30,6 +34,16 @@ from prime_train.engine.tokenizer import build_byte_tokenizer
 from prime_train.rundir import RunDir
 
 WORDS = ["alpha", "beta", "gamma", "delta", "reverse", "sort", "number", "train", "model", "token"]
+
+
+def peak_mib(fn) -> float:
+    """The most memory Python and numpy held at once while `fn()` ran, above what was held before (tracemalloc)."""
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1] / 2**20
+    finally:
+        tracemalloc.stop()
 
 
 def write_chats(path: Path, n: int, seed: int = 0) -> None:
@@ -81,6 +95,8 @@ def main() -> None:
         cache = RowCache(run_dir, node_first=True)
         built = _rank_rows(data, tok, "sft", 0, 1, 0, None, cache)[0]  # writes the cache
         size = sum(p.stat().st_size for p in run_dir.cache_dir.iterdir())
+        peak = peak_mib(lambda: _rank_rows(data, tok, "sft", 0, 1, 0, None, cache))
+        whole = peak_mib(lambda: [load(p.read_bytes()) for p in run_dir.cache_dir.iterdir()])  # without the map
         build_s, read_s = [], []
         for _ in range(args.rounds):
             t = time.perf_counter()
@@ -94,7 +110,10 @@ def main() -> None:
     build, read = statistics.median(build_s), statistics.median(read_s)
     print(f"{args.records} two-turn chat records, seq_len {args.seq_len}, byte tokenizer, {args.rounds} rounds")
     print(f"  build (read, tokenize, pack): {build:.2f} s ({1000 * build / args.records:.3f} ms a record)")
-    print(f"  cached read:                  {read:.3f} s, file {size / 2**20:.1f} MiB")
+    print(f"  cached read:                  {read:.3f} s, file {size / 2**20:.1f} MiB, peak {peak:.1f} MiB held")
+    print(
+        f"  the file read whole, then parsed (no /proc/self/fd): peak {whole:.1f} MiB ({whole / peak:.2f}x the map's)"
+    )
     print(f"  cached / build: {read / build:.4f} ({build / read:.0f}x faster a start, on every rank)")
 
 
@@ -107,6 +126,7 @@ def main_pairs(args: argparse.Namespace) -> None:
         cache = RowCache(RunDir(root / "run"), node_first=True)
         digest = build_pairs(data, tok, cache).digest()  # writes the cache
         size = sum(p.stat().st_size for p in cache.dir.iterdir())
+        peak = peak_mib(lambda: build_pairs(data, tok, cache))
         build_s, read_s = [], []
         for _ in range(args.rounds):
             t = time.perf_counter()
@@ -119,7 +139,7 @@ def main_pairs(args: argparse.Namespace) -> None:
     build, read = statistics.median(build_s), statistics.median(read_s)
     print(f"{args.records} chat preference pairs, seq_len {args.seq_len}, byte tokenizer, {args.rounds} rounds")
     print(f"  build (read, tokenize both answers): {build:.2f} s ({1000 * build / args.records:.3f} ms a pair)")
-    print(f"  cached read:                         {read:.3f} s, file {size / 2**20:.1f} MiB")
+    print(f"  cached read:                         {read:.3f} s, file {size / 2**20:.1f} MiB, peak {peak:.1f} MiB held")
     print(f"  cached / build: {read / build:.4f} ({build / read:.0f}x faster a start, on every rank)")
 
 

@@ -381,3 +381,20 @@ def test_damaged_cached_pairs_are_said_and_tokenized_again(tok, tmp_path, caplog
                for r in caplog.records)  # fmt: skip
     assert loader.rows.digest() == reference.rows.digest()
     assert "extra" not in load(path.read_bytes())  # rewritten as it should be
+
+
+def test_the_rows_read_back_alike_where_the_system_cannot_name_the_open_file(tok, tmp_path, monkeypatch):
+    """Linux maps the opened file through /proc/self/fd; elsewhere (macOS) the same descriptor is read whole."""
+    import prime_train.engine.row_cache as row_cache
+
+    data = DataConfig(datasets=[DatasetConfig(task="sorting", num_examples=100)])
+    run_dir = RunDir(tmp_path / "run")
+    reference = batches(build(tok, data, run_dir))
+    (path,) = run_dir.cache_dir.iterdir()
+    mapped = RowCache(run_dir, node_first=True).load("all", path.name.split("-")[2].split(".")[0])
+    real_exists = os.path.exists
+    monkeypatch.setattr(row_cache.os.path, "exists", lambda p: False if str(p).startswith("/proc/") else real_exists(p))
+    read = RowCache(run_dir, node_first=True).load("all", path.name.split("-")[2].split(".")[0])
+    assert mapped is not None and read is not None and mapped.keys() == read.keys()
+    assert all(np.array_equal(mapped[k], read[k]) for k in mapped)
+    assert same(batches(build(tok, data, run_dir)), reference)

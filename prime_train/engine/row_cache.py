@@ -27,6 +27,7 @@ earlier config of this run left.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -34,6 +35,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,7 +43,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from prime_train.contract import read_regular, replace_file_atomic
+from prime_train.contract import open_nofollow, replace_file_atomic
 from prime_train.engine.packing import PackedRows
 
 if TYPE_CHECKING:
@@ -215,19 +217,22 @@ class RowCache:
         """The arrays stored under `key`, or None (missing, or not a safetensors file: said, then rebuilt)."""
         path = self.path(part, key)
         try:
-            blob = read_regular(path, follow=False)  # a link refused; a FIFO planted there neither read nor waited on
+            # a link refused; a FIFO planted there neither read nor waited on
+            fd = open_nofollow(path, os.O_RDONLY)
         except FileNotFoundError:
             return None
         except OSError as exc:
             logger.warning("the cached rows %s cannot be opened (%s); tokenizing the data again", path, exc)
             return None
         try:
-            from safetensors.numpy import load
-
-            return load(blob)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            return _read_arrays(fd)
         except Exception as exc:  # a damaged or planted file is rebuilt, whatever it holds
             logger.warning("the cached rows %s are not usable (%s); tokenizing the data again", path, exc)
             return None
+        finally:
+            os.close(fd)
 
     # ---------------------------------------------------------------- write
 
@@ -271,6 +276,21 @@ class RowCache:
             if match and match["part"] == part and match["key"] != key:
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)  # a link is removed itself, never what it points at
+
+
+def _read_arrays(fd: int) -> dict[str, np.ndarray]:
+    """The arrays of the safetensors file open at `fd`. Where the system names open files (/proc/self/fd: Linux),
+    safetensors maps that very file and copies each array out once; elsewhere the file is read whole first (twice
+    the rows' size in memory for a moment)."""
+    from safetensors import safe_open
+    from safetensors.numpy import load
+
+    opened = f"/proc/self/fd/{fd}"
+    if os.path.exists(opened):
+        with safe_open(opened, framework="np") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
+    with os.fdopen(os.dup(fd), "rb") as f:
+        return load(f.read())
 
 
 def _rows_arrays(parts: list[PackedRows], difficulty: np.ndarray | None) -> dict[str, np.ndarray]:
