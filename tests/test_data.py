@@ -405,6 +405,27 @@ def test_held_out_documents_never_appear_in_training(tok):
     assert {f"{e.prompt}{e.answer}<|eos|>" for e in held_out} == eval_docs
 
 
+@pytest.mark.parametrize("n", [1, 5, 64, 10_000])
+def test_the_exact_match_examples_are_the_first_n_of_all_held_out_ones_interleaved(n):
+    """held_out_examples stops generating a dataset once it has n of them: the same examples as taking n of all."""
+    from prime_train import tasks
+    from prime_train.engine.records import is_held_out, task_record
+
+    sizes = {"arithmetic": 3000, "sorting": 400, "reverse-text": 1500}
+    data = DataConfig(datasets=[DatasetConfig(task=t, num_examples=k) for t, k in sizes.items()], held_out_fraction=0.1)
+    groups = []
+    for task, k in sizes.items():  # every held-out example of each, as the whole list was built before
+        seen, kept = set(), []
+        for ex in tasks.generate_examples(task, k, 2):
+            record = task_record(ex)
+            if ex.prompt not in seen and is_held_out((record["prompt"], record["completion"]), 2, 0.1):
+                seen.add(ex.prompt)
+                kept.append(ex)
+        groups.append(kept)
+    everything = [g[i] for i in range(max(map(len, groups))) for g in groups if i < len(g)]
+    assert held_out_examples(data, 2, n) == everything[:n]
+
+
 def test_eval_batches_are_fixed_and_as_many_on_every_rank(tok):
     data = task_data(2000)
     kwargs = dict(job="sft", micro_batch_size=4, world_size=3, seed=1, max_batches=5)

@@ -600,19 +600,22 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
 
 
 def held_out_examples(data: DataConfig, seed: int, n: int) -> list[tasks.Example]:
-    """Up to `n` distinct held-out examples of the built-in task datasets, interleaved across them."""
+    """Up to `n` distinct held-out examples of the built-in task datasets, interleaved across them (at most the
+    first `n` of each dataset are taken, so each is generated only until it has them)."""
     per_dataset: list[list[tasks.Example]] = []
     for ds in data.datasets:
         if ds.task is None:
             continue
         seen: set[str] = set()
         kept = []
-        for example in tasks.generate_examples(ds.task, ds.num_examples, seed):
+        for example in tasks.iter_examples(ds.task, ds.num_examples, seed):
             record = task_record(example)
             content = (record["prompt"], record["completion"])
             if example.prompt not in seen and is_held_out(content, seed, data.held_out_fraction):
                 seen.add(example.prompt)
                 kept.append(example)
+                if len(kept) == n:
+                    break
         per_dataset.append(kept)
     interleaved = [ex for group in zip(*per_dataset, strict=False) for ex in group] if per_dataset else []
     longest = max((len(g) for g in per_dataset), default=0)
