@@ -19,6 +19,7 @@ import math
 import os
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -404,9 +405,10 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, durable: bool =
     replace_file_atomic(path, (json.dumps(obj) + "\n").encode("utf-8"), durable=durable)
 
 
-def read_regular(path: str | os.PathLike[str], *, follow: bool = True) -> bytes:
-    """The bytes of the regular file at `path`; OSError when it is missing, unreadable or not a regular file
-    (UnsafeLink, with follow=False, when it is a symlink).
+@contextlib.contextmanager
+def open_regular(path: str | os.PathLike[str], *, follow: bool = True) -> Iterator[int]:
+    """A read-only descriptor of the regular file at `path`, closed on leaving; OSError when it is missing,
+    unreadable or not a regular file (UnsafeLink, with follow=False, when it is a symlink).
 
     Opened non-blocking, so a FIFO planted at a name the tool reads (progress.json, events.jsonl) is an error at
     once instead of a read that waits forever for a writer."""
@@ -414,9 +416,17 @@ def read_regular(path: str | os.PathLike[str], *, follow: bool = True) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     else:
         fd = open_nofollow(path, os.O_RDONLY)  # non-blocking too
-    with os.fdopen(fd, "rb") as f:
+    try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def read_regular(path: str | os.PathLike[str], *, follow: bool = True) -> bytes:
+    """The bytes of the regular file at `path` (open_regular's errors)."""
+    with open_regular(path, follow=follow) as fd, os.fdopen(os.dup(fd), "rb") as f:
         return f.read()
 
 

@@ -27,7 +27,6 @@ earlier config of this run left.
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import hashlib
 import json
@@ -35,7 +34,6 @@ import logging
 import os
 import re
 import shutil
-import stat
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -43,7 +41,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from prime_train.contract import open_nofollow, replace_file_atomic
+from prime_train.contract import open_regular, replace_file_atomic
 from prime_train.engine.packing import PackedRows
 
 if TYPE_CHECKING:
@@ -218,21 +216,17 @@ class RowCache:
         path = self.path(part, key)
         try:
             # a link refused; a FIFO planted there neither read nor waited on
-            fd = open_nofollow(path, os.O_RDONLY)
+            with open_regular(path, follow=False) as fd:
+                try:
+                    return _read_arrays(fd)
+                except Exception as exc:  # a damaged or planted file is rebuilt, whatever it holds
+                    logger.warning("the cached rows %s are not usable (%s); tokenizing the data again", path, exc)
+                    return None
         except FileNotFoundError:
             return None
         except OSError as exc:
             logger.warning("the cached rows %s cannot be opened (%s); tokenizing the data again", path, exc)
             return None
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(errno.EINVAL, "not a regular file")
-            return _read_arrays(fd)
-        except Exception as exc:  # a damaged or planted file is rebuilt, whatever it holds
-            logger.warning("the cached rows %s are not usable (%s); tokenizing the data again", path, exc)
-            return None
-        finally:
-            os.close(fd)
 
     # ---------------------------------------------------------------- write
 
