@@ -120,23 +120,27 @@ def test_activations_match_the_tensors_autograd_saves(attention):
     assert saved_loss == pytest.approx(report.trainer.get("logits and loss") / 3, rel=0.02)
 
 
-def test_the_native_models_fused_loss_keeps_what_the_estimate_counts_and_no_logits(monkeypatch):
+@pytest.mark.parametrize("frozen_head", [False, True], ids=["full", "lora"])
+def test_the_native_models_fused_loss_keeps_what_the_estimate_counts_and_no_logits(monkeypatch, frozen_head):
     """The model the trainer runs for a Llama-shaped config is the native one, whose loss never holds tokens x vocab
     logits (engine/loss.py). The estimate used to count 12 bytes per token per vocabulary entry whatever the model
     (23.5 GiB a GPU for Llama 3.1 8B at 2 x 8192 tokens); now it counts what the fused loss keeps for backward,
     measured here with autograd's hook, plus its passing peak: one chunk's fp32 logits and gradient and the lm_head
-    gradient's fp32 sum."""
+    gradient's fp32 sum. Under LoRA lm_head is frozen and the loss forms no gradient of it at all."""
     torch = pytest.importorskip("torch")
     from prime_train.engine import loss as fused
     from prime_train.engine.model import build_model
     from prime_train.validator.memory_inputs import LOSS_CHUNK_TOKENS
 
     cfg = _small_config(tie_embeddings=False)
+    if frozen_head:
+        cfg = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"rank": 8})})
     hf, _ = model_shape(cfg)
     vocab, hidden, tokens = hf["vocab_size"], hf["hidden_size"], 2 * 128
     torch.manual_seed(0)
     model = build_model(cfg.model, vocab, for_training=True)
     assert type(model).__name__ == "NativeCausalLM"
+    model.lm_head.weight.requires_grad_(not frozen_head)  # as engine/lora.py leaves it: no adapter, frozen
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved_by_loss, everything = [], []
     forward = fused._FusedLinearCrossEntropy.forward
@@ -164,11 +168,14 @@ def test_the_native_models_fused_loss_keeps_what_the_estimate_counts_and_no_logi
     assert saved_by_loss, "the fused loss saved nothing: not the path the trainer runs"
     logits = [t for t in everything if t.dim() and t.shape[-1] == vocab and t.numel() >= tokens * vocab]
     assert not logits, "a tokens x vocab tensor was kept for backward"
-    kept = _storage_bytes(saved_by_loss)
-    assert kept == (tokens + vocab) * hidden * 4  # the hidden states' and the lm_head's gradients, fp32 here
+    kept = _storage_bytes(t for t in saved_by_loss if t is not None)
+    # the hidden states' and (trained) the lm_head's gradients, fp32 here
+    assert kept == (tokens + (0 if frozen_head else vocab)) * hidden * 4
+    assert (model.lm_head.weight.grad is None) == frozen_head
 
     report = estimate(inputs_from_config(cfg))
-    passing = LOSS_CHUNK_TOKENS * 12 * vocab + vocab * hidden * 4  # a whole chunk, even of a smaller batch
+    # a whole chunk, even of a smaller batch, and the lm_head gradient's fp32 sum when it trains
+    passing = LOSS_CHUNK_TOKENS * 12 * vocab + (0 if frozen_head else vocab * hidden * 4)
     assert report.trainer.get("logits and loss") == kept + passing
     # where it matters: Qwen2.5-7B's 152k vocabulary at 2 x 8192 tokens, 27.9 GiB of whole-logits loss against 5 GiB
     big = MemoryInputs(model=QWEN25_7B, seq_len=8192, micro_batch=2)

@@ -55,8 +55,9 @@ def test_dpo_adds_the_reference_weights_and_doubles_the_sequences_of_the_tiny_de
     assert "reference weights" not in sft and dpo["reference weights"] == TINY_PARAMS * 4
     # 16 pairs are 32 sequences: every activation twice the SFT micro-batch's
     assert dpo["activations"] == 2 * sft["activations"]
-    # DPO sums each sequence's log-probs from the whole logits (12 B a token and vocabulary entry), never chunked
-    assert dpo["logits and loss"] == 2 * TINY_TOKENS * 320 * 12
+    # DPO takes each token's log-prob chunk by chunk as SFT's loss is (the tiny default is the native model): the
+    # same chunk and lm_head gradient, and the hidden states' gradient of twice the tokens (128 wide, bf16)
+    assert dpo["logits and loss"] == sft["logits and loss"] + TINY_TOKENS * 128 * 2
     same = ("gradients", "optimizer states", "bf16 weight copy", "runtime")
     assert all(sft[k] == dpo[k] for k in same)
 
@@ -109,9 +110,8 @@ def test_an_8b_dpo_reference_is_its_weight_bytes_and_is_not_sharded():
     dpo = estimate(inputs_from_flags(LLAMA31_8B, job="dpo", **common))
     assert dpo.trainer.get("reference weights") == n * 4 == sft.trainer.weights
     assert dpo.trainer.activations == 2 * sft.trainer.activations
-    assert dpo.trainer.total - sft.trainer.total == n * 4 + sft.trainer.activations + (
-        2 * 2048 * 128256 * 12 - sft.trainer.get("logits and loss")
-    )
+    # the log-probs are chunked as the loss is: twice the tokens add their hidden states' gradient, no logits
+    assert dpo.trainer.total - sft.trainer.total == n * 4 + sft.trainer.activations + 2048 * 4096 * 2
     # FSDP over 8 shards the trained states, not the reference: it is copied before the model is wrapped
     fsdp = estimate(inputs_from_flags(LLAMA31_8B, job="dpo", strategy="fsdp", gpus_per_node=8, **common))
     assert fsdp.trainer.weights == -(-n * 4 // 8) and fsdp.trainer.get("reference weights") == n * 4

@@ -16,7 +16,7 @@ from transformers import (
 
 from prime_train.engine import llama
 from prime_train.engine.llama import NativeCausalLM, supports, to_hf
-from prime_train.engine.loss import chunked_cross_entropy, reference_cross_entropy
+from prime_train.engine.loss import chunked_cross_entropy, chunked_token_log_probs, reference_cross_entropy
 
 VOCAB = 96
 # small but not degenerate: GQA (4 query heads on 2 KV heads), 2 layers so a bad mask reaches the next layer
@@ -295,6 +295,18 @@ def test_chunked_cross_entropy_sum_matches_the_reference_and_scales_with_the_ups
     torch.testing.assert_close(got[1], weight.grad)
 
 
+def test_chunked_cross_entropy_with_a_frozen_weight_gives_the_hidden_gradient_alone():
+    # lm_head under LoRA: no gradient of the weight is formed, the hidden states' is the reference's
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(40, 8, generator=generator, requires_grad=True)
+    weight = torch.randn(30, 8, generator=generator)
+    labels = torch.randint(0, 30, (40,), generator=generator)
+    (got,) = torch.autograd.grad(chunked_cross_entropy(hidden, weight, labels, chunk_size=16), hidden)
+    (want,) = torch.autograd.grad(reference_cross_entropy(hidden, weight, labels), hidden)
+    torch.testing.assert_close(got, want)
+    assert weight.grad is None
+
+
 def test_chunked_cross_entropy_under_bf16_autocast_matches_the_plain_loss_to_bf16_precision():
     # the path a bf16 run takes: bf16 matmuls, fp32 log-probabilities, the weight's gradient summed in fp32
     generator = torch.Generator().manual_seed(2)
@@ -311,6 +323,87 @@ def test_chunked_cross_entropy_under_bf16_autocast_matches_the_plain_loss_to_bf1
     for g, w in zip(got, want, strict=True):
         assert g.dtype == torch.float32
         torch.testing.assert_close(g, w, atol=2e-3, rtol=2e-2)
+
+
+def _whole_logit_log_probs(hidden, weight, labels, temperature):
+    """What chunked_token_log_probs must equal: the whole logits, log_softmax, gather; and the entropy."""
+    all_logp = torch.log_softmax((hidden @ weight.T).float() / temperature, dim=-1)
+    valid = labels != -100
+    picked = all_logp.gather(-1, torch.where(valid, labels, 0)[..., None]).squeeze(-1)
+    return torch.where(valid, picked, 0.0), -(all_logp.exp() * all_logp).sum(-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_size", [1, 7, 64])
+def test_chunked_token_log_probs_and_their_gradients_equal_the_whole_logits(chunk_size, temperature):
+    # each token gets its own upstream gradient (a DPO pair's weight, a GRPO advantage): backward forms each
+    # chunk's logits again and must give what autograd through the whole logits gives
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 23, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(50, 16, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 23), generator=generator)
+    labels[0, :9] = -100
+    upstream = torch.randn(2, 23, generator=generator)
+    got, entropy = chunked_token_log_probs(
+        hidden, weight, labels, temperature=temperature, chunk_size=chunk_size, entropy=True
+    )
+    want, want_entropy = _whole_logit_log_probs(hidden, weight, labels, temperature)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(entropy, want_entropy.detach())
+    assert not entropy.requires_grad
+    got_grads = torch.autograd.grad((got * upstream).sum(), (hidden, weight))
+    want_grads = torch.autograd.grad((want * upstream).sum(), (hidden, weight))
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w)
+    with torch.no_grad():
+        again, none = chunked_token_log_probs(hidden, weight, labels, temperature=temperature)
+    torch.testing.assert_close(again, want.detach())
+    assert none is None
+
+
+def test_chunked_token_log_probs_skip_a_frozen_weights_gradient_and_keep_bf16_precision():
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(40, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(30, 16, generator=generator)  # frozen, as lm_head under LoRA
+    labels = torch.randint(0, 30, (40,), generator=generator)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = chunked_token_log_probs(hidden, weight, labels, chunk_size=16)
+        want = torch.log_softmax(F.linear(hidden, weight).float(), -1).gather(1, labels[:, None]).squeeze(1)
+    assert got.dtype == torch.float32
+    (g,) = torch.autograd.grad(got.sum(), hidden)
+    (w,) = torch.autograd.grad(want.sum(), hidden)
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(g, w, atol=2e-3, rtol=2e-2)
+    with pytest.raises(ValueError, match="temperature must be positive"):
+        chunked_token_log_probs(hidden, weight, labels, temperature=0.0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_native_token_log_probs_equal_transformers_logits(family):
+    # the native forward's token_log_probs against HF's whole logits of the same weights: values, entropy,
+    # gradients of every parameter under a per-token upstream gradient, and the final hidden states PPO reads
+    hf, native = _pair(family)
+    ids = _batch()
+    labels = ids.clone()
+    labels[:, :5] = -100
+    out = native(ids, labels=labels, token_log_probs=True, temperature=0.8, return_entropy=True, loss_chunk_size=16)
+    assert out.loss is None and out.logits is None
+    logits = hf(ids).logits[:, :-1].float() / 0.8
+    all_logp = torch.log_softmax(logits, -1)
+    targets = labels[:, 1:]
+    want = torch.where(targets != -100, all_logp.gather(-1, ids[:, 1:, None]).squeeze(-1), 0.0)
+    torch.testing.assert_close(out.log_probs[:, :-1], want, atol=1e-5, rtol=1e-4)
+    assert torch.equal(out.log_probs[:, -1], torch.zeros(2))
+    torch.testing.assert_close(out.entropy[:, :-1], -(all_logp.exp() * all_logp).sum(-1).detach(), atol=1e-5, rtol=1e-4)
+    weights = torch.linspace(-1, 1, want.numel()).view(want.shape)
+    got_grads = torch.autograd.grad((out.log_probs[:, :-1] * weights).sum(), list(native.parameters()))
+    want_grads = dict(zip(
+        [n for n, _ in hf.named_parameters()],
+        torch.autograd.grad((want * weights).sum(), list(hf.parameters())), strict=True,
+    ))  # fmt: skip
+    for (name, _), got in zip(native.named_parameters(), got_grads, strict=True):
+        torch.testing.assert_close(got, want_grads[name], atol=1e-5, rtol=1e-4)
+    assert out.hidden_states.shape == (2, ids.shape[1], SHAPE["hidden_size"])
 
 
 def test_whole_native_model_with_loss_compiles_fullgraph_and_matches_eager():
@@ -335,3 +428,28 @@ def test_whole_native_model_with_loss_compiles_fullgraph_and_matches_eager():
     torch.testing.assert_close(loss, eager)
     for got, want in zip(grads, eager_grads, strict=True):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_native_token_log_probs_compile_fullgraph_and_match_eager():
+    # what DPO and GRPO run under train.compile: the chunked log-probs' autograd function, with its backward that
+    # forms each chunk's logits again, traced whole
+    _, native = _pair("qwen3")
+    ids = _batch()
+    labels = ids.clone()
+    labels[:, :4] = -100
+
+    def step(model):
+        out = model(ids, labels=labels, token_log_probs=True, temperature=0.8, return_entropy=True, loss_chunk_size=16)
+        return out.log_probs, out.entropy
+
+    explained = torch._dynamo.explain(step)(native)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    weights = torch.linspace(-1, 1, ids.numel()).view(ids.shape)
+    eager, eager_entropy = step(native)
+    eager_grads = torch.autograd.grad((eager * weights).sum(), list(native.parameters()))
+    got, got_entropy = step(torch.compile(native, fullgraph=True, backend="aot_eager"))
+    grads = torch.autograd.grad((got * weights).sum(), list(native.parameters()))
+    torch.testing.assert_close(got, eager)
+    torch.testing.assert_close(got_entropy, eager_entropy)
+    for g, e in zip(grads, eager_grads, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-5)

@@ -130,6 +130,33 @@ def test_value_head_reads_the_policys_final_hidden_states_in_the_same_forward():
     assert float(ValueHead(32)(hidden).detach().abs().sum()) == 0.0  # a fresh head says 0 everywhere
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_native_policy_scores_completions_in_chunks_as_transformers_does_with_whole_logits(temperature):
+    # the native decoder gives log-probs, entropy and the value head's hidden states from its chunked path
+    # (engine/loss.py); transformers' model from whole logits and a hook on lm_head: the same numbers and gradients
+    from prime_train.engine.llama import NativeCausalLM
+
+    hf = tiny_llama(0)
+    native = NativeCausalLM(hf.config)
+    native.load_state_dict(hf.state_dict())
+    samples = [Sample([1, 2, 3], [4, 5], [0.0, 0.0], 1.0), Sample([1, 2], [6, 7, 8], [0.0] * 3, 0.0)]
+    results = []
+    for model in (hf, native):
+        head = ValueHead(32)
+        torch.nn.init.normal_(head.proj.weight, generator=torch.Generator().manual_seed(0))
+        scores = score_completions(model, samples, "cpu", temperature, 0, entropy=True, value_head=head)
+        weights = torch.tensor([[1.0, -2.0, 0.0], [0.5, 1.5, -1.0]])
+        ((scores.logp * weights).sum() + scores.values.sum()).backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        results.append((scores, grads))
+    (want, want_grads), (got, got_grads) = results
+    for field in ("logp", "mask", "entropy", "values"):
+        torch.testing.assert_close(getattr(got, field), getattr(want, field), atol=1e-5, rtol=1e-4, msg=field)
+    assert not got.entropy.requires_grad
+    for name, grad in got_grads.items():
+        torch.testing.assert_close(grad, want_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
 # ---------------------------------------------------------------- lint
 
 

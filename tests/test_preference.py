@@ -225,10 +225,16 @@ def test_ranks_read_disjoint_pairs_of_one_shared_order(byte_tokenizer):
 # ---------------------------------------------------------------- log-probs
 
 
-def test_sequence_logprobs_are_minus_each_row_s_completion_loss(byte_tokenizer):
+@pytest.mark.parametrize("native", [False, True], ids=["transformers", "native"])
+def test_sequence_logprobs_are_minus_each_row_s_completion_loss(byte_tokenizer, native):
     from contextlib import nullcontext
 
+    from prime_train.engine.llama import NativeCausalLM
+
     model = tiny_llama(vocab_size=len(byte_tokenizer))
+    if native:  # the chunked log-probs (engine/loss.py), never the whole logits
+        hf, model = model, NativeCausalLM(model.config)
+        model.load_state_dict(hf.state_dict())
     pairs = [p for p, _ in task_pairs("reverse-text", 5, 0)]
     batch = collate_pairs(PairEncoder(byte_tokenizer, 64).encode(pairs), byte_tokenizer.pad_token_id)
     chosen, rejected = sequence_logprobs(model, batch, nullcontext)
@@ -238,9 +244,42 @@ def test_sequence_logprobs_are_minus_each_row_s_completion_loss(byte_tokenizer):
         ids = batch.input_ids[row][real][None]
         loss, _ = token_losses(model, ids, torch.arange(ids.shape[1])[None], batch.labels[row][real][None])
         torch.testing.assert_close(value, -loss, rtol=1e-5, atol=1e-5)  # padding changes nothing
-    # with gradients: d(sum of chosen log-probs) reaches the weights
-    chosen.sum().backward()
+    # with gradients: a DPO-like weighting of each sequence reaches the weights as through the whole logits
+    weights = torch.linspace(-1, 2, 10)
+    (torch.cat([chosen, rejected]) * weights).sum().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    if native:
+        h_chosen, h_rejected = sequence_logprobs(hf, batch, nullcontext)
+        torch.testing.assert_close(torch.cat([chosen, rejected]), torch.cat([h_chosen, h_rejected]).detach())
+        (torch.cat([h_chosen, h_rejected]) * weights).sum().backward()
+        grads = dict(hf.named_parameters())
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["transformers", "native"])
+def test_sequence_logprobs_keep_no_tokens_x_vocab_tensor_for_backward_on_the_native_model(byte_tokenizer, native):
+    # what memory_breakdown counts for dpo: chunked on the native model (nothing of tokens x vocab saved), the
+    # whole logits on transformers' (the case that shows this check can see them)
+    from contextlib import nullcontext
+
+    from prime_train.engine.llama import NativeCausalLM
+
+    model = tiny_llama(vocab_size=len(byte_tokenizer))
+    if native:
+        model = NativeCausalLM(model.config)
+    vocab = model.config.vocab_size
+    batch = collate_pairs(
+        PairEncoder(byte_tokenizer, 64).encode([p for p, _ in task_pairs("reverse-text", 4, 0)]),
+        byte_tokenizer.pad_token_id,
+    )
+    tokens = batch.input_ids.numel()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        chosen, rejected = sequence_logprobs(model, batch, nullcontext)
+    (chosen - rejected).sum().backward()
+    big = [tuple(t.shape) for t in saved if t.dim() and t.shape[-1] == vocab and t.numel() >= tokens * vocab // 2]
+    assert bool(big) == (not native), big
 
 
 # ---------------------------------------------------------------- lint

@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from prime_train.engine.llama import AttentionBackend, CausalLMOutput, decoder_mask
-from prime_train.engine.loss import chunked_cross_entropy
+from prime_train.engine.llama import AttentionBackend, CausalLMOutput, decoder_mask, head_output
 
 # transformers' names of the GELUs GPT-2 configs use -> F.gelu's approximation
 _GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
@@ -188,27 +187,18 @@ class NativeGPT2(nn.Module):
         loss_reduction: Literal["mean", "sum"] = "mean",
         loss_chunk_size: int = 1024,
         return_token_losses: bool = False,
+        token_log_probs: bool = False,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
     ) -> CausalLMOutput:
-        """Logits, or with `labels` (unshifted, -100 ignored) the next-token loss: as NativeCausalLM.forward."""
+        """Logits, or with `labels` (unshifted, -100 ignored) the next-token loss or each label's log-probability:
+        as NativeCausalLM.forward."""
         hidden = self.hidden_states(input_ids, position_ids, attention_mask)
-        if labels is None:
-            return CausalLMOutput(logits=self.lm_head(hidden), loss=None)
-        targets = F.pad(labels[:, 1:], (0, 1), value=-100)
-        per_token = (
-            torch.zeros(targets.numel(), dtype=torch.float32, device=hidden.device) if return_token_losses else None
-        )
-        loss = chunked_cross_entropy(
-            hidden,
-            self.lm_head.weight,
-            targets,
-            num_items=num_items_in_batch,
-            reduction=loss_reduction,
-            chunk_size=loss_chunk_size,
-            per_token=per_token,
-        )
-        return CausalLMOutput(
-            logits=None, loss=loss, token_losses=None if per_token is None else per_token.view(targets.shape)
-        )
+        return head_output(
+            hidden, self.lm_head, labels, num_items_in_batch=num_items_in_batch, loss_reduction=loss_reduction,
+            loss_chunk_size=loss_chunk_size, return_token_losses=return_token_losses,
+            token_log_probs=token_log_probs, temperature=temperature, return_entropy=return_entropy,
+        )  # fmt: skip
 
 
 def from_config(config, *, max_seq_len: int | None = None, seed: int | None = None) -> NativeGPT2:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from prime_train.engine.loss import chunked_cross_entropy
+from prime_train.engine.loss import chunked_cross_entropy, chunked_token_log_probs
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # rope types whose frequencies do not depend on the sequence length: one table serves every step
@@ -41,11 +41,60 @@ AttentionBackend = Literal["sdpa", "flex"]
 
 class CausalLMOutput(NamedTuple):
     """What forward returns: logits (None when labels were given: the fused loss never forms them) and loss; with
-    return_token_losses, each label position's loss ([B, T] fp32, no gradient, 0 where ignored)."""
+    return_token_losses, each label position's loss ([B, T] fp32, no gradient, 0 where ignored). With
+    token_log_probs, no loss but each label position's log-probability ([B, T] fp32, with gradient, 0 where
+    ignored), with return_entropy each position's entropy (no gradient), and the final hidden states."""
 
     logits: torch.Tensor | None
     loss: torch.Tensor | None
     token_losses: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+
+
+def head_output(
+    hidden: torch.Tensor,
+    lm_head: nn.Linear,
+    labels: torch.Tensor | None,
+    *,
+    num_items_in_batch: torch.Tensor | int | None,
+    loss_reduction: Literal["mean", "sum"],
+    loss_chunk_size: int,
+    return_token_losses: bool,
+    token_log_probs: bool,
+    temperature: float,
+    return_entropy: bool,
+) -> CausalLMOutput:
+    """What the native decoders' forward returns from their final hidden states: the logits, the fused loss, or
+    each label's log-probability (engine/loss.py), never the whole logits when labels are given."""
+    if labels is None:
+        return CausalLMOutput(logits=lm_head(hidden), loss=None)
+    # position t predicts label t + 1; the last position of each row has no target
+    targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+    weight = lm_head.weight
+    if isinstance(weight, DTensor):
+        # tensor parallel replicates lm_head (engine/tensor_parallel.py): each rank computes the whole loss, and
+        # the weight's gradient comes back as the Replicate DTensor it is
+        weight = weight.to_local()
+    if token_log_probs:
+        log_probs, entropy = chunked_token_log_probs(
+            hidden, weight, targets, temperature=temperature, chunk_size=loss_chunk_size, entropy=return_entropy
+        )
+        return CausalLMOutput(logits=None, loss=None, log_probs=log_probs, entropy=entropy, hidden_states=hidden)
+    per_token = torch.zeros(targets.numel(), dtype=torch.float32, device=hidden.device) if return_token_losses else None
+    loss = chunked_cross_entropy(
+        hidden,
+        weight,
+        targets,
+        num_items=num_items_in_batch,
+        reduction=loss_reduction,
+        chunk_size=loss_chunk_size,
+        per_token=per_token,
+    )
+    return CausalLMOutput(
+        logits=None, loss=loss, token_losses=None if per_token is None else per_token.view(targets.shape)
+    )
 
 
 def _rope_parameters(config) -> dict:
@@ -373,37 +422,23 @@ class NativeCausalLM(nn.Module):
         loss_reduction: Literal["mean", "sum"] = "mean",
         loss_chunk_size: int = 1024,
         return_token_losses: bool = False,
+        token_log_probs: bool = False,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
     ) -> CausalLMOutput:
         """Logits, or with `labels` (unshifted, -100 ignored, as HF takes them) the next-token loss and no logits.
 
         The loss is the mean over labelled tokens, divided by `num_items_in_batch` when given (HF's name: the count
-        of the whole batch, for gradient accumulation), or the sum with loss_reduction="sum".
+        of the whole batch, for gradient accumulation), or the sum with loss_reduction="sum". With
+        `token_log_probs`, no loss: each label's log-probability under softmax(logits / temperature), chunked as
+        the loss is (DPO's sequence sums, GRPO's token ratios).
         """
         hidden = self.hidden_states(input_ids, position_ids, attention_mask)
-        if labels is None:
-            return CausalLMOutput(logits=self.lm_head(hidden), loss=None)
-        # position t predicts label t + 1; the last position of each row has no target
-        targets = F.pad(labels[:, 1:], (0, 1), value=-100)
-        per_token = (
-            torch.zeros(targets.numel(), dtype=torch.float32, device=hidden.device) if return_token_losses else None
-        )
-        weight = self.lm_head.weight
-        if isinstance(weight, DTensor):
-            # tensor parallel replicates lm_head (engine/tensor_parallel.py): each rank computes the whole loss, and
-            # the weight's gradient comes back as the Replicate DTensor it is
-            weight = weight.to_local()
-        loss = chunked_cross_entropy(
-            hidden,
-            weight,
-            targets,
-            num_items=num_items_in_batch,
-            reduction=loss_reduction,
-            chunk_size=loss_chunk_size,
-            per_token=per_token,
-        )
-        return CausalLMOutput(
-            logits=None, loss=loss, token_losses=None if per_token is None else per_token.view(targets.shape)
-        )
+        return head_output(
+            hidden, self.lm_head, labels, num_items_in_batch=num_items_in_batch, loss_reduction=loss_reduction,
+            loss_chunk_size=loss_chunk_size, return_token_losses=return_token_losses,
+            token_log_probs=token_log_probs, temperature=temperature, return_entropy=return_entropy,
+        )  # fmt: skip
 
 
 def from_config(

@@ -62,11 +62,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, scale, chunk_size: int, ignore_index: int, per_token: torch.Tensor):
         dtype = _matmul_dtype(hidden, weight)
+        want_weight = ctx.needs_input_grad[1]  # False for a frozen lm_head (LoRA): neither its matmul nor its buffer
         with torch.autocast(hidden.device.type, enabled=False):
             h_all, w = hidden.to(dtype), weight.to(dtype)
             grad_hidden = torch.empty_like(hidden)
             # the weight's gradient sums over every chunk: accumulate it in fp32 whatever the compute dtype
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             for start in range(0, hidden.shape[0], chunk_size):
                 h = h_all[start : start + chunk_size]
@@ -80,17 +81,21 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 grad_logits.mul_(torch.where(valid, scale, 0.0)[:, None])
                 grad_logits = grad_logits.to(dtype)
                 grad_hidden[start : start + chunk_size] = (grad_logits @ w).to(hidden.dtype)
+                if not want_weight:
+                    continue
                 if dtype == torch.float32:
                     grad_weight.addmm_(grad_logits.T, h)  # no product buffer and no second pass to add it
                 else:
                     grad_weight += (grad_logits.T @ h).float()
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        ctx.want_weight = want_weight
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if want_weight else None)
         return total * scale
 
     @staticmethod
     def backward(ctx, grad_output):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_output, grad_weight * grad_output, None, None, None, None, None
+        grad_weight = grad_weight * grad_output if ctx.want_weight else None
+        return grad_hidden * grad_output, grad_weight, None, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -144,6 +149,113 @@ def chunked_cross_entropy(
             )
             total = total + part
     return total * scale
+
+
+def _chunk_target_log_probs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 log_softmax(hidden @ weight.T / temperature) of one chunk, each row's value at its label (0 where
+    ignored), and the mask of the rows that count."""
+    logits = (hidden @ weight.T).float()
+    if temperature != 1.0:
+        logits.div_(temperature)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    valid = labels != ignore_index
+    picked = log_probs.gather(1, torch.where(valid, labels, 0)[:, None]).squeeze(1)
+    return log_probs, torch.where(valid, picked, 0.0), valid
+
+
+def _token_log_probs(hidden, weight, labels, temperature: float, chunk_size: int, ignore_index: int, entropy):
+    """Forward of chunked_token_log_probs: [N] fp32 log-probs; `entropy` (empty when not wanted) filled in place."""
+    dtype = _matmul_dtype(hidden, weight)
+    out = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    with torch.autocast(hidden.device.type, enabled=False):
+        w = weight.to(dtype)
+        for start in range(0, hidden.shape[0], chunk_size):
+            log_probs, picked, _ = _chunk_target_log_probs(
+                hidden[start : start + chunk_size].to(dtype), w, labels[start : start + chunk_size], temperature,
+                ignore_index,
+            )  # fmt: skip
+            out[start : start + chunk_size] = picked
+            if entropy.numel():
+                entropy[start : start + chunk_size] = -(log_probs.exp() * log_probs).sum(-1)
+    return out
+
+
+class _ChunkedTokenLogProbs(torch.autograd.Function):
+    """log softmax(hidden_t @ weight.T / temperature)[label_t] for each t, one chunk of logits at a time.
+
+    Unlike _FusedLinearCrossEntropy the gradient cannot be formed in forward: each token's upstream gradient
+    (a DPO pair's sigmoid weight, a GRPO token's advantage) is known only in backward. Backward forms each chunk's
+    logits again instead of keeping tokens x vocab from forward: one more chunk matmul, no full logits ever."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature: float, chunk_size: int, ignore_index: int, entropy):
+        ctx.save_for_backward(hidden, weight, labels)
+        ctx.dtype, ctx.temperature, ctx.chunk_size, ctx.ignore_index = (
+            _matmul_dtype(hidden, weight), temperature, chunk_size, ignore_index,
+        )  # fmt: skip
+        return _token_log_probs(hidden, weight, labels, temperature, chunk_size, ignore_index, entropy)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, labels = ctx.saved_tensors
+        dtype, chunk_size = ctx.dtype, ctx.chunk_size
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        # summed over every chunk in fp32 whatever the compute dtype; not formed at all for a frozen lm_head (LoRA)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            for start in range(0, hidden.shape[0], chunk_size):
+                h = hidden[start : start + chunk_size].to(dtype)
+                grad, _, valid = _chunk_target_log_probs(
+                    h, w, labels[start : start + chunk_size], ctx.temperature, ctx.ignore_index
+                )
+                # d logp[label] / d logits = (onehot(label) - softmax) / temperature, times the token's gradient:
+                # formed in place over the chunk's log-probabilities
+                g = torch.where(valid, grad_out[start : start + chunk_size].float(), 0.0) / ctx.temperature
+                grad.exp_().mul_(-g[:, None])
+                grad.scatter_add_(1, torch.where(valid, labels[start : start + chunk_size], 0)[:, None], g[:, None])
+                grad = grad.to(dtype)
+                if want_hidden:
+                    grad_hidden[start : start + chunk_size] = (grad @ w).to(hidden.dtype)
+                if want_weight:
+                    grad_weight += (grad.T @ h).float()
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def chunked_token_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    ignore_index: int = IGNORE_INDEX,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each label's log-probability under softmax(hidden @ weight.T / temperature), never holding more than one
+    chunk of logits: what DPO sums per sequence and GRPO/PPO weigh per token.
+
+    hidden: (..., H); weight: (V, H); labels: (...) shifted targets, `ignore_index` where none. Returns fp32
+    log-probs shaped as labels (0 where ignored), differentiable in hidden and weight, and with `entropy` each
+    position's entropy of the tempered distribution (fp32, no gradient), else None."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, not {chunk_size}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, not {temperature}")
+    shape = labels.shape
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1)
+    ent = torch.zeros(labels.shape[0] if entropy else 0, dtype=torch.float32, device=hidden.device)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        out = _ChunkedTokenLogProbs.apply(hidden, weight, labels, float(temperature), chunk_size, ignore_index, ent)
+    else:
+        out = _token_log_probs(hidden, weight, labels, float(temperature), chunk_size, ignore_index, ent)
+    return out.view(shape), (ent.view(shape) if entropy else None)
 
 
 def reference_cross_entropy(

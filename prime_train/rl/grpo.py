@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from prime_train.engine.model import is_native
 from prime_train.rl.ppo import final_hidden_states
 from prime_train.rl.rollouts import Sample
 
@@ -55,16 +56,28 @@ def score_completions(
         ids[row, : len(x)] = torch.tensor(x)
     ids = ids.to(device)
     positions = torch.arange(width, device=device).expand(len(seqs), width)
-    with final_hidden_states(model) if value_head is not None else contextlib.nullcontext([]) as hidden:
-        logits = model(input_ids=ids, position_ids=positions).logits[:, :-1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    all_logp = torch.log_softmax(logits, dim=-1)
-    logp = all_logp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # predicts token t+1
     token_entropy = token_values = None
-    if entropy:
-        with torch.no_grad():
-            token_entropy = -(all_logp.exp() * all_logp).sum(-1)
+    if is_native(model):
+        # chunk by chunk (engine/loss.py): never the whole logits, rows x width x vocab x 4 bytes in fp32, and their
+        # log-softmax and entropy as much again
+        out = model(
+            input_ids=ids, position_ids=positions, labels=ids, token_log_probs=True,
+            temperature=temperature if temperature > 0 else 1.0, return_entropy=entropy,
+        )  # fmt: skip
+        logp = out.log_probs[:, :-1]  # position t predicts token t+1
+        if entropy:
+            token_entropy = out.entropy[:, :-1]
+        hidden = [out.hidden_states]
+    else:
+        with final_hidden_states(model) if value_head is not None else contextlib.nullcontext([]) as hidden:
+            logits = model(input_ids=ids, position_ids=positions).logits[:, :-1].float()
+        if temperature > 0:
+            logits = logits / temperature
+        all_logp = torch.log_softmax(logits, dim=-1)
+        logp = all_logp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # predicts token t+1
+        if entropy:
+            with torch.no_grad():
+                token_entropy = -(all_logp.exp() * all_logp).sum(-1)
     if value_head is not None:
         token_values = value_head(hidden[-1][:, :-1])  # the state before token t+1, where its logprob comes from
     comp_width = max(len(s.completion_ids) for s in samples)

@@ -73,7 +73,8 @@ sft and pretrain are the tables above. The others add to them:
 
 - ``dpo``: a micro-batch of ``micro_batch_size`` pairs is twice as many sequences, the chosen and the rejected
   answer of each pair, so activations and logits are those of 2 × micro_batch_size sequences; the log-prob of each
-  sequence is summed from the whole logits (never the fused chunked loss, which sums over the batch). The reference
+  sequence is summed from its tokens' log-probs, taken chunk by chunk on the native model as the loss is (the
+  chunk's logits formed again in backward), from the whole logits on transformers' models. The reference
   is a frozen copy of the starting weights, held as the run holds its weights (``reference weights``: the weight
   bytes once more, whole on every GPU, since it is copied before the model is wrapped or sharded; no gradients, no
   optimizer states). ``dpo.precompute_reference`` holds none (its log-probs are computed in one pass before
@@ -631,14 +632,16 @@ def _loss_part(inputs: MemoryInputs, m: ModelShape, act: dict[str, float], token
         return Part("score and loss", int(tokens * m.hidden * a), how), m.hidden * a
     if inputs.chunked_loss:
         # engine/loss.py: a chunk's fp32 logits and gradient at a time, the hidden states' gradient kept for
-        # backward, the lm_head's gradient summed in fp32 and kept in the weight's dtype (a frozen lm_head's too).
-        # A whole chunk is counted even when the batch has fewer tokens, so memory stays linear in the micro-batch
+        # backward, the lm_head's gradient summed in fp32 and kept in the weight's dtype; none for the frozen lm_head
+        # of LoRA. A whole chunk is counted even when the batch has fewer tokens, so memory stays linear in the
+        # micro-batch
         a = 2 if inputs.half else 4
         chunk = LOSS_CHUNK_TOKENS * act["logits"]
-        lm_head_grad = m.vocab * m.hidden * (4 + a)
-        how = (
-            f"chunks of {LOSS_CHUNK_TOKENS} tokens × vocab × 12 B, lm_head's gradient in fp32, hidden states' gradient"
-        )
+        lm_head_grad = 0 if inputs.lora_rank else m.vocab * m.hidden * (4 + a)
+        how = f"chunks of {LOSS_CHUNK_TOKENS} tokens × vocab × 12 B, " + (
+            "hidden states' gradient (lm_head frozen)" if inputs.lora_rank else
+            "lm_head's gradient in fp32, hidden states' gradient"
+        )  # fmt: skip
         return Part("logits and loss", int(chunk + lm_head_grad + tokens * m.hidden * a), how), m.hidden * a
     how = f"tokens × vocab {m.vocab:,} × 12 B (fp32 loss on the whole logits)"
     return Part("logits and loss", int(tokens * act["logits"]), how), act["logits"]

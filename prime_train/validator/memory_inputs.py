@@ -349,10 +349,10 @@ class MemoryInputs:
     @property
     def chunked_loss(self) -> bool:
         """Whether the trainer computes the loss in chunks of tokens (the native model) or on whole logits."""
-        if self.job in PAIR_JOBS:
-            # DPO needs one log-prob sum per sequence, which the fused loss (one sum over the batch) cannot give:
-            # engine/preference.py takes them from the whole logits; a reward model has no vocabulary logits at all
-            return False
+        if self.job == "reward":
+            return False  # no vocabulary logits at all: a score head
+        # dpo and rl take each token's log-prob chunk by chunk on the native model (engine/loss.py
+        # chunked_token_log_probs), as sft's loss is: the same chunk, lm_head gradient and hidden states' gradient
         if self.loss != "auto":
             return self.loss == "chunked"
         hf = self.model.get("text_config") if "hidden_size" not in self.model else self.model
