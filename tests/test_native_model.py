@@ -258,14 +258,21 @@ def test_supports_refuses_what_the_native_model_does_not_compute():
         NativeCausalLM(dynamic)
 
 
-@pytest.mark.parametrize("num_items", [None, 37])
-@pytest.mark.parametrize("chunk_size", [1, 7, 64])
-def test_chunked_cross_entropy_loss_and_gradients_equal_f_cross_entropy(chunk_size, num_items):
-    generator = torch.Generator().manual_seed(0)
+def _head_inputs(seed: int):
+    """Hidden states (2, 23, 16) and an output weight (50, 16), both trained, and labels whose first row starts with
+    9 ignored positions (with chunk_size 1 and 7 some chunks are all ignored)."""
+    generator = torch.Generator().manual_seed(seed)
     hidden = torch.randn(2, 23, 16, generator=generator, requires_grad=True)
     weight = torch.randn(50, 16, generator=generator, requires_grad=True)
     labels = torch.randint(0, 50, (2, 23), generator=generator)
-    labels[0, :9] = -100  # with chunk_size 1 and 7 some chunks are all ignored
+    labels[0, :9] = -100
+    return hidden, weight, labels, generator
+
+
+@pytest.mark.parametrize("num_items", [None, 37])
+@pytest.mark.parametrize("chunk_size", [1, 7, 64])
+def test_chunked_cross_entropy_loss_and_gradients_equal_f_cross_entropy(chunk_size, num_items):
+    hidden, weight, labels, _ = _head_inputs(0)
     loss = chunked_cross_entropy(hidden, weight, labels, num_items=num_items, chunk_size=chunk_size)
     grads = torch.autograd.grad(loss, (hidden, weight))
     logits = (hidden @ weight.T).reshape(-1, 50)
@@ -338,11 +345,7 @@ def _whole_logit_log_probs(hidden, weight, labels, temperature):
 def test_chunked_token_log_probs_and_their_gradients_equal_the_whole_logits(chunk_size, temperature):
     # each token gets its own upstream gradient (a DPO pair's weight, a GRPO advantage): backward forms each
     # chunk's logits again and must give what autograd through the whole logits gives
-    generator = torch.Generator().manual_seed(3)
-    hidden = torch.randn(2, 23, 16, generator=generator, requires_grad=True)
-    weight = torch.randn(50, 16, generator=generator, requires_grad=True)
-    labels = torch.randint(0, 50, (2, 23), generator=generator)
-    labels[0, :9] = -100
+    hidden, weight, labels, generator = _head_inputs(3)
     upstream = torch.randn(2, 23, generator=generator)
     got, entropy = chunked_token_log_probs(
         hidden, weight, labels, temperature=temperature, chunk_size=chunk_size, entropy=True
