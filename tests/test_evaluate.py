@@ -59,7 +59,8 @@ def ids_of(tokenizer, text: str) -> list[int]:
 # ---------------------------------------------------------------- greedy decoding
 
 
-def test_greedy_complete_matches_generate_for_left_padded_batch(tokenizer, dist, autocast):
+@pytest.mark.parametrize("native", [False, True], ids=["transformers", "native"])
+def test_greedy_complete_matches_generate_for_left_padded_batch(tokenizer, dist, autocast, native):
     # A wide init makes the continuation depend on the prompt; zeroing the output rows of every token but
     # ASCII letters, digits and eos makes greedy pick one of those (a row of zeros scores 0, below the best
     # of ~65 random logits), so the decoded text is the token sequence itself, not U+FFFD for stray bytes.
@@ -82,7 +83,21 @@ def test_greedy_complete_matches_generate_for_left_padded_batch(tokenizer, dist,
             new = new[: new.index(tokenizer.eos_token_id)]
         expected.append(tokenizer.decode(new, skip_special_tokens=True))
 
-    assert greedy_complete(model, tokenizer, prompts, dist, autocast, max_new_tokens=max_new_tokens) == expected
+    decoder = model
+    if native:
+        from prime_train.engine.llama import NativeCausalLM
+
+        decoder = NativeCausalLM(model.config)
+        decoder.load_state_dict(model.state_dict())
+    # each step projects only the last position onto the vocabulary (logits_to_keep), not every one
+    widths = []
+    hook = decoder.lm_head.register_forward_hook(lambda _m, args, _out: widths.append(args[0].shape[1]))
+    try:
+        got = greedy_complete(decoder, tokenizer, prompts, dist, autocast, max_new_tokens=max_new_tokens)
+    finally:
+        hook.remove()
+    assert got == expected
+    assert widths == [1] * max_new_tokens
     # the comparison has teeth: prompts of five lengths, distinct continuations, one cut short by eos
     assert len(set(expected)) == len(prompts)
     assert any(len(text) < max_new_tokens for text in expected)

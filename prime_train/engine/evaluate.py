@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from prime_train.engine.metrics import EngineConfigError
-from prime_train.engine.model import is_native
+from prime_train.engine.model import is_native, last_logits_only
 from prime_train.engine.parallel import DistInfo, all_reduce_sum
 
 
@@ -98,10 +98,11 @@ def greedy_complete(
         mask[row, width - len(e) :] = 1
     ids, mask = ids.to(dist.device), mask.to(dist.device)
     out = []
+    last = last_logits_only(model)  # only the last position is read: no rows x width x vocab logits
     for _ in range(max_new_tokens):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         with autocast():
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **last).logits
         nxt = logits[:, -1].argmax(-1)
         out.append(nxt)
         ids = torch.cat([ids, nxt[:, None]], dim=1)

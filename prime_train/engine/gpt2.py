@@ -190,6 +190,7 @@ class NativeGPT2(nn.Module):
         token_log_probs: bool = False,
         temperature: float = 1.0,
         return_entropy: bool = False,
+        logits_to_keep: int = 0,
     ) -> CausalLMOutput:
         """Logits, or with `labels` (unshifted, -100 ignored) the next-token loss or each label's log-probability:
         as NativeCausalLM.forward."""
@@ -198,6 +199,7 @@ class NativeGPT2(nn.Module):
             hidden, self.lm_head, labels, num_items_in_batch=num_items_in_batch, loss_reduction=loss_reduction,
             loss_chunk_size=loss_chunk_size, return_token_losses=return_token_losses,
             token_log_probs=token_log_probs, temperature=temperature, return_entropy=return_entropy,
+            logits_to_keep=logits_to_keep,
         )  # fmt: skip
 
 

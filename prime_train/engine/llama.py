@@ -65,11 +65,13 @@ def head_output(
     token_log_probs: bool,
     temperature: float,
     return_entropy: bool,
+    logits_to_keep: int = 0,
 ) -> CausalLMOutput:
-    """What the native decoders' forward returns from their final hidden states: the logits, the fused loss, or
-    each label's log-probability (engine/loss.py), never the whole logits when labels are given."""
+    """What the native decoders' forward returns from their final hidden states: the logits (of the last
+    `logits_to_keep` positions only when it is not 0, as transformers' argument), the fused loss, or each label's
+    log-probability (engine/loss.py), never the whole logits when labels are given."""
     if labels is None:
-        return CausalLMOutput(logits=lm_head(hidden), loss=None)
+        return CausalLMOutput(logits=lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden), loss=None)
     # position t predicts label t + 1; the last position of each row has no target
     targets = F.pad(labels[:, 1:], (0, 1), value=-100)
     weight = lm_head.weight
@@ -425,8 +427,10 @@ class NativeCausalLM(nn.Module):
         token_log_probs: bool = False,
         temperature: float = 1.0,
         return_entropy: bool = False,
+        logits_to_keep: int = 0,
     ) -> CausalLMOutput:
-        """Logits, or with `labels` (unshifted, -100 ignored, as HF takes them) the next-token loss and no logits.
+        """Logits (of the last `logits_to_keep` positions, when not 0), or with `labels` (unshifted, -100 ignored,
+        as HF takes them) the next-token loss and no logits.
 
         The loss is the mean over labelled tokens, divided by `num_items_in_batch` when given (HF's name: the count
         of the whole batch, for gradient accumulation), or the sum with loss_reduction="sum". With
@@ -438,6 +442,7 @@ class NativeCausalLM(nn.Module):
             hidden, self.lm_head, labels, num_items_in_batch=num_items_in_batch, loss_reduction=loss_reduction,
             loss_chunk_size=loss_chunk_size, return_token_losses=return_token_losses,
             token_log_probs=token_log_probs, temperature=temperature, return_entropy=return_entropy,
+            logits_to_keep=logits_to_keep,
         )  # fmt: skip
 
 

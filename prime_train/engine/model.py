@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import re
@@ -148,6 +149,15 @@ def is_native(model: nn.Module) -> bool:
     from prime_train.engine.llama import NativeCausalLM
 
     return isinstance(_unwrap(model), NativeCausalLM | NativeGPT2)
+
+
+def last_logits_only(model: nn.Module) -> dict[str, int]:
+    """The forward argument that makes `model` project only the last position onto the vocabulary (what decoding
+    reads), where the model takes it: transformers' `logits_to_keep`, which the native decoders take too."""
+    inner = _unwrap(model)
+    if is_native(inner) or "logits_to_keep" in inspect.signature(inner.forward).parameters:
+        return {"logits_to_keep": 1}
+    return {}
 
 
 def _load_pretrained(cfg: ModelConfig, vocab_size: int):

@@ -127,6 +127,10 @@ class Engine:
     def __init__(self, model, tokenizer, *, max_model_len: int, max_num_seqs: int, device, served_name: str):
         self.model = model
         self._cache_key = _cache_keyword(model)  # the model is loaded once; new weights are copied into it
+        from prime_train.engine.model import last_logits_only
+
+        # the prefill projects the last prompt position alone onto the vocabulary, not every one
+        self._last_logits = last_logits_only(model)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -265,6 +269,7 @@ class Engine:
                     position_ids=position_ids,
                     use_cache=True,
                     **{self._cache_key: cache},
+                    **self._last_logits,
                 )
                 self.forward_passes += 1
                 cache = out[self._cache_key]
