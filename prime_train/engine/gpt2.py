@@ -13,14 +13,12 @@ packed rows, no cache or output plumbing, a forward dynamo traces whole, and the
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from prime_train.engine.llama import AttentionBackend, CausalLMOutput, decoder_mask, head_output
+from prime_train.engine.llama import AttentionBackend, DecoderForward, decoder_mask
 
 # transformers' names of the GELUs GPT-2 configs use -> F.gelu's approximation
 _GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
@@ -113,7 +111,7 @@ class Transformer(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
 
-class NativeGPT2(nn.Module):
+class NativeGPT2(DecoderForward, nn.Module):
     """GPT-2 as transformers' GPT2LMHeadModel names it, with the native decoder's forward and fused loss."""
 
     def __init__(self, config, *, max_seq_len: int | None = None, attention: AttentionBackend = "sdpa"):
@@ -175,32 +173,6 @@ class NativeGPT2(nn.Module):
         for block in self.transformer.h:
             x = block(x, mask)
         return self.transformer.ln_f(x)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        *,
-        num_items_in_batch: torch.Tensor | int | None = None,
-        loss_reduction: Literal["mean", "sum"] = "mean",
-        loss_chunk_size: int = 1024,
-        return_token_losses: bool = False,
-        token_log_probs: bool = False,
-        temperature: float = 1.0,
-        return_entropy: bool = False,
-        logits_to_keep: int = 0,
-    ) -> CausalLMOutput:
-        """Logits, or with `labels` (unshifted, -100 ignored) the next-token loss or each label's log-probability:
-        as NativeCausalLM.forward."""
-        hidden = self.hidden_states(input_ids, position_ids, attention_mask)
-        return head_output(
-            hidden, self.lm_head, labels, num_items_in_batch=num_items_in_batch, loss_reduction=loss_reduction,
-            loss_chunk_size=loss_chunk_size, return_token_losses=return_token_losses,
-            token_log_probs=token_log_probs, temperature=temperature, return_entropy=return_entropy,
-            logits_to_keep=logits_to_keep,
-        )  # fmt: skip
 
 
 def from_config(config, *, max_seq_len: int | None = None, seed: int | None = None) -> NativeGPT2:

@@ -99,6 +99,44 @@ def head_output(
     )
 
 
+class DecoderForward:
+    """The forward the native decoders share: their own `hidden_states`, then `head_output` on their lm_head."""
+
+    lm_head: nn.Linear
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        *,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        loss_reduction: Literal["mean", "sum"] = "mean",
+        loss_chunk_size: int = 1024,
+        return_token_losses: bool = False,
+        token_log_probs: bool = False,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
+        logits_to_keep: int = 0,
+    ) -> CausalLMOutput:
+        """Logits (of the last `logits_to_keep` positions, when not 0), or with `labels` (unshifted, -100 ignored,
+        as HF takes them) the next-token loss and no logits.
+
+        The loss is the mean over labelled tokens, divided by `num_items_in_batch` when given (HF's name: the count
+        of the whole batch, for gradient accumulation), or the sum with loss_reduction="sum". With
+        `token_log_probs`, no loss: each label's log-probability under softmax(logits / temperature), chunked as
+        the loss is (DPO's sequence sums, GRPO's token ratios).
+        """
+        hidden = self.hidden_states(input_ids, position_ids, attention_mask)
+        return head_output(
+            hidden, self.lm_head, labels, num_items_in_batch=num_items_in_batch, loss_reduction=loss_reduction,
+            loss_chunk_size=loss_chunk_size, return_token_losses=return_token_losses,
+            token_log_probs=token_log_probs, temperature=temperature, return_entropy=return_entropy,
+            logits_to_keep=logits_to_keep,
+        )  # fmt: skip
+
+
 def _rope_parameters(config) -> dict:
     # transformers 5 keeps rope_theta and the scaling in config.rope_parameters; 4.x had rope_theta / rope_scaling
     params = getattr(config, "rope_parameters", None)
@@ -338,7 +376,7 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class NativeCausalLM(nn.Module):
+class NativeCausalLM(DecoderForward, nn.Module):
     """The causal LM of an HF config (see supports()), parameter for parameter named as transformers names it."""
 
     def __init__(self, config, *, max_seq_len: int | None = None, attention: AttentionBackend = "sdpa"):
@@ -412,38 +450,6 @@ class NativeCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask)
         return self.model.norm(x)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        *,
-        num_items_in_batch: torch.Tensor | int | None = None,
-        loss_reduction: Literal["mean", "sum"] = "mean",
-        loss_chunk_size: int = 1024,
-        return_token_losses: bool = False,
-        token_log_probs: bool = False,
-        temperature: float = 1.0,
-        return_entropy: bool = False,
-        logits_to_keep: int = 0,
-    ) -> CausalLMOutput:
-        """Logits (of the last `logits_to_keep` positions, when not 0), or with `labels` (unshifted, -100 ignored,
-        as HF takes them) the next-token loss and no logits.
-
-        The loss is the mean over labelled tokens, divided by `num_items_in_batch` when given (HF's name: the count
-        of the whole batch, for gradient accumulation), or the sum with loss_reduction="sum". With
-        `token_log_probs`, no loss: each label's log-probability under softmax(logits / temperature), chunked as
-        the loss is (DPO's sequence sums, GRPO's token ratios).
-        """
-        hidden = self.hidden_states(input_ids, position_ids, attention_mask)
-        return head_output(
-            hidden, self.lm_head, labels, num_items_in_batch=num_items_in_batch, loss_reduction=loss_reduction,
-            loss_chunk_size=loss_chunk_size, return_token_losses=return_token_losses,
-            token_log_probs=token_log_probs, temperature=temperature, return_entropy=return_entropy,
-            logits_to_keep=logits_to_keep,
-        )  # fmt: skip
 
 
 def from_config(
