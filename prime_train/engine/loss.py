@@ -32,6 +32,20 @@ def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, weight.dtype)
 
 
+def _chunk_target_log_probs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 log_softmax(hidden @ weight.T / temperature) of one chunk, each row's value at its label (0 where
+    ignored), and the mask of the rows that count."""
+    logits = (hidden @ weight.T).float()
+    if temperature != 1.0:
+        logits.div_(temperature)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    valid = labels != ignore_index
+    picked = log_probs.gather(1, torch.where(valid, labels, 0)[:, None]).squeeze(1)
+    return log_probs, torch.where(valid, picked, 0.0), valid
+
+
 def _chunk_log_probs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -47,13 +61,11 @@ def _chunk_log_probs(
     One log_softmax pass over the chunk's logits gives both the loss (minus the targets' log-probabilities) and,
     exponentiated in place, the softmax of the gradient: fewer passes over chunk x vocab than logsumexp, a
     subtraction and an exp (what eager mode on CPU pays for; a compiled graph fuses either way)."""
-    log_probs = torch.log_softmax((hidden @ weight.T).float(), dim=-1)
-    valid = labels != ignore_index
-    safe = torch.where(valid, labels, 0)
-    losses = -torch.where(valid, log_probs.gather(1, safe[:, None]).squeeze(1), 0.0)
+    log_probs, picked, valid = _chunk_target_log_probs(hidden, weight, labels, 1.0, ignore_index)
+    losses = -picked
     if per_token is not None and per_token.numel():
         per_token[start : start + len(losses)] = losses.detach()
-    return losses.sum(), log_probs, safe, valid
+    return losses.sum(), log_probs, torch.where(valid, labels, 0), valid
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -149,20 +161,6 @@ def chunked_cross_entropy(
             )
             total = total + part
     return total * scale
-
-
-def _chunk_target_log_probs(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float, ignore_index: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 log_softmax(hidden @ weight.T / temperature) of one chunk, each row's value at its label (0 where
-    ignored), and the mask of the rows that count."""
-    logits = (hidden @ weight.T).float()
-    if temperature != 1.0:
-        logits.div_(temperature)
-    log_probs = torch.log_softmax(logits, dim=-1)
-    valid = labels != ignore_index
-    picked = log_probs.gather(1, torch.where(valid, labels, 0)[:, None]).squeeze(1)
-    return log_probs, torch.where(valid, picked, 0.0), valid
 
 
 def _token_log_probs(hidden, weight, labels, temperature: float, chunk_size: int, ignore_index: int, entropy):
