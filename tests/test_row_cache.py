@@ -129,6 +129,28 @@ def test_changed_data_or_config_is_tokenized_again_and_the_old_rows_are_removed(
     assert count_encoding and len(cache_files(run_dir)) == 1
 
 
+@pytest.mark.parametrize("how", ["rewritten", "replaced"])
+def test_new_content_under_the_old_size_and_modification_time_is_tokenized_again(tok, tmp_path, count_encoding, how):
+    """`cp -p`, `rsync -t` and `touch -r` put back a file's modification time; size and mtime alone would keep the
+    old rows for new records. The change time (which no user call sets) and the inode tell them apart."""
+    path = tmp_path / "records.jsonl"
+    data = DataConfig(datasets=[DatasetConfig(path=write_jsonl(path, 200))], held_out_fraction=0.0)
+    run_dir = RunDir(tmp_path / "run")
+    build(tok, data, run_dir)
+    before = path.stat()
+    if how == "rewritten":  # the same file written in place
+        write_jsonl(path, 200, word="xyz")
+    else:  # another file renamed over it, as an editor or rsync does
+        write_jsonl(tmp_path / "new.jsonl", 200, word="xyz")
+        os.replace(tmp_path / "new.jsonl", path)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    count_encoding.clear()
+    loader = build(tok, data, run_dir)
+    assert count_encoding, "the new records were not read"
+    assert "xyz" in tok.decode(next(loader).input_ids[0].tolist())
+
+
 def test_a_write_killed_part_way_leaves_a_temporary_file_the_next_writer_removes_when_an_hour_old(tok, tmp_path):
     data = DataConfig(datasets=[DatasetConfig(task="sorting", num_examples=50)])
     run_dir = RunDir(tmp_path / "run")

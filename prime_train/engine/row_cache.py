@@ -11,8 +11,8 @@ sequence's ids and loss flags end to end with their lengths.
 
 The key hashes the data config (all of it but data.cache_rows and data.num_workers), the datasets continual
 learning replays, the job, the seed, the rank and world size where each rank reads its own shards (`part` is
-`rank<r>` then, `all` where every rank packs the same rows), each local file's real path, size and modification
-time, the tokenizer (its fast backend serialised, its class, chat template, special tokens and the prefix the
+`rank<r>` then, `all` where every rank packs the same rows), each local file's real path, size, inode, modification
+and change time, the tokenizer (its fast backend serialised, its class, chat template, special tokens and the prefix the
 encoder found), the versions of transformers and tokenizers, and prime-train's own source. Not cached: a hub
 dataset (its content can change under the same name), and a tokenizer whose ids are not its fast backend's (nothing
 exact and cheap identifies what it does).
@@ -98,7 +98,9 @@ def _tokenizer_identity(encoder: Encoder) -> dict[str, Any] | None:
 
 
 def _local_files(datasets: Sequence[DatasetConfig]) -> list[Any] | None:
-    """(real path, size, mtime) of each dataset's files; None when a dataset is read from the hub."""
+    """(real path, size, inode, modification and change time) of each dataset's files; None when a dataset is read
+    from the hub. The change time is set by the system on every write or utime: `cp -p`, `rsync -t` and `touch -r`
+    put the modification time back, never it; the inode tells a file renamed over the old one."""
     from prime_train.engine.records import expand_local_path
 
     found: list[Any] = []
@@ -108,7 +110,7 @@ def _local_files(datasets: Sequence[DatasetConfig]) -> list[Any] | None:
         files = []
         for path in expand_local_path(ds.path, index) if ds.path else []:
             st = os.stat(path)
-            files.append([os.path.realpath(path), st.st_size, st.st_mtime_ns])
+            files.append([os.path.realpath(path), st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns])
         found.append(files)
     return found
 
