@@ -2,6 +2,7 @@
 
     python bench/logprobs.py                                # 8 rows x 512 tokens, hidden 512, vocab 32,768
     python bench/logprobs.py --vocab 128256 --seq 256       # Llama 3's vocabulary
+    python bench/logprobs.py --vocab 128256 --seq 1024 --also-chunk 1024   # the default chunk against 1024 tokens
     python bench/logprobs.py --device cuda --vocab 128256 --seq 2048 --hidden 4096   # on a GPU, bf16
 
 Both sides take final hidden states and lm_head's weight and give each label's log-probability (temperature 0.9,
@@ -11,11 +12,13 @@ a quarter of the labels ignored, as prompt tokens are), then backward with a dif
 - whole: what transformers' models are run with: the logits, their fp32 copy, log_softmax, gather (rl/grpo.py's
   and engine/preference.py's path for a model that is not native);
 - chunked: engine/loss.py chunked_token_log_probs, the native model's path: one chunk of logits at a time, each
-  chunk's logits formed again in backward.
+  chunk's logits formed again in backward; chunks of --chunk tokens, by default the engine's (loss.chunk_tokens:
+  1024, fewer above a 64k vocabulary);
+- chunked-N (with --also-chunk N): the same with chunks of N tokens.
 
 Printed per side, in one process: the median wall time of forward + backward over --rounds, and the most tensor
 memory held at once (torch.profiler's memory timeline on the CPU; torch.cuda.max_memory_allocated above what was
-allocated before on a GPU, where the tensors are bf16), then chunked / whole for each. The two sides'
+allocated before on a GPU, where the tensors are bf16), then each chunked side / whole. The two sides'
 log-probs and gradients are checked to agree first.
 """
 
@@ -32,7 +35,7 @@ import warnings
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from prime_train.engine.loss import chunked_token_log_probs
+from prime_train.engine.loss import chunk_tokens, chunked_token_log_probs
 
 TEMPERATURE = 0.9
 
@@ -81,7 +84,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=32768)
-    parser.add_argument("--chunk", type=int, default=1024, help="tokens a chunk (the engine's loss_chunk_size)")
+    parser.add_argument("--chunk", type=int, default=None, help="tokens a chunk (default: the engine's, chunk_tokens)")
+    parser.add_argument("--also-chunk", type=int, default=None, help="one more chunked side, chunks of this many")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
@@ -94,15 +98,19 @@ def main() -> None:
     labels[:, : args.seq // 4] = -100
     upstream = torch.randn(args.rows, args.seq, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sides = {"whole": whole, "chunked": lambda h, w, y: chunked(h, w, y, args.chunk)}
+    chunk = chunk_tokens(args.vocab) if args.chunk is None else args.chunk
+    sides = {"whole": whole, "chunked": lambda h, w, y: chunked(h, w, y, chunk)}
+    if args.also_chunk:
+        sides[f"chunked-{args.also_chunk}"] = lambda h, w, y: chunked(h, w, y, args.also_chunk)
 
-    want, got = (step(sides[name], hidden, weight, labels, upstream) for name in ("whole", "chunked"))
+    want = step(whole, hidden, weight, labels, upstream)
     tolerance = {"atol": 1e-4, "rtol": 1e-3} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a.float(), b.float(), **tolerance)
+    for name in list(sides)[1:]:
+        for a, b in zip(step(sides[name], hidden, weight, labels, upstream), want, strict=True):
+            torch.testing.assert_close(a.float(), b.float(), **tolerance)
     tokens = args.rows * args.seq
     print(
-        f"{args.rows} rows x {args.seq} tokens, hidden {args.hidden}, vocab {args.vocab:,}, chunks of {args.chunk}: "
+        f"{args.rows} rows x {args.seq} tokens, hidden {args.hidden}, vocab {args.vocab:,}, chunks of {chunk}: "
         f"{dtype}, {device}: whole fp32 logits {tokens * args.vocab * 4 / 2**20:,.0f} MiB a copy; values and gradients "
         "agree"
     )
@@ -117,9 +125,10 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         peak = peak_mib(lambda side=side: step(side, hidden, weight, labels, upstream), device)
         figures[name] = (statistics.median(times), peak)
-        print(f"  {name:8s} forward + backward {figures[name][0] * 1000:8.1f} ms   peak tensor memory {peak:8.1f} MiB")
-    (t_whole, m_whole), (t_chunk, m_chunk) = figures["whole"], figures["chunked"]
-    print(f"  chunked / whole: time {t_chunk / t_whole:.2f}x, peak memory {m_chunk / m_whole:.2f}x")
+        print(f"  {name:13s} forward + backward {figures[name][0] * 1000:8.1f} ms   peak tensor memory {peak:8.1f} MiB")
+    t_whole, m_whole = figures.pop("whole")
+    for name, (t_chunk, m_chunk) in figures.items():
+        print(f"  {name} / whole: time {t_chunk / t_whole:.2f}x, peak memory {m_chunk / m_whole:.2f}x")
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ def test_the_native_models_fused_loss_keeps_what_the_estimate_counts_and_no_logi
     torch = pytest.importorskip("torch")
     from prime_train.engine import loss as fused
     from prime_train.engine.model import build_model
-    from prime_train.validator.memory_inputs import LOSS_CHUNK_TOKENS
+    from prime_train.validator.memory_inputs import loss_chunk_tokens
 
     cfg = _small_config(tie_embeddings=False)
     if frozen_head:
@@ -175,7 +175,7 @@ def test_the_native_models_fused_loss_keeps_what_the_estimate_counts_and_no_logi
 
     report = estimate(inputs_from_config(cfg))
     # a whole chunk, even of a smaller batch, and the lm_head gradient's fp32 sum when it trains
-    passing = LOSS_CHUNK_TOKENS * 12 * vocab + (0 if frozen_head else vocab * hidden * 4)
+    passing = loss_chunk_tokens(vocab) * 12 * vocab + (0 if frozen_head else vocab * hidden * 4)
     assert report.trainer.get("logits and loss") == kept + passing
     # where it matters: Qwen2.5-7B's 152k vocabulary at 2 x 8192 tokens, 27.9 GiB of whole-logits loss against 5 GiB
     big = MemoryInputs(model=QWEN25_7B, seq_len=8192, micro_batch=2)
@@ -230,10 +230,14 @@ def test_the_mirrored_native_engine_facts_are_the_engines():
     import inspect
 
     from prime_train.engine.llama import SUPPORTED_MODEL_TYPES, NativeCausalLM
-    from prime_train.validator.memory_inputs import LOSS_CHUNK_TOKENS, NATIVE_MODEL_TYPES
+    from prime_train.engine.loss import chunk_tokens
+    from prime_train.validator.memory_inputs import NATIVE_MODEL_TYPES, loss_chunk_tokens
 
     assert NATIVE_MODEL_TYPES == SUPPORTED_MODEL_TYPES
-    assert inspect.signature(NativeCausalLM.forward).parameters["loss_chunk_size"].default == LOSS_CHUNK_TOKENS
+    assert inspect.signature(NativeCausalLM.forward).parameters["loss_chunk_size"].default is None  # chunk_tokens
+    vocabularies = (1, 320, 32_000, 50_304, 65_536, 65_537, 128_256, 151_936, 256_000, 10**7)
+    assert [loss_chunk_tokens(v) for v in vocabularies] == [chunk_tokens(v) for v in vocabularies]
+    assert [chunk_tokens(v) for v in vocabularies] == [1024] * 5 + [960, 512, 384, 256, 64]
 
 
 def test_eager_attention_and_checkpointing_move_activations_the_right_way():

@@ -286,6 +286,84 @@ def test_chunked_cross_entropy_loss_and_gradients_equal_f_cross_entropy(chunk_si
         torch.testing.assert_close(chunked_cross_entropy(hidden, weight, labels, num_items=num_items), expected)
 
 
+@pytest.mark.parametrize("vocab", [32_000, 128_256])
+def test_the_default_chunk_holds_at_most_256_mib_of_fp32_logits_and_gives_the_reference_values(monkeypatch, vocab):
+    """At Llama 3's vocabulary a 1024-token chunk's fp32 logits are 501 MiB, held three or four at a time; by default
+    the loss and the log-probs take 512 tokens there (1024 up to a 64k vocabulary), through the native forward too."""
+    from prime_train.engine import loss as fused
+
+    seen = []
+    real = fused._chunk_target_log_probs
+
+    def recorded(hidden, weight, *args):
+        seen.append(hidden.shape[0] * weight.shape[0])
+        return real(hidden, weight, *args)
+
+    monkeypatch.setattr(fused, "_chunk_target_log_probs", recorded)
+    generator = torch.Generator().manual_seed(3)
+    tokens, width = 1500, 4
+    hidden = torch.randn(tokens, width, generator=generator, requires_grad=True)
+    weight = (torch.randn(vocab, width, generator=generator) * 0.5).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=generator)
+    loss = chunked_cross_entropy(hidden, weight, labels)
+    log_probs, _ = chunked_token_log_probs(hidden, weight, labels)
+    chunk = 1024 if vocab == 32_000 else 512
+
+    def chunks(n):
+        return [min(chunk, n - start) * vocab for start in range(0, n, chunk)]
+
+    assert seen == chunks(tokens) * 2 and max(seen) * 4 <= 256 * 2**20
+    with torch.no_grad():
+        logits = hidden @ weight.T
+        torch.testing.assert_close(loss, F.cross_entropy(logits, labels))
+        torch.testing.assert_close(log_probs, torch.log_softmax(logits, -1).gather(-1, labels[:, None])[:, 0])
+
+    seen.clear()
+    config = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)  # fmt: skip
+    ids = torch.randint(0, vocab, (3, 400), generator=generator)
+    model = NativeCausalLM(config)
+    model(ids, labels=ids).loss.backward()  # the fused loss: its gradients formed in forward
+    model(ids, labels=ids, token_log_probs=True).log_probs.sum().backward()  # each chunk again in backward
+    assert seen == chunks(ids.numel()) * 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_weights_gradient_is_summed_over_chunks_in_one_fp32_buffer_and_no_fp32_copy_of_a_product(dtype):
+    """lm_head's gradient is a sum over chunks, kept in fp32. Each chunk's product must not get an fp32 copy of its
+    own (vocab x hidden x 4 bytes: 2 GiB at Llama 3 8B, beside the sum), nor, in fp32, a product buffer at all."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(100, 16, generator=generator).to(dtype).requires_grad_()
+    weight = torch.randn(50, 16, generator=generator).to(dtype).requires_grad_()
+    labels = torch.randint(0, 50, (100,), generator=generator)
+    made = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and tuple(t.shape) == (50, 16) and not func.is_view:
+                    made.append((func.__name__.split(".")[0], t.dtype))
+            return out
+
+    with Record():
+        chunked_cross_entropy(hidden, weight, labels, chunk_size=10).backward()
+    fused = list(made)
+    made.clear()
+    weight.grad = hidden.grad = None
+    with Record():
+        chunked_token_log_probs(hidden, weight, labels, chunk_size=10)[0].sum().backward()
+    for calls in (fused, made):
+        sums = [call for call in calls if call == ("zeros", torch.float32)]
+        # besides the sum and the additions into it, the fused loss scales it once by backward's upstream gradient
+        copies = [call for call in calls if call[1] == torch.float32 and call[0] not in ("zeros", "add_", "addmm_")]
+        assert len(sums) == 1 and copies in ([], [("mul", torch.float32)]), str(calls)
+        if dtype == torch.float32:  # added by addmm_ straight into the sum
+            assert not [call for call in calls if call[0] in ("mm", "add_")], calls
+
+
 def test_chunked_cross_entropy_sum_matches_the_reference_and_scales_with_the_upstream_gradient():
     generator = torch.Generator().manual_seed(1)
     hidden = torch.randn(40, 8, generator=generator, requires_grad=True)

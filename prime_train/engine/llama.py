@@ -60,7 +60,7 @@ def head_output(
     *,
     num_items_in_batch: torch.Tensor | int | None,
     loss_reduction: Literal["mean", "sum"],
-    loss_chunk_size: int,
+    loss_chunk_size: int | None,
     return_token_losses: bool,
     token_log_probs: bool,
     temperature: float,
@@ -113,7 +113,7 @@ class DecoderForward:
         *,
         num_items_in_batch: torch.Tensor | int | None = None,
         loss_reduction: Literal["mean", "sum"] = "mean",
-        loss_chunk_size: int = 1024,
+        loss_chunk_size: int | None = None,
         return_token_losses: bool = False,
         token_log_probs: bool = False,
         temperature: float = 1.0,
@@ -126,7 +126,8 @@ class DecoderForward:
         The loss is the mean over labelled tokens, divided by `num_items_in_batch` when given (HF's name: the count
         of the whole batch, for gradient accumulation), or the sum with loss_reduction="sum". With
         `token_log_probs`, no loss: each label's log-probability under softmax(logits / temperature), chunked as
-        the loss is (DPO's sequence sums, GRPO's token ratios).
+        the loss is (DPO's sequence sums, GRPO's token ratios). `loss_chunk_size`: tokens a chunk of either,
+        engine/loss.py chunk_tokens(vocab) when None.
         """
         hidden = self.hidden_states(input_ids, position_ids, attention_mask)
         return head_output(

@@ -4,7 +4,8 @@ The plain path (`lm_head` then `F.cross_entropy` on the logits) keeps a tokens x
 copy and the softmax for backward: at 8k tokens and a 128k vocabulary that is 4 GB per copy. Here the projection
 and the loss run one chunk of tokens at a time and the gradients of the hidden states and of the weight are
 computed in the same pass, so nothing of size tokens x vocab outlives a chunk: peak extra memory is about
-chunk_size x vocab x 4 bytes (x2 while a chunk's gradient is formed), whatever the number of tokens. The
+chunk_size x vocab x 4 bytes (x2 while a chunk's gradient is formed), whatever the number of tokens. A chunk is
+1024 tokens, fewer above a 64k vocabulary so that its fp32 logits stay within 256 MiB (chunk_tokens). The
 matmul FLOPs equal the plain path's (logits forward, then the two gradient matmuls), none are recomputed.
 
 When to use it: when tokens x vocab x 4 bytes is large against the memory left for activations (big vocabularies:
@@ -23,6 +24,14 @@ import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+CHUNK_ENTRIES = 1024 * 65536  # logits entries a chunk holds at most: 256 MiB in fp32
+
+
+def chunk_tokens(vocab: int) -> int:
+    """Tokens a chunk when the caller names none: 1024, or fewer where the vocabulary is larger than 64k, so that a
+    chunk's fp32 logits stay within CHUNK_ENTRIES (512 at Llama 3's 128,256, 384 at Qwen's 151,936, 256 at 256k),
+    a multiple of 64, at least 64. Fewer tokens a chunk means more, smaller matmuls; 512 x 128k is still a large one."""
+    return max(64, min(1024, CHUNK_ENTRIES // max(1, vocab) // 64 * 64))
 
 
 def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -30,6 +39,15 @@ def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(hidden.device.type):
         return torch.get_autocast_dtype(hidden.device.type)
     return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """total (fp32) += a @ b: in fp32 into total itself (no product buffer, no second pass); in a half dtype the
+    product, added with its cast done in the addition's kernel (no fp32 copy of it: 2 GiB at Llama 3 8B's lm_head)."""
+    if a.dtype == total.dtype:
+        total.addmm_(a, b)
+    else:
+        total += a @ b
 
 
 def _chunk_target_log_probs(
@@ -95,10 +113,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 grad_hidden[start : start + chunk_size] = (grad_logits @ w).to(hidden.dtype)
                 if not want_weight:
                     continue
-                if dtype == torch.float32:
-                    grad_weight.addmm_(grad_logits.T, h)  # no product buffer and no second pass to add it
-                else:
-                    grad_weight += (grad_logits.T @ h).float()
+                _accumulate(grad_weight, grad_logits.T, h)
         ctx.want_weight = want_weight
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if want_weight else None)
         return total * scale
@@ -117,7 +132,7 @@ def chunked_cross_entropy(
     *,
     num_items: torch.Tensor | int | None = None,
     reduction: Literal["mean", "sum"] = "mean",
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     ignore_index: int = IGNORE_INDEX,
     per_token: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -128,10 +143,12 @@ def chunked_cross_entropy(
     micro-batch of a larger batch pass the whole batch's count) or, when it is None, by this call's own count,
     computed on the device. "sum" returns the sum. The result is an fp32 scalar. `per_token` (fp32, one entry per
     label, no gradient): filled with each token's unscaled loss (0 where ignored) in the same pass, for callers that
-    need per-sequence losses (data.curriculum = 'self_paced') without a second forward.
+    need per-sequence losses (data.curriculum = 'self_paced') without a second forward. `chunk_size`: tokens a chunk,
+    chunk_tokens(vocab) when None.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
+    chunk_size = chunk_tokens(weight.shape[0]) if chunk_size is None else chunk_size
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, not {chunk_size}")
     hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -219,7 +236,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
                 if want_hidden:
                     grad_hidden[start : start + chunk_size] = (grad @ w).to(hidden.dtype)
                 if want_weight:
-                    grad_weight += (grad.T @ h).float()
+                    _accumulate(grad_weight, grad.T, h)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
@@ -231,7 +248,7 @@ def chunked_token_log_probs(
     labels: torch.Tensor,
     *,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     ignore_index: int = IGNORE_INDEX,
     entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -241,6 +258,7 @@ def chunked_token_log_probs(
     hidden: (..., H); weight: (V, H); labels: (...) shifted targets, `ignore_index` where none. Returns fp32
     log-probs shaped as labels (0 where ignored), differentiable in hidden and weight, and with `entropy` each
     position's entropy of the tempered distribution (fp32, no gradient), else None."""
+    chunk_size = chunk_tokens(weight.shape[0]) if chunk_size is None else chunk_size
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, not {chunk_size}")
     if temperature <= 0:

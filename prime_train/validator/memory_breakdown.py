@@ -133,10 +133,10 @@ from prime_train.validator.memory_inputs import (
     GIB,
     INFERENCE_DTYPES,
     KV_CACHE_DTYPES,
-    LOSS_CHUNK_TOKENS,
     ZERO_FAMILY,
     MemoryInputs,
     ModelShape,
+    loss_chunk_tokens,
 )
 from prime_train.validator.memory_parallel import (
     in_flight,
@@ -636,9 +636,10 @@ def _loss_part(inputs: MemoryInputs, m: ModelShape, act: dict[str, float], token
         # of LoRA. A whole chunk is counted even when the batch has fewer tokens, so memory stays linear in the
         # micro-batch
         a = 2 if inputs.half else 4
-        chunk = LOSS_CHUNK_TOKENS * act["logits"]
+        chunk_tokens = loss_chunk_tokens(m.vocab)
+        chunk = chunk_tokens * act["logits"]
         lm_head_grad = 0 if inputs.lora_rank else m.vocab * m.hidden * (4 + a)
-        how = f"chunks of {LOSS_CHUNK_TOKENS} tokens × vocab × 12 B, " + (
+        how = f"chunks of {chunk_tokens} tokens × vocab × 12 B, " + (
             "hidden states' gradient (lm_head frozen)" if inputs.lora_rank else
             "lm_head's gradient in fp32, hidden states' gradient"
         )  # fmt: skip

@@ -27,9 +27,16 @@ ATTENTION = ("sdpa", "flash", "eager")
 # transformers computes them; "auto": chunked where `model.implementation = "auto"` picks the native model
 LOSSES = ("auto", "chunked", "full")
 # What the engine's "auto" picks the native model for (engine/llama.py SUPPORTED_MODEL_TYPES with SDPA attention),
-# and the tokens per chunk of its fused loss (NativeCausalLM's loss_chunk_size): mirrored, tests pin them equal
+# and the tokens per chunk of its fused loss (engine/loss.py chunk_tokens): mirrored, tests pin them equal
 NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-LOSS_CHUNK_TOKENS = 1024
+LOSS_CHUNK_ENTRIES = 1024 * 65536
+
+
+def loss_chunk_tokens(vocab: int) -> int:
+    """Tokens a chunk of the native model's loss and log-probs: 1024, fewer above a 64k vocabulary."""
+    return max(64, min(1024, LOSS_CHUNK_ENTRIES // max(1, vocab) // 64 * 64))
+
+
 KV_CACHE_DTYPES = {"auto": None, "bf16": 2, "fp16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp32": 4}
 INFERENCE_DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
