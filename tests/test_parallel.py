@@ -21,6 +21,7 @@ from torch._dynamo.utils import counters
 
 import prime_train.engine.parallel as parallel_module
 from prime_train.config.schema import Config, DistributedConfig, ModelConfig, TrainConfig
+from prime_train.engine.hf_head import has_fused_head
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.model import build_model, decoder_layers
 from prime_train.engine.optim import build_optimizer
@@ -154,6 +155,8 @@ def test_fsdp2_with_activation_checkpointing_trains_like_a_single_process(tmp_pa
     )
     assert len(r0["decay"]) == 2 * 7 and all(n.endswith("proj.weight") for n in r0["decay"])
     assert r0["replica_count"] == 1
+    assert r0["hf_fused"]
+    _assert_matches_single_process(r0["hf_losses"])
 
 
 @pytest.mark.slow
@@ -478,7 +481,12 @@ def _worker_fsdp(dist: DistInfo) -> dict:
     bf16.train.precision = "bf16"
     with autocast("bf16", dist.device):
         bf16_local = _train_steps(*_build(bf16, dist), _rank_batches(dist.rank, dist.world_size))
+    # transformers' Llama given the chunked head (engine/hf_head.py): FSDP2 gathers lm_head's weight for it
+    hf = _build(_config("fsdp", activation_checkpointing=True, implementation="hf"), dist)
+    hf_local = _train_steps(*hf, _rank_batches(dist.rank, dist.world_size))
     return {
+        "hf_losses": [all_reduce_mean(x, dist) for x in hf_local],
+        "hf_fused": type(hf[0]).__name__ == "FSDPLlamaForCausalLM" and has_fused_head(hf[0]),
         "bf16_losses": [all_reduce_mean(x, dist) for x in bf16_local],
         "sharded_grads_after_micro0": grads_after[0],
         "sharded_grads_after_last": grads_after[max(grads_after)],

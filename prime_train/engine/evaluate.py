@@ -17,14 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from prime_train.engine.metrics import EngineConfigError
-from prime_train.engine.model import is_native, last_logits_only
+from prime_train.engine.model import chunked_head, last_logits_only
 from prime_train.engine.parallel import DistInfo, all_reduce_sum
 
 
 def token_losses(model, input_ids, position_ids, labels) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of next-token losses over labelled positions, and their count (labels use the HF convention)."""
-    if is_native(model):
-        # the native model's fused, chunked loss: never the full fp32 logits
+    if chunked_head(model):
+        # the fused, chunked loss: never the full fp32 logits
         out = model(input_ids=input_ids, position_ids=position_ids, labels=labels, loss_reduction="sum")
         return out.loss, (labels[:, 1:] != -100).sum()
     logits = model(input_ids=input_ids, position_ids=position_ids).logits
@@ -38,7 +38,7 @@ def token_losses(model, input_ids, position_ids, labels) -> tuple[torch.Tensor, 
 
 def row_losses(model, input_ids, position_ids, labels) -> tuple[torch.Tensor, torch.Tensor]:
     """As token_losses' sum, and each row's own sum of its losses ([B] fp32, no gradient), from the same forward."""
-    if is_native(model):
+    if chunked_head(model):
         out = model(
             input_ids=input_ids, position_ids=position_ids, labels=labels, loss_reduction="sum",
             return_token_losses=True,

@@ -74,6 +74,10 @@ def build_model(
     model.config.use_cache = False
     if for_training and cfg.path and resolve_implementation(cfg, model.config) == "native":
         model = _to_native(model)
+    if for_training and not is_native(model):
+        from prime_train.engine.hf_head import fuse_head
+
+        fuse_head(model)  # the loss and log-probs one chunk of logits at a time, where its head allows
     return model.to(device)
 
 
@@ -151,11 +155,19 @@ def is_native(model: nn.Module) -> bool:
     return isinstance(_unwrap(model), NativeCausalLM | NativeGPT2)
 
 
+def chunked_head(model: nn.Module) -> bool:
+    """Whether `model`'s forward takes labels to a chunked loss or chunked log-probs (engine/loss.py) and never
+    forms the whole logits for them: a native decoder, or transformers' model given that head (engine/hf_head.py)."""
+    from prime_train.engine.hf_head import has_fused_head
+
+    return is_native(model) or has_fused_head(_unwrap(model))
+
+
 def last_logits_only(model: nn.Module) -> dict[str, int]:
     """The forward argument that makes `model` project only the last position onto the vocabulary (what decoding
     reads), where the model takes it: transformers' `logits_to_keep`, which the native decoders take too."""
     inner = _unwrap(model)
-    if is_native(inner) or "logits_to_keep" in inspect.signature(inner.forward).parameters:
+    if is_native(inner) or "logits_to_keep" in inspect.signature(type(inner).forward).parameters:
         return {"logits_to_keep": 1}
     return {}
 

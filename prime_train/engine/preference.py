@@ -39,7 +39,7 @@ from prime_train import tasks
 from prime_train.engine.data import TrainLoader, _BatchesAt, _check_data_config, _EpochOrder
 from prime_train.engine.documents import Document, Encoder
 from prime_train.engine.metrics import EngineConfigError
-from prime_train.engine.model import is_native
+from prime_train.engine.model import chunked_head
 from prime_train.engine.packing import IGNORE_INDEX, PackingStats
 from prime_train.engine.records import Record, dataset_key, detect_format, is_held_out, read_records
 from prime_train.engine.row_cache import RowCache, rows_key
@@ -539,11 +539,12 @@ def sequence_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected): each row's summed log-probs of its labelled (completion) tokens, [B] fp32 each.
 
-    One forward over the 2B rows; gradients flow when grad is enabled. The native model gives each label's
-    log-probability chunk by chunk (engine/loss.py: never the whole logits, whose fp32 copy alone is rows x seq_len x
-    vocab x 4 bytes: 8 GiB for 8 rows of 2048 tokens at Llama 3's vocabulary); transformers' models give logits,
-    whose cross-entropy is taken at the labelled positions as evaluate.token_losses takes it."""
-    if is_native(model):
+    One forward over the 2B rows; gradients flow when grad is enabled. The native model, and transformers' models
+    given its head (engine/hf_head.py), give each label's log-probability chunk by chunk (engine/loss.py: never the
+    whole logits, whose fp32 copy alone is rows x seq_len x vocab x 4 bytes: 8 GiB for 8 rows of 2048 tokens at
+    Llama 3's vocabulary); other transformers' models give logits, whose cross-entropy is taken at the labelled
+    positions as evaluate.token_losses takes it."""
+    if chunked_head(model):
         with autocast():
             out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, labels=batch.labels,
                         token_log_probs=True)  # fmt: skip

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prime_train.engine.model import is_native
+from prime_train.engine.model import chunked_head
 from prime_train.rl.ppo import final_hidden_states
 from prime_train.rl.rollouts import Sample
 
@@ -57,7 +57,7 @@ def score_completions(
     ids = ids.to(device)
     positions = torch.arange(width, device=device).expand(len(seqs), width)
     token_entropy = token_values = None
-    if is_native(model):
+    if chunked_head(model):
         # chunk by chunk (engine/loss.py): never the whole logits, rows x width x vocab x 4 bytes in fp32, and their
         # log-softmax and entropy as much again
         out = model(

@@ -90,7 +90,7 @@ def inputs_from_config(cfg: Config, **overrides: Any) -> MemoryInputs:
         "float8": cfg.train.float8,
         "activation_checkpointing": cfg.model.activation_checkpointing,
         "attention": attention,
-        "loss": {"native": "chunked", "hf": "full"}.get(cfg.model.implementation, "auto"),
+        "loss": {"native": "chunked"}.get(cfg.model.implementation, "auto"),
         "hsdp_shard_size": cfg.distributed.hsdp_shard_size,
         # the engine runs one process unwrapped: neither stage nor offload then applies
         "zero_stage": cfg.distributed.zero_stage if strategy in ("fsdp", "hsdp") else None,

@@ -73,8 +73,9 @@ sft and pretrain are the tables above. The others add to them:
 
 - ``dpo``: a micro-batch of ``micro_batch_size`` pairs is twice as many sequences, the chosen and the rejected
   answer of each pair, so activations and logits are those of 2 × micro_batch_size sequences; the log-prob of each
-  sequence is summed from its tokens' log-probs, taken chunk by chunk on the native model as the loss is (the
-  chunk's logits formed again in backward), from the whole logits on transformers' models. The reference
+  sequence is summed from its tokens' log-probs, taken chunk by chunk as the loss is (the chunk's logits formed
+  again in backward) on the native model and transformers' families given its head, from the whole logits on
+  other transformers' models. The reference
   is a frozen copy of the starting weights, held as the run holds its weights (``reference weights``: the weight
   bytes once more, whole on every GPU, since it is copied before the model is wrapped or sharded; no gradients, no
   optimizer states). ``dpo.precompute_reference`` holds none (its log-probs are computed in one pass before

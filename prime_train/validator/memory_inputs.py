@@ -23,17 +23,21 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
 CHECKPOINTING = ("none", "selective", "full")
 ATTENTION = ("sdpa", "flash", "eager")
-# "chunked": the native model's fused lm_head + cross-entropy (engine/loss.py); "full": the logits whole, as
-# transformers computes them; "auto": chunked where `model.implementation = "auto"` picks the native model
+# "chunked": the fused lm_head + cross-entropy (engine/loss.py); "full": the logits whole, as transformers computes
+# them; "auto": chunked where the engine's model has that head (the native model, or transformers' with it)
 LOSSES = ("auto", "chunked", "full")
 # What the engine's "auto" picks the native model for (engine/llama.py SUPPORTED_MODEL_TYPES with SDPA attention),
-# and the tokens per chunk of its fused loss (engine/loss.py chunk_tokens): mirrored, tests pin them equal
+# the transformers families it gives the chunked head (engine/hf_head.py FUSED_MODEL_TYPES) and the tokens per
+# chunk of that loss (engine/loss.py chunk_tokens): mirrored, tests pin them equal
 NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+HF_CHUNKED_MODEL_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2", "starcoder2", "smollm3",
+)  # fmt: skip
 LOSS_CHUNK_ENTRIES = 1024 * 65536
 
 
 def loss_chunk_tokens(vocab: int) -> int:
-    """Tokens a chunk of the native model's loss and log-probs: 1024, fewer above a 64k vocabulary."""
+    """Tokens a chunk of the chunked loss and log-probs: 1024, fewer above a 64k vocabulary."""
     return max(64, min(1024, LOSS_CHUNK_ENTRIES // max(1, vocab) // 64 * 64))
 
 
@@ -355,7 +359,8 @@ class MemoryInputs:
 
     @property
     def chunked_loss(self) -> bool:
-        """Whether the trainer computes the loss in chunks of tokens (the native model) or on whole logits."""
+        """Whether the trainer computes the loss in chunks of tokens (the native model, or transformers' given its
+        head: engine/hf_head.py) or on whole logits."""
         if self.job == "reward":
             return False  # no vocabulary logits at all: a score head
         # dpo and rl take each token's log-prob chunk by chunk on the native model (engine/loss.py
@@ -363,7 +368,13 @@ class MemoryInputs:
         if self.loss != "auto":
             return self.loss == "chunked"
         hf = self.model.get("text_config") if "hidden_size" not in self.model else self.model
-        return self.attention == "sdpa" and isinstance(hf, dict) and hf.get("model_type") in NATIVE_MODEL_TYPES
+        if not isinstance(hf, dict) or hf.get("model_type") not in HF_CHUNKED_MODEL_TYPES:
+            return False
+        # engine/hf_head.py fusable: a head that does more than a projection keeps the whole logits
+        return (
+            hf.get("final_logit_softcapping") is None and hf.get("logit_scale") in (None, 1)
+            and hf.get("logits_scaling") in (None, 1) and not hf.get("output_router_logits")
+        )  # fmt: skip
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,95 @@
+"""transformers' causal LMs given the native decoders' head: the loss and the log-probs one chunk at a time.
+
+A transformers model (`model.implementation = "hf"`, or an architecture the native decoders do not cover: Gemma,
+Gemma 3, Phi-3, OLMo 2...) forms the whole logits, tokens x vocab, then an fp32 copy for the loss: at Gemma 3's
+262,144 entries and 8 rows of 2048 tokens, 8 GiB in bf16 and 16 GiB in fp32, before DPO's log-softmax or GRPO's
+entropy. Where a family's forward is its base model, then `lm_head` (a Linear without bias), then the loss on those
+logits unchanged, `fuse_head` gives that model the forward of the native decoders (engine/llama.py head_output):
+with `labels`, its base model's final hidden states go to engine/loss.py's chunked loss or log-probs and no logits
+are formed; without, transformers' own forward runs (generation, logits for a value head's caller). The forward is
+set on the instance, inside the module's call, so FSDP2's hooks gather lm_head's weight for it as for the native
+model, a deep copy (DPO's reference) carries it, and peft's in-place adapters run inside the base model as before.
+
+Not fused, and left to transformers' whole logits: a family whose head does more (Gemma 2's final logit
+soft-capping, Cohere's logit scale, Granite's logits scaling), a model whose `lm_head` has a bias, an MoE whose
+router loss is added to the loss (`output_router_logits`), and any family not listed below; tests check each listed
+family's fused loss, log-probs, entropy and every gradient against transformers' own logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any
+
+from torch import nn
+
+logger = logging.getLogger("prime_train.engine.model")
+
+# transformers families whose causal LM forward is `lm_head(base(...).last_hidden_state)` and the plain loss
+FUSED_MODEL_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2", "starcoder2", "smollm3",
+)  # fmt: skip
+_FLAG = "_prime_train_fused_head"
+# the native forward's arguments that transformers' forward does not take
+_HEAD_ARGS = ("num_items_in_batch", "loss_reduction", "loss_chunk_size", "return_token_losses", "token_log_probs",
+              "temperature", "return_entropy", "logits_to_keep")  # fmt: skip
+
+
+def fusable(model: nn.Module) -> str | None:
+    """None when `fuse_head` can give `model` the chunked head, else why not."""
+    config = getattr(model, "config", None)
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        return "its logits are soft-capped (final_logit_softcapping)"
+    for scale in ("logit_scale", "logits_scaling"):
+        if getattr(config, scale, None) not in (None, 1):
+            return f"its logits are scaled ({scale})"
+    if getattr(config, "output_router_logits", False):
+        return "its router loss is added to the loss (output_router_logits)"
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FUSED_MODEL_TYPES:
+        return f"transformers' {model_type!r} head is not one the chunked loss is checked against"
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear or head.bias is not None:
+        return "its lm_head is not a Linear without bias"
+    if not isinstance(getattr(model, getattr(model, "base_model_prefix", ""), None), nn.Module):
+        return "its base model is not where transformers keeps it"
+    return None
+
+
+def fuse_head(model: nn.Module) -> bool:
+    """Give transformers' `model` the native decoders' head in place where `fusable` allows; whether it did."""
+    reason = fusable(model)
+    if reason is not None:
+        logger.info("transformers' model keeps its whole logits: %s", reason)
+        return False
+    model.forward = types.MethodType(_forward, model)
+    setattr(model, _FLAG, True)
+    logger.info("transformers' %s takes its loss and log-probs one chunk of logits at a time (engine/hf_head.py)",
+                type(model).__name__)  # fmt: skip
+    return True
+
+
+def has_fused_head(model: nn.Module) -> bool:
+    """Whether `model` itself (not a DDP or torch.compile wrapper: engine/model.py chunked_head looks inside those)
+    was given the chunked head by fuse_head."""
+    return bool(getattr(model, _FLAG, False))
+
+
+def _forward(self, input_ids=None, *args: Any, labels=None, **kwargs: Any):
+    """transformers' forward without `labels`; with them, the base model's final hidden states into head_output."""
+    if labels is None:
+        return type(self).forward(self, input_ids, *args, **kwargs)
+    if args:
+        raise TypeError("with labels, pass the forward's arguments after input_ids by name")
+    from prime_train.engine.llama import head_output
+
+    head = {name: kwargs.pop(name) for name in _HEAD_ARGS if name in kwargs}
+    hidden = getattr(self, self.base_model_prefix)(input_ids=input_ids, **kwargs).last_hidden_state
+    return head_output(
+        hidden, self.get_output_embeddings(), labels,
+        num_items_in_batch=head.get("num_items_in_batch"), loss_reduction=head.get("loss_reduction", "mean"),
+        loss_chunk_size=head.get("loss_chunk_size"), return_token_losses=head.get("return_token_losses", False),
+        token_log_probs=head.get("token_log_probs", False), temperature=head.get("temperature", 1.0),
+        return_entropy=head.get("return_entropy", False), logits_to_keep=head.get("logits_to_keep", 0),
+    )  # fmt: skip

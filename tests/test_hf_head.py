@@ -1,0 +1,206 @@
+"""transformers' models given the native decoders' chunked head (engine/hf_head.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from prime_train.engine import loss as fused_loss
+from prime_train.engine.hf_head import FUSED_MODEL_TYPES, fusable, fuse_head, has_fused_head
+
+VOCAB = 101
+SHAPE = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def _model(model_type: str, seed: int = 0, **overrides):
+    config = AutoConfig.for_model(model_type, **{**SHAPE, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    return model.train()
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _batch(seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (2, 21), generator=generator)
+    labels = ids.clone()
+    labels[0, :7] = -100  # a prompt without loss
+    return ids, labels, generator
+
+
+@pytest.mark.parametrize("model_type", FUSED_MODEL_TYPES)
+def test_the_fused_head_gives_transformers_loss_log_probs_and_gradients_without_the_whole_logits(
+    model_type, monkeypatch
+):
+    plain = _model(model_type)
+    assert fusable(plain) is None, fusable(plain)
+    model = copy.deepcopy(plain)
+    assert fuse_head(model) and has_fused_head(model) and not has_fused_head(plain)
+    ids, labels, generator = _batch()
+
+    # without labels: transformers' own forward, its logits
+    torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+    # the loss: transformers' logits shifted, F.cross_entropy over labelled tokens
+    logits = plain(input_ids=ids).logits
+    want = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
+    want.backward()
+    want_grads = _grads(plain)
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is None
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, want)
+    got_grads = _grads(model)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, msg=lambda m, name=name: f"{name}: {m}")
+
+    # each token's log-prob at temperature 0.7 and its entropy, under a different upstream gradient per token
+    plain.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    upstream = torch.randn(2, 20, generator=generator)
+    all_logp = torch.log_softmax(plain(input_ids=ids).logits[:, :-1].float() / 0.7, -1)
+    target = labels[:, 1:]
+    want_logp = torch.where(target != -100, all_logp.gather(-1, target.clamp(min=0)[..., None])[..., 0], 0.0)
+    (want_logp * upstream).sum().backward()
+    want_grads = _grads(plain)
+    out = model(input_ids=ids, labels=labels, token_log_probs=True, temperature=0.7, return_entropy=True)
+    (out.log_probs[:, :-1] * upstream).sum().backward()
+    torch.testing.assert_close(out.log_probs[:, :-1], want_logp)
+    torch.testing.assert_close(out.entropy[:, :-1], -(all_logp.exp() * all_logp).sum(-1).detach())
+    got_grads = _grads(model)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, msg=lambda m, name=name: f"{name}: {m}")
+
+    # and it never held the whole logits: each projection of lm_head's weight is one chunk of tokens
+    seen = []
+    real = fused_loss._chunk_target_log_probs
+    monkeypatch.setattr(
+        fused_loss, "_chunk_target_log_probs", lambda h, w, *a: seen.append(h.shape[0]) or real(h, w, *a)
+    )
+    model(input_ids=ids, labels=labels, loss_chunk_size=8).loss.backward()
+    assert seen == [8, 8, 8, 8, 8, 2]
+
+
+def test_a_deep_copy_keeps_the_fused_head_bound_to_itself():
+    # DPO's frozen reference is a deep copy of the starting model: its forward must run its own weights
+    from prime_train.engine.model import chunked_head
+
+    model = _model("llama")
+    assert not chunked_head(model)
+    fuse_head(model)
+    assert chunked_head(model) and chunked_head(torch.compile(model))  # the engine's callers look through wrappers
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1)
+    ids, labels, _ = _batch()
+    assert has_fused_head(reference)
+    with torch.no_grad():
+        want = F.cross_entropy(
+            reference(input_ids=ids).logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100
+        )
+        torch.testing.assert_close(reference(input_ids=ids, labels=labels).loss, want)
+        assert not torch.allclose(model(input_ids=ids, labels=labels).loss, want)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "why"),
+    [
+        ("gemma2", {}, "soft-capped"),
+        ("cohere", {}, "scaled (logit_scale)"),
+        ("granite", {"logits_scaling": 8.0}, "scaled (logits_scaling)"),
+        ("mixtral", {"output_router_logits": True}, "router loss"),
+        ("mixtral", {}, "not one the chunked loss is checked against"),
+    ],
+)
+def test_heads_that_do_more_than_a_linear_projection_keep_transformers_forward(model_type, overrides, why):
+    model = _model(model_type, **overrides)
+    forward = model.forward
+    assert why in fusable(model)
+    assert not fuse_head(model) and not has_fused_head(model) and model.forward == forward
+
+
+def test_a_listed_family_with_a_soft_cap_a_router_loss_or_a_biased_head_is_not_fused():
+    assert "soft-capped" in fusable(_model("gemma3_text", final_logit_softcapping=30.0))
+    assert "router loss" in fusable(_model("qwen3", output_router_logits=True))
+    model = _model("llama")
+    model.lm_head = torch.nn.Linear(32, VOCAB, bias=True)
+    assert "without bias" in fusable(model)
+
+
+def test_the_engines_loss_and_log_prob_callers_take_the_fused_head_and_get_transformers_values():
+    """What the SFT step, the eval, DPO and GRPO/PPO call, on transformers' Gemma 3 with and without the head."""
+    from prime_train.engine.evaluate import row_losses, token_losses
+    from prime_train.engine.preference import PairBatch, sequence_logprobs
+    from prime_train.rl.grpo import score_completions
+    from prime_train.rl.ppo import ValueHead
+    from prime_train.rl.rollouts import Sample
+
+    plain = _model("gemma3_text")
+    model = copy.deepcopy(plain)
+    fuse_head(model)
+    ids, labels, _ = _batch()
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    head = ValueHead(32)
+    torch.nn.init.normal_(head.proj.weight)
+
+    def run(m):
+        m.zero_grad(set_to_none=True)
+        head.zero_grad(set_to_none=True)
+        values = []
+        total, count = token_losses(m, ids, positions, labels)
+        values += [total, count]
+        total, rows = row_losses(m, ids, positions, labels)
+        values += [total, rows]
+        pairs = PairBatch(ids, labels, positions, torch.zeros_like(ids, dtype=torch.bool))
+        values += list(sequence_logprobs(m, pairs, contextlib.nullcontext))
+        samples = [Sample([5, 6, 7], [8, 9], [0.0] * 2, 1.0), Sample([5, 6], [10, 11, 12], [0.0] * 3, 0.0)]
+        scores = score_completions(m, samples, "cpu", 0.7, 0, entropy=True, value_head=head)
+        values += [scores.logp, scores.entropy, scores.values]
+        sum(v.float().sum() * (i + 1) for i, v in enumerate(values) if v.requires_grad).backward()
+        return [v.detach() for v in values], _grads(m), head.proj.weight.grad.clone()
+
+    got, want = run(model), run(plain)
+    for a, b in zip(got[0], want[0], strict=True):
+        torch.testing.assert_close(a, b)
+    # six losses summed with weights up to 10: fp32 sums in another order, 1e-4 apart at most
+    assert got[1].keys() == want[1].keys()
+    for name, grad in want[1].items():
+        torch.testing.assert_close(got[1][name], grad, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+    torch.testing.assert_close(got[2], want[2], rtol=1e-4, atol=1e-4)
+
+
+def test_an_sft_run_of_a_saved_gemma3_model_trains_through_the_fused_head(tmp_path):
+    """A transformers model the native decoder does not cover, loaded from model.path by the real engine."""
+    import json
+
+    from enginetools import run_train
+
+    from prime_train.engine.tokenizer import build_byte_tokenizer, padded_vocab_size
+
+    vocab = padded_vocab_size(build_byte_tokenizer(), 64)
+    config = AutoConfig.for_model("gemma3_text", **{**SHAPE, "vocab_size": vocab, "max_position_embeddings": 512})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gemma3")
+    result = run_train(
+        tmp_path, "gemma", timeout=300, **{"model.path": str(tmp_path / "gemma3"), "train.max_steps": 8,
+                                           "ckpt.interval": 1000, "logging.log_interval": 1}
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Gemma3ForCausalLM takes its loss and log-probs one chunk of logits at a time" in result.stdout
+    losses = [row["loss"] for row in map(json.loads, (tmp_path / "gemma" / "metrics.jsonl").read_text().splitlines())
+              if "loss" in row]  # fmt: skip
+    assert len(losses) == 8 and all(map(torch.isfinite, torch.tensor(losses))) and losses[-1] < losses[0]
