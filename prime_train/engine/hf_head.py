@@ -27,8 +27,10 @@ from torch import nn
 logger = logging.getLogger("prime_train.engine.model")
 
 # transformers families whose causal LM forward is `lm_head(base(...).last_hidden_state)` and the plain loss
+# (the MoE ones while their router loss is off: output_router_logits, refused below, adds it to the loss)
 FUSED_MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2", "starcoder2", "smollm3",
+    "mixtral", "qwen2_moe", "qwen3_moe",
 )  # fmt: skip
 _FLAG = "_prime_train_fused_head"
 # the native forward's arguments that transformers' forward does not take

@@ -32,6 +32,7 @@ LOSSES = ("auto", "chunked", "full")
 NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 HF_CHUNKED_MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2", "starcoder2", "smollm3",
+    "mixtral", "qwen2_moe", "qwen3_moe",
 )  # fmt: skip
 LOSS_CHUNK_ENTRIES = 1024 * 65536
 
