@@ -24,8 +24,8 @@
 #   layers  scripts/gpu_layers_mfu.py: 2 Llama-3-8B-shaped layers, FSDP2 + selective AC + compile, bf16 then
 #           float8, MFU and the float8 / bf16 ratio (layers.log, layers.json; GPU_CHECK_LAYERS_S, default 260 s)
 # Also on request: logprobs  bench/logprobs.py on the GPU: DPO's and GRPO's per-token log-probs at Llama 3's
-#           vocabulary, 8 x 2048 tokens, hidden 4096, bf16: whole logits against chunks, time and peak memory
-#           (logprobs.log; GPU_CHECK_LOGPROBS_S, default 60 s)
+#           vocabulary, 8 x 2048 tokens, hidden 4096, bf16: whole logits against chunks of the engine's 512
+#           tokens and of 1024, time and peak memory (logprobs.log; GPU_CHECK_LOGPROBS_S, default 60 s)
 set -u
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
@@ -88,7 +88,7 @@ fi
 
 if [[ $parts == *" logprobs "* ]]; then
   run_part logprobs "${GPU_CHECK_LOGPROBS_S:-60}" python3 bench/logprobs.py --device cuda --rows 8 --seq 2048 \
-    --hidden 4096 --vocab 128256 --rounds 5
+    --hidden 4096 --vocab 128256 --rounds 5 --also-chunk 1024
 fi
 
 echo "== pytest -m gpu ($(left) s left)"
