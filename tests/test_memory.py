@@ -727,3 +727,28 @@ def test_config_zero_stage_fp16_and_float8_reach_the_estimate():
     assert any(n.startswith("float8 (torchao): the same bytes") for n in fp16.notes)
     one = inputs_from_config(Config.model_validate({"distributed": {"zero_stage": 3}}))
     assert (one.strategy, one.zero_stage) == ("none", None)  # one process: the engine trains unwrapped
+
+
+def test_transformers_families_with_the_chunked_head_count_chunks_and_those_without_whole_logits():
+    """engine/hf_head.py: the listed families train on the chunked loss on transformers' model too; a soft cap
+    (Gemma 2) holds one more fp32 chunk buffer; a scaled head or a router loss keeps the whole logits."""
+    from prime_train.validator.memory_inputs import loss_chunk_tokens
+
+    def logits_line(config: dict) -> tuple[bool, int]:
+        inputs = MemoryInputs(model=config, seq_len=2048, micro_batch=8)
+        return inputs.chunked_loss, trainer_memory(inputs, ModelShape.from_hf(config)).get("logits and loss")
+
+    configs = {}
+    for name in ("gemma-3-1b-it", "gemma-2-2b", "Phi-3-mini-4k-instruct"):
+        with open(f"tests/data/model_configs/{name}/config.json") as f:
+            configs[name] = json.load(f)
+    gemma3, gemma2 = configs["gemma-3-1b-it"], configs["gemma-2-2b"]
+    chunked, line = logits_line(gemma3)
+    assert chunked and line < 3 * GIB  # 48 GiB as whole fp32 logits: 16,384 tokens x 262,144 x 12 B
+    assert logits_line(configs["Phi-3-mini-4k-instruct"])[0]
+    chunked, line = logits_line(gemma2)
+    uncapped = logits_line({**gemma2, "final_logit_softcapping": None})[1]
+    assert chunked and line - uncapped == loss_chunk_tokens(gemma2["vocab_size"]) * gemma2["vocab_size"] * 4
+    assert not logits_line({**gemma3, "output_router_logits": True})[0]
+    assert not logits_line({**gemma3, "model_type": "cohere", "logit_scale": 0.0625})[0]
+    assert not logits_line({**gemma3, "model_type": "gpt_neox"})[0]

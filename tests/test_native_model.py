@@ -364,6 +364,36 @@ def test_the_weights_gradient_is_summed_over_chunks_in_one_fp32_buffer_and_no_fp
             assert not [call for call in calls if call[0] in ("mm", "add_")], calls
 
 
+@pytest.mark.parametrize("chunk_size", [7, 64])
+def test_soft_capped_logits_give_the_loss_log_probs_and_gradients_of_the_capped_whole_logits(chunk_size):
+    """Gemma 2's final_logit_softcapping: logits = c * tanh(z / c), then the loss or the tempered log-probs."""
+    hidden, weight, labels, generator = _head_inputs(6)
+    cap, upstream = 2.0, torch.randn(2, 23, generator=generator)
+
+    def capped():  # |z| reaches 10 here: far from the identity
+        return cap * torch.tanh(hidden @ weight.T / cap)
+
+    want = F.cross_entropy(capped().reshape(-1, 50), labels.reshape(-1), ignore_index=-100)
+    got = chunked_cross_entropy(hidden, weight, labels, chunk_size=chunk_size, softcap=cap)
+    for a, b in zip(
+        torch.autograd.grad(got, (hidden, weight)), torch.autograd.grad(want, (hidden, weight)), strict=True
+    ):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(got, want)
+    all_logp = torch.log_softmax(capped() / 0.7, -1)
+    want_logp = torch.where(labels != -100, all_logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0], 0.0)
+    got_logp, entropy = chunked_token_log_probs(
+        hidden, weight, labels, temperature=0.7, chunk_size=chunk_size, entropy=True, softcap=cap
+    )
+    torch.testing.assert_close(got_logp, want_logp)
+    torch.testing.assert_close(entropy, -(all_logp.exp() * all_logp).sum(-1).detach())
+    got_grads = torch.autograd.grad((got_logp * upstream).sum(), (hidden, weight))
+    for a, b in zip(got_grads, torch.autograd.grad((want_logp * upstream).sum(), (hidden, weight)), strict=True):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():
+        torch.testing.assert_close(chunked_cross_entropy(hidden, weight, labels, softcap=cap), want)
+
+
 def test_chunked_cross_entropy_sum_matches_the_reference_and_scales_with_the_upstream_gradient():
     generator = torch.Generator().manual_seed(1)
     hidden = torch.randn(40, 8, generator=generator, requires_grad=True)

@@ -1,19 +1,20 @@
 """transformers' causal LMs given the native decoders' head: the loss and the log-probs one chunk at a time.
 
 A transformers model (`model.implementation = "hf"`, or an architecture the native decoders do not cover: Gemma,
-Gemma 3, Phi-3, OLMo 2...) forms the whole logits, tokens x vocab, then an fp32 copy for the loss: at Gemma 3's
-262,144 entries and 8 rows of 2048 tokens, 8 GiB in bf16 and 16 GiB in fp32, before DPO's log-softmax or GRPO's
+Gemma 2 and 3, Phi-3, OLMo 2...) forms the whole logits, tokens x vocab, then an fp32 copy for the loss: at Gemma
+3's 262,144 entries and 8 rows of 2048 tokens, 8 GiB in bf16 and 16 GiB in fp32, before DPO's log-softmax or GRPO's
 entropy. Where a family's forward is its base model, then `lm_head` (a Linear without bias), then the loss on those
-logits unchanged, `fuse_head` gives that model the forward of the native decoders (engine/llama.py head_output):
-with `labels`, its base model's final hidden states go to engine/loss.py's chunked loss or log-probs and no logits
-are formed; without, transformers' own forward runs (generation, logits for a value head's caller). The forward is
-set on the instance, inside the module's call, so FSDP2's hooks gather lm_head's weight for it as for the native
-model, a deep copy (DPO's reference) carries it, and peft's in-place adapters run inside the base model as before.
+logits unchanged or soft-capped (Gemma 2's `final_logit_softcapping`, which the chunks apply), `fuse_head` gives
+that model the forward of the native decoders (engine/llama.py head_output): with `labels`, its base model's final
+hidden states go to engine/loss.py's chunked loss or log-probs and no logits are formed; without, transformers' own
+forward runs (generation, logits for a value head's caller). The forward is set on the instance, inside the module's
+call, so FSDP2's hooks gather lm_head's weight for it as for the native model, a deep copy (DPO's reference) carries
+it, and peft's in-place adapters run inside the base model as before.
 
-Not fused, and left to transformers' whole logits: a family whose head does more (Gemma 2's final logit
-soft-capping, Cohere's logit scale, Granite's logits scaling), a model whose `lm_head` has a bias, an MoE whose
-router loss is added to the loss (`output_router_logits`), and any family not listed below; tests check each listed
-family's fused loss, log-probs, entropy and every gradient against transformers' own logits.
+Not fused, and left to transformers' whole logits: a family whose head does more (Cohere's logit scale, Granite's
+logits scaling), a model whose `lm_head` has a bias, an MoE whose router loss is added to the loss
+(`output_router_logits`), and any family not listed below; tests check each listed family's fused loss, log-probs,
+entropy and every gradient against transformers' own logits.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from torch import nn
 logger = logging.getLogger("prime_train.engine.model")
 
 # transformers families whose causal LM forward is `lm_head(base(...).last_hidden_state)` and the plain loss
-# (the MoE ones while their router loss is off: output_router_logits, refused below, adds it to the loss)
+# (the MoE ones while their router loss is off: output_router_logits, refused below, adds it to the loss; Gemma 2
+# and Gemma 3 soft-cap their logits by final_logit_softcapping, which the chunked loss applies too)
 FUSED_MODEL_TYPES = (
-    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2", "starcoder2", "smollm3",
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "starcoder2", "smollm3",
     "mixtral", "qwen2_moe", "qwen3_moe",
 )  # fmt: skip
 _FLAG = "_prime_train_fused_head"
@@ -41,8 +43,6 @@ _HEAD_ARGS = ("num_items_in_batch", "loss_reduction", "loss_chunk_size", "return
 def fusable(model: nn.Module) -> str | None:
     """None when `fuse_head` can give `model` the chunked head, else why not."""
     config = getattr(model, "config", None)
-    if getattr(config, "final_logit_softcapping", None) is not None:
-        return "its logits are soft-capped (final_logit_softcapping)"
     for scale in ("logit_scale", "logits_scaling"):
         if getattr(config, scale, None) not in (None, 1):
             return f"its logits are scaled ({scale})"
@@ -94,4 +94,5 @@ def _forward(self, input_ids=None, *args: Any, labels=None, **kwargs: Any):
         loss_chunk_size=head.get("loss_chunk_size"), return_token_losses=head.get("return_token_losses", False),
         token_log_probs=head.get("token_log_probs", False), temperature=head.get("temperature", 1.0),
         return_entropy=head.get("return_entropy", False), logits_to_keep=head.get("logits_to_keep", 0),
+        softcap=getattr(self.config, "final_logit_softcapping", None),
     )  # fmt: skip

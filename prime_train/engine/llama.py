@@ -66,12 +66,18 @@ def head_output(
     temperature: float,
     return_entropy: bool,
     logits_to_keep: int = 0,
+    softcap: float | None = None,
 ) -> CausalLMOutput:
     """What the native decoders' forward returns from their final hidden states: the logits (of the last
     `logits_to_keep` positions only when it is not 0, as transformers' argument), the fused loss, or each label's
-    log-probability (engine/loss.py), never the whole logits when labels are given."""
+    log-probability (engine/loss.py), never the whole logits when labels are given. `softcap`: the logits are
+    softcap * tanh(logits / softcap) (transformers' Gemma 2 through engine/hf_head.py; the native decoders have
+    none)."""
     if labels is None:
-        return CausalLMOutput(logits=lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden), loss=None)
+        logits = lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        return CausalLMOutput(logits=logits, loss=None)
     # position t predicts label t + 1; the last position of each row has no target
     targets = F.pad(labels[:, 1:], (0, 1), value=-100)
     weight = lm_head.weight
@@ -81,7 +87,13 @@ def head_output(
         weight = weight.to_local()
     if token_log_probs:
         log_probs, entropy = chunked_token_log_probs(
-            hidden, weight, targets, temperature=temperature, chunk_size=loss_chunk_size, entropy=return_entropy
+            hidden,
+            weight,
+            targets,
+            temperature=temperature,
+            chunk_size=loss_chunk_size,
+            entropy=return_entropy,
+            softcap=softcap,
         )
         return CausalLMOutput(logits=None, loss=None, log_probs=log_probs, entropy=entropy, hidden_states=hidden)
     per_token = torch.zeros(targets.numel(), dtype=torch.float32, device=hidden.device) if return_token_losses else None
@@ -93,6 +105,7 @@ def head_output(
         reduction=loss_reduction,
         chunk_size=loss_chunk_size,
         per_token=per_token,
+        softcap=softcap,
     )
     return CausalLMOutput(
         logits=None, loss=loss, token_losses=None if per_token is None else per_token.view(targets.shape)

@@ -51,17 +51,31 @@ def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def _chunk_target_log_probs(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float, ignore_index: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 log_softmax(hidden @ weight.T / temperature) of one chunk, each row's value at its label (0 where
-    ignored), and the mask of the rows that count."""
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+    softcap: float | None = None,
+    slope: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """fp32 log_softmax(cap(hidden @ weight.T) / temperature) of one chunk, each row's value at its label (0 where
+    ignored), the mask of the rows that count, and with `slope` (backward's) d cap(z) / dz, else None.
+
+    cap(z) = softcap * tanh(z / softcap) where `softcap` is given (Gemma 2's final_logit_softcapping), else z."""
     logits = (hidden @ weight.T).float()
+    cap_slope = None
+    if softcap is not None:
+        logits.div_(softcap).tanh_()
+        if slope:
+            cap_slope = 1.0 - logits.square()  # d(c tanh(z / c)) / dz = 1 - tanh^2: a second chunk buffer
+        logits.mul_(softcap)
     if temperature != 1.0:
         logits.div_(temperature)
     log_probs = torch.log_softmax(logits, dim=-1)
     valid = labels != ignore_index
     picked = log_probs.gather(1, torch.where(valid, labels, 0)[:, None]).squeeze(1)
-    return log_probs, torch.where(valid, picked, 0.0), valid
+    return log_probs, torch.where(valid, picked, 0.0), valid, cap_slope
 
 
 def _chunk_log_probs(
@@ -71,7 +85,9 @@ def _chunk_log_probs(
     ignore_index: int,
     per_token: torch.Tensor | None = None,
     start: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    softcap: float | None = None,
+    slope: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Summed CE of one chunk, and what its gradient needs: the fp32 log-probabilities, the labels with ignored
     rows pointed at class 0, and the mask of the rows that count. With `per_token` (an fp32 buffer of every token's
     loss, empty when not wanted) the chunk's losses are written at `start`.
@@ -79,18 +95,20 @@ def _chunk_log_probs(
     One log_softmax pass over the chunk's logits gives both the loss (minus the targets' log-probabilities) and,
     exponentiated in place, the softmax of the gradient: fewer passes over chunk x vocab than logsumexp, a
     subtraction and an exp (what eager mode on CPU pays for; a compiled graph fuses either way)."""
-    log_probs, picked, valid = _chunk_target_log_probs(hidden, weight, labels, 1.0, ignore_index)
+    log_probs, picked, valid, cap_slope = _chunk_target_log_probs(
+        hidden, weight, labels, 1.0, ignore_index, softcap, slope
+    )
     losses = -picked
     if per_token is not None and per_token.numel():
         per_token[start : start + len(losses)] = losses.detach()
-    return losses.sum(), log_probs, torch.where(valid, labels, 0), valid
+    return losses.sum(), log_probs, torch.where(valid, labels, 0), valid, cap_slope
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """sum_t CE(hidden_t @ weight.T, label_t) * scale, with both gradients formed chunk by chunk in forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, scale, chunk_size: int, ignore_index: int, per_token: torch.Tensor):
+    def forward(ctx, hidden, weight, labels, scale, chunk_size: int, ignore_index: int, per_token, softcap):
         dtype = _matmul_dtype(hidden, weight)
         want_weight = ctx.needs_input_grad[1]  # False for a frozen lm_head (LoRA): neither its matmul nor its buffer
         with torch.autocast(hidden.device.type, enabled=False):
@@ -102,13 +120,17 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             for start in range(0, hidden.shape[0], chunk_size):
                 h = h_all[start : start + chunk_size]
                 y = labels[start : start + chunk_size]
-                part, grad_logits, safe, valid = _chunk_log_probs(h, w, y, ignore_index, per_token, start)
+                part, grad_logits, safe, valid, cap_slope = _chunk_log_probs(
+                    h, w, y, ignore_index, per_token, start, softcap, slope=True
+                )
                 total = total + part
                 # d CE / d logits = softmax - onehot(label), zero on ignored rows, times the mean's scale: formed in
                 # place over the log-probabilities, no further chunk x vocab buffer
                 grad_logits.exp_()
                 grad_logits.scatter_add_(1, safe[:, None], torch.full_like(safe[:, None], -1.0, dtype=torch.float32))
                 grad_logits.mul_(torch.where(valid, scale, 0.0)[:, None])
+                if cap_slope is not None:
+                    grad_logits.mul_(cap_slope)  # through the soft cap to the projection's output
                 grad_logits = grad_logits.to(dtype)
                 grad_hidden[start : start + chunk_size] = (grad_logits @ w).to(hidden.dtype)
                 if not want_weight:
@@ -122,7 +144,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_output):
         grad_hidden, grad_weight = ctx.saved_tensors
         grad_weight = grad_weight * grad_output if ctx.want_weight else None
-        return grad_hidden * grad_output, grad_weight, None, None, None, None, None
+        return grad_hidden * grad_output, grad_weight, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -135,6 +157,7 @@ def chunked_cross_entropy(
     chunk_size: int | None = None,
     ignore_index: int = IGNORE_INDEX,
     per_token: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of `hidden @ weight.T` against `labels`, never holding more than one chunk of logits.
 
@@ -144,7 +167,8 @@ def chunked_cross_entropy(
     computed on the device. "sum" returns the sum. The result is an fp32 scalar. `per_token` (fp32, one entry per
     label, no gradient): filled with each token's unscaled loss (0 where ignored) in the same pass, for callers that
     need per-sequence losses (data.curriculum = 'self_paced') without a second forward. `chunk_size`: tokens a chunk,
-    chunk_tokens(vocab) when None.
+    chunk_tokens(vocab) when None. `softcap`: the logits are softcap * tanh(logits / softcap) (Gemma 2's final
+    logits), and backward goes through it (one more chunk buffer, its slope).
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
@@ -162,7 +186,9 @@ def chunked_cross_entropy(
     if per_token is None:
         per_token = torch.empty(0, dtype=torch.float32, device=hidden.device)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _FusedLinearCrossEntropy.apply(hidden, weight, labels, scale, chunk_size, ignore_index, per_token)
+        return _FusedLinearCrossEntropy.apply(
+            hidden, weight, labels, scale, chunk_size, ignore_index, per_token, softcap
+        )
     # evaluation: the loss alone, still one chunk of logits at a time
     dtype = _matmul_dtype(hidden, weight)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -175,21 +201,22 @@ def chunked_cross_entropy(
                 ignore_index,
                 per_token,
                 start,
+                softcap,
             )
             total = total + part
     return total * scale
 
 
-def _token_log_probs(hidden, weight, labels, temperature: float, chunk_size: int, ignore_index: int, entropy):
+def _token_log_probs(hidden, weight, labels, temperature: float, chunk_size: int, ignore_index: int, entropy, softcap):
     """Forward of chunked_token_log_probs: [N] fp32 log-probs; `entropy` (empty when not wanted) filled in place."""
     dtype = _matmul_dtype(hidden, weight)
     out = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     with torch.autocast(hidden.device.type, enabled=False):
         w = weight.to(dtype)
         for start in range(0, hidden.shape[0], chunk_size):
-            log_probs, picked, _ = _chunk_target_log_probs(
+            log_probs, picked, _, _ = _chunk_target_log_probs(
                 hidden[start : start + chunk_size].to(dtype), w, labels[start : start + chunk_size], temperature,
-                ignore_index,
+                ignore_index, softcap,
             )  # fmt: skip
             out[start : start + chunk_size] = picked
             if entropy.numel():
@@ -205,12 +232,12 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
     logits again instead of keeping tokens x vocab from forward: one more chunk matmul, no full logits ever."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature: float, chunk_size: int, ignore_index: int, entropy):
+    def forward(ctx, hidden, weight, labels, temperature: float, chunk_size: int, ignore_index: int, entropy, softcap):
         ctx.save_for_backward(hidden, weight, labels)
-        ctx.dtype, ctx.temperature, ctx.chunk_size, ctx.ignore_index = (
-            _matmul_dtype(hidden, weight), temperature, chunk_size, ignore_index,
+        ctx.dtype, ctx.temperature, ctx.chunk_size, ctx.ignore_index, ctx.softcap = (
+            _matmul_dtype(hidden, weight), temperature, chunk_size, ignore_index, softcap,
         )  # fmt: skip
-        return _token_log_probs(hidden, weight, labels, temperature, chunk_size, ignore_index, entropy)
+        return _token_log_probs(hidden, weight, labels, temperature, chunk_size, ignore_index, entropy, softcap)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -224,14 +251,16 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
             w = weight.to(dtype)
             for start in range(0, hidden.shape[0], chunk_size):
                 h = hidden[start : start + chunk_size].to(dtype)
-                grad, _, valid = _chunk_target_log_probs(
-                    h, w, labels[start : start + chunk_size], ctx.temperature, ctx.ignore_index
+                grad, _, valid, cap_slope = _chunk_target_log_probs(
+                    h, w, labels[start : start + chunk_size], ctx.temperature, ctx.ignore_index, ctx.softcap, True
                 )
                 # d logp[label] / d logits = (onehot(label) - softmax) / temperature, times the token's gradient:
                 # formed in place over the chunk's log-probabilities
                 g = torch.where(valid, grad_out[start : start + chunk_size].float(), 0.0) / ctx.temperature
                 grad.exp_().mul_(-g[:, None])
                 grad.scatter_add_(1, torch.where(valid, labels[start : start + chunk_size], 0)[:, None], g[:, None])
+                if cap_slope is not None:
+                    grad.mul_(cap_slope)  # through the soft cap to the projection's output
                 grad = grad.to(dtype)
                 if want_hidden:
                     grad_hidden[start : start + chunk_size] = (grad @ w).to(hidden.dtype)
@@ -239,7 +268,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
                     _accumulate(grad_weight, grad.T, h)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def chunked_token_log_probs(
@@ -251,13 +280,15 @@ def chunked_token_log_probs(
     chunk_size: int | None = None,
     ignore_index: int = IGNORE_INDEX,
     entropy: bool = False,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each label's log-probability under softmax(hidden @ weight.T / temperature), never holding more than one
     chunk of logits: what DPO sums per sequence and GRPO/PPO weigh per token.
 
     hidden: (..., H); weight: (V, H); labels: (...) shifted targets, `ignore_index` where none. Returns fp32
     log-probs shaped as labels (0 where ignored), differentiable in hidden and weight, and with `entropy` each
-    position's entropy of the tempered distribution (fp32, no gradient), else None."""
+    position's entropy of the tempered distribution (fp32, no gradient), else None. `softcap` as in
+    chunked_cross_entropy, applied before the temperature (transformers caps the logits, a sampler then tempers)."""
     chunk_size = chunk_tokens(weight.shape[0]) if chunk_size is None else chunk_size
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, not {chunk_size}")
@@ -268,9 +299,11 @@ def chunked_token_log_probs(
     labels = labels.reshape(-1)
     ent = torch.zeros(labels.shape[0] if entropy else 0, dtype=torch.float32, device=hidden.device)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        out = _ChunkedTokenLogProbs.apply(hidden, weight, labels, float(temperature), chunk_size, ignore_index, ent)
+        out = _ChunkedTokenLogProbs.apply(
+            hidden, weight, labels, float(temperature), chunk_size, ignore_index, ent, softcap
+        )
     else:
-        out = _token_log_probs(hidden, weight, labels, float(temperature), chunk_size, ignore_index, ent)
+        out = _token_log_probs(hidden, weight, labels, float(temperature), chunk_size, ignore_index, ent, softcap)
     return out.view(shape), (ent.view(shape) if entropy else None)
 
 

@@ -638,9 +638,11 @@ def _loss_part(inputs: MemoryInputs, m: ModelShape, act: dict[str, float], token
         # micro-batch
         a = 2 if inputs.half else 4
         chunk_tokens = loss_chunk_tokens(m.vocab)
-        chunk = chunk_tokens * act["logits"]
+        # a soft cap's slope (Gemma 2) is one more fp32 chunk buffer
+        per_entry = LOSS_BYTES_PER_VOCAB + (4 if inputs.soft_capped else 0)
+        chunk = chunk_tokens * m.vocab * per_entry
         lm_head_grad = 0 if inputs.lora_rank else m.vocab * m.hidden * (4 + a)
-        how = f"chunks of {chunk_tokens} tokens × vocab × 12 B, " + (
+        how = f"chunks of {chunk_tokens} tokens × vocab × {per_entry} B, " + (
             "hidden states' gradient (lm_head frozen)" if inputs.lora_rank else
             "lm_head's gradient in fp32, hidden states' gradient"
         )  # fmt: skip

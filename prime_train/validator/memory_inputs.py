@@ -31,7 +31,7 @@ LOSSES = ("auto", "chunked", "full")
 # chunk of that loss (engine/loss.py chunk_tokens): mirrored, tests pin them equal
 NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 HF_CHUNKED_MODEL_TYPES = (
-    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2", "starcoder2", "smollm3",
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "starcoder2", "smollm3",
     "mixtral", "qwen2_moe", "qwen3_moe",
 )  # fmt: skip
 LOSS_CHUNK_ENTRIES = 1024 * 65536
@@ -371,11 +371,18 @@ class MemoryInputs:
         hf = self.model.get("text_config") if "hidden_size" not in self.model else self.model
         if not isinstance(hf, dict) or hf.get("model_type") not in HF_CHUNKED_MODEL_TYPES:
             return False
-        # engine/hf_head.py fusable: a head that does more than a projection keeps the whole logits
+        # engine/hf_head.py fusable: a head that scales its logits, or a router loss, keeps the whole logits
         return (
-            hf.get("final_logit_softcapping") is None and hf.get("logit_scale") in (None, 1)
-            and hf.get("logits_scaling") in (None, 1) and not hf.get("output_router_logits")
+            hf.get("logit_scale") in (None, 1) and hf.get("logits_scaling") in (None, 1)
+            and not hf.get("output_router_logits")
         )  # fmt: skip
+
+    @property
+    def soft_capped(self) -> bool:
+        """Whether the final logits are soft-capped (Gemma 2: final_logit_softcapping): the chunked loss then holds
+        one more fp32 chunk buffer, the cap's slope."""
+        hf = self.model.get("text_config") if "hidden_size" not in self.model else self.model
+        return isinstance(hf, dict) and hf.get("final_logit_softcapping") is not None
 
     @property
     def world_size(self) -> int:
