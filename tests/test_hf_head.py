@@ -215,3 +215,18 @@ def test_an_sft_run_of_a_saved_gemma3_model_trains_through_the_fused_head(tmp_pa
     losses = [row["loss"] for row in map(json.loads, (tmp_path / "gemma" / "metrics.jsonl").read_text().splitlines())
               if "loss" in row]  # fmt: skip
     assert len(losses) == 8 and all(map(torch.isfinite, torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def test_gemma2_from_a_path_names_the_attention_key_under_sdpa_and_trains_fused_under_eager(tmp_path):
+    """transformers refuses SDPA for Gemma 2 (its attention logits are soft-capped too): the engine's error names
+    the key to change, and with it changed the model takes the chunked head with its final-logit cap."""
+    from prime_train.config.schema import ModelConfig
+    from prime_train.engine.metrics import EngineConfigError
+    from prime_train.engine.model import build_model
+
+    _model("gemma2").save_pretrained(tmp_path / "gemma2")
+    with pytest.raises(EngineConfigError, match=r"set model\.attn_implementation = 'eager'"):
+        build_model(ModelConfig(path=str(tmp_path / "gemma2")), VOCAB, for_training=True)
+    model = build_model(ModelConfig(path=str(tmp_path / "gemma2"), attn_implementation="eager"), VOCAB,
+                        for_training=True)  # fmt: skip
+    assert has_fused_head(model) and model.config.final_logit_softcapping == 30.0

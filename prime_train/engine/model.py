@@ -191,6 +191,12 @@ def _load_pretrained(cfg: ModelConfig, vocab_size: int):
             "when HF_HUB_OFFLINE=1), or unset model.path to train a random-initialised model."
         ) from None
     except ValueError as exc:
+        if "attention implementation" in str(exc):
+            # Gemma 2 and others refuse SDPA (its attention logits are soft-capped): name the key to change
+            raise EngineConfigError(
+                f"model.attn_implementation = {cfg.attn_implementation!r} cannot load model.path {cfg.path!r}: "
+                f"{_first_line(exc)}; set model.attn_implementation = 'eager'"
+            ) from None
         # transformers raises ValueError for a config it has no causal-LM class for (e.g. an encoder)
         raise EngineConfigError(f"model.path {cfg.path!r} is not a causal LM transformers can train: {exc}") from None
     rows = model.get_input_embeddings().weight.shape[0]
