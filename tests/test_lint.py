@@ -790,3 +790,19 @@ def test_the_lora_example_is_one_80gb_gpu_with_an_8b_class_model():
     cfg = tomllib.loads((EXAMPLES / "qwen2.5-7b-lora-1gpu.toml").read_text())
     assert cfg["lora"]["rank"] == 16 and cfg["distributed"]["nproc_per_node"] == 1
     assert cfg["model"]["path"] == "Qwen/Qwen2.5-7B-Instruct"
+
+
+def test_gemma2_under_sdpa_is_named_before_the_start_and_eager_lints_clean(tmp_path, monkeypatch):
+    """transformers will not load Gemma 2 with SDPA: lint reads the model's config.json and names the key."""
+    import shutil
+
+    monkeypatch.chdir(REPO)
+    model = tmp_path / "gemma-2-2b"
+    model.mkdir()
+    shutil.copy(REPO / "tests" / "data" / "model_configs" / "gemma-2-2b" / "config.json", model)
+    clean = str(EXAMPLES / "sft-jsonl.toml")
+    problems, _ = lint_files([clean], ["--model.path", str(model)])
+    found = [p for p in problems if p.key == "model.attn_implementation"]
+    assert [(p.severity, "set model.attn_implementation = 'eager'" in p.message) for p in found] == [("error", True)]
+    problems, _ = lint_files([clean], ["--model.path", str(model), "--model.attn_implementation", "eager"])
+    assert not [p for p in problems if p.key == "model.attn_implementation"]

@@ -24,6 +24,7 @@ from prime_train.validator import data_fields
 from prime_train.validator.data_fields import DATA_SUFFIXES, TASK_FIELDS
 from prime_train.validator.lora_checks import lora_problems
 from prime_train.validator.method_checks import method_problems
+from prime_train.validator.model_shape import model_shape
 from prime_train.validator.pipeline_checks import pipeline_problems
 from prime_train.validator.precision_checks import precision_problems
 from prime_train.validator.tp_checks import tp_problems
@@ -148,6 +149,7 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
         _inference_port_problems,
         _job_progress_problems,
         _vllm_model_problems,
+        _attention_problems,
         _preference_problems,
         token_budget_problems,
         tp_problems,
@@ -551,6 +553,28 @@ def _vllm_model_problems(cfg: Config, sources: Sources) -> list[Problem]:
             )
         ]
     return []
+
+
+# transformers families that refuse SDPA attention (`_supports_sdpa = False`): Gemma 2 soft-caps its attention logits
+SDPA_REFUSED_MODEL_TYPES = ("gemma2",)
+
+
+def _attention_problems(cfg: Config, sources: Sources) -> list[Problem]:
+    """A model transformers will not load under SDPA, named before the trainer starts (its shape read locally)."""
+    if cfg.model.attn_implementation != "sdpa" or cfg.model.path is None or cfg.job.command:
+        return []
+    hf, _ = model_shape(cfg)
+    text = (hf.get("text_config") or hf) if isinstance(hf, dict) else {}
+    if text.get("model_type") not in SDPA_REFUSED_MODEL_TYPES:
+        return []
+    return [
+        sources.problem(
+            ("model", "attn_implementation"),
+            "error",
+            f"model.attn_implementation = 'sdpa': transformers does not run {text['model_type']!r} models with SDPA "
+            "(their attention logits are soft-capped); set model.attn_implementation = 'eager'",
+        )
+    ]
 
 
 def _checkpoint_dir_problems(cfg: Config, sources: Sources) -> list[Problem]:
