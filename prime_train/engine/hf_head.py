@@ -19,11 +19,14 @@ entropy and every gradient against transformers' own logits.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import types
 from typing import Any
 
 from torch import nn
+
+from prime_train.engine.llama import DecoderForward, head_output
 
 logger = logging.getLogger("prime_train.engine.model")
 
@@ -35,9 +38,13 @@ FUSED_MODEL_TYPES = (
     "mixtral", "qwen2_moe", "qwen3_moe",
 )  # fmt: skip
 _FLAG = "_prime_train_fused_head"
-# the native forward's arguments that transformers' forward does not take
-_HEAD_ARGS = ("num_items_in_batch", "loss_reduction", "loss_chunk_size", "return_token_losses", "token_log_probs",
-              "temperature", "return_entropy", "logits_to_keep")  # fmt: skip
+# the native forward's keyword-only arguments (what transformers' forward does not take) with the native defaults:
+# the fused forward takes them as the native decoders do
+_HEAD_DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(DecoderForward.forward).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+}
 
 
 def fusable(model: nn.Module) -> str | None:
@@ -84,15 +91,7 @@ def _forward(self, input_ids=None, *args: Any, labels=None, **kwargs: Any):
         return type(self).forward(self, input_ids, *args, **kwargs)
     if args:
         raise TypeError("with labels, pass the forward's arguments after input_ids by name")
-    from prime_train.engine.llama import head_output
-
-    head = {name: kwargs.pop(name) for name in _HEAD_ARGS if name in kwargs}
+    head = {name: kwargs.pop(name, default) for name, default in _HEAD_DEFAULTS.items()}
     hidden = getattr(self, self.base_model_prefix)(input_ids=input_ids, **kwargs).last_hidden_state
-    return head_output(
-        hidden, self.get_output_embeddings(), labels,
-        num_items_in_batch=head.get("num_items_in_batch"), loss_reduction=head.get("loss_reduction", "mean"),
-        loss_chunk_size=head.get("loss_chunk_size"), return_token_losses=head.get("return_token_losses", False),
-        token_log_probs=head.get("token_log_probs", False), temperature=head.get("temperature", 1.0),
-        return_entropy=head.get("return_entropy", False), logits_to_keep=head.get("logits_to_keep", 0),
-        softcap=getattr(self.config, "final_logit_softcapping", None),
-    )  # fmt: skip
+    softcap = getattr(self.config, "final_logit_softcapping", None)
+    return head_output(hidden, self.get_output_embeddings(), labels, **head, softcap=softcap)
