@@ -26,10 +26,9 @@ ATTENTION = ("sdpa", "flash", "eager")
 # "chunked": the fused lm_head + cross-entropy (engine/loss.py); "full": the logits whole, as transformers computes
 # them; "auto": chunked where the engine's model has that head (the native model, or transformers' with it)
 LOSSES = ("auto", "chunked", "full")
-# What the engine's "auto" picks the native model for (engine/llama.py SUPPORTED_MODEL_TYPES with SDPA attention),
-# the transformers families it gives the chunked head (engine/hf_head.py FUSED_MODEL_TYPES) and the tokens per
-# chunk of that loss (engine/loss.py chunk_tokens): mirrored, tests pin them equal
-NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# The families the engine's model takes the chunked head for, whichever model runs them (the native decoder's,
+# engine/llama.py SUPPORTED_MODEL_TYPES, are among transformers' in engine/hf_head.py FUSED_MODEL_TYPES), and the
+# tokens per chunk of that loss (engine/loss.py chunk_tokens): mirrored, tests pin them equal
 HF_CHUNKED_MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "starcoder2", "smollm3",
     "mixtral", "qwen2_moe", "qwen3_moe",
@@ -368,7 +367,7 @@ class MemoryInputs:
         # chunked_token_log_probs), as sft's loss is: the same chunk, lm_head gradient and hidden states' gradient
         if self.loss != "auto":
             return self.loss == "chunked"
-        hf = self.model.get("text_config") if "hidden_size" not in self.model else self.model
+        hf = self._language_model
         if not isinstance(hf, dict) or hf.get("model_type") not in HF_CHUNKED_MODEL_TYPES:
             return False
         # engine/hf_head.py fusable: a head that scales its logits, or a router loss, keeps the whole logits
@@ -381,8 +380,13 @@ class MemoryInputs:
     def soft_capped(self) -> bool:
         """Whether the final logits are soft-capped (Gemma 2: final_logit_softcapping): the chunked loss then holds
         one more fp32 chunk buffer, the cap's slope."""
-        hf = self.model.get("text_config") if "hidden_size" not in self.model else self.model
+        hf = self._language_model
         return isinstance(hf, dict) and hf.get("final_logit_softcapping") is not None
+
+    @property
+    def _language_model(self) -> Any:
+        """The config of the model that trains: a vision-language config's text_config (None when it has none)."""
+        return self.model.get("text_config") if "hidden_size" not in self.model else self.model
 
     @property
     def world_size(self) -> int:
