@@ -25,6 +25,7 @@ from prime_train.validator.data_fields import DATA_SUFFIXES, TASK_FIELDS
 from prime_train.validator.lora_checks import lora_problems
 from prime_train.validator.method_checks import method_problems
 from prime_train.validator.model_shape import model_shape
+from prime_train.validator.param_count import split_config
 from prime_train.validator.pipeline_checks import pipeline_problems
 from prime_train.validator.precision_checks import precision_problems
 from prime_train.validator.tp_checks import tp_problems
@@ -564,14 +565,16 @@ def _attention_problems(cfg: Config, sources: Sources) -> list[Problem]:
     if cfg.model.attn_implementation != "sdpa" or cfg.model.path is None or cfg.job.command:
         return []
     hf, _ = model_shape(cfg)
-    text = (hf.get("text_config") or hf) if isinstance(hf, dict) else {}
-    if text.get("model_type") not in SDPA_REFUSED_MODEL_TYPES:
+    if not isinstance(hf, dict):
+        return []
+    _, text_type, _ = split_config(hf)  # the language model's type, a vision-language config's too
+    if text_type not in SDPA_REFUSED_MODEL_TYPES:
         return []
     return [
         sources.problem(
             ("model", "attn_implementation"),
             "error",
-            f"model.attn_implementation = 'sdpa': transformers does not run {text['model_type']!r} models with SDPA "
+            f"model.attn_implementation = 'sdpa': transformers does not run {text_type!r} models with SDPA "
             "(their attention logits are soft-capped); set model.attn_implementation = 'eager'",
         )
     ]
