@@ -67,14 +67,17 @@ def head_output(
     return_entropy: bool,
     logits_to_keep: int = 0,
     softcap: float | None = None,
+    logit_scale: float | None = None,
 ) -> CausalLMOutput:
     """What the native decoders' forward returns from their final hidden states: the logits (of the last
     `logits_to_keep` positions only when it is not 0, as transformers' argument), the fused loss, or each label's
-    log-probability (engine/loss.py), never the whole logits when labels are given. `softcap`: the logits are
-    softcap * tanh(logits / softcap) (transformers' Gemma 2 through engine/hf_head.py; the native decoders have
-    none)."""
+    log-probability (engine/loss.py), never the whole logits when labels are given. `logit_scale`: the logits are
+    multiplied by it (Cohere's logit_scale, 1 / Granite's logits_scaling); `softcap`: then they are
+    softcap * tanh(logits / softcap) (Gemma 2). Both come from transformers' heads through engine/hf_head.py; the
+    native decoders have neither."""
+    head_input = hidden if logit_scale is None else hidden * logit_scale  # scale * (h W^T) = (scale * h) W^T
     if labels is None:
-        logits = lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+        logits = lm_head(head_input[:, -logits_to_keep:] if logits_to_keep else head_input)
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         return CausalLMOutput(logits=logits, loss=None)
@@ -87,7 +90,7 @@ def head_output(
         weight = weight.to_local()
     if token_log_probs:
         log_probs, entropy = chunked_token_log_probs(
-            hidden,
+            head_input,
             weight,
             targets,
             temperature=temperature,
@@ -98,7 +101,7 @@ def head_output(
         return CausalLMOutput(logits=None, loss=None, log_probs=log_probs, entropy=entropy, hidden_states=hidden)
     per_token = torch.zeros(targets.numel(), dtype=torch.float32, device=hidden.device) if return_token_losses else None
     loss = chunked_cross_entropy(
-        hidden,
+        head_input,
         weight,
         targets,
         num_items=num_items_in_batch,

@@ -31,7 +31,7 @@ LOSSES = ("auto", "chunked", "full")
 # tokens per chunk of that loss (engine/loss.py chunk_tokens): mirrored, tests pin them equal
 HF_CHUNKED_MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "starcoder2", "smollm3",
-    "mixtral", "qwen2_moe", "qwen3_moe",
+    "cohere", "cohere2", "granite", "mixtral", "qwen2_moe", "qwen3_moe",
 )  # fmt: skip
 LOSS_CHUNK_ENTRIES = 1024 * 65536
 
@@ -370,11 +370,8 @@ class MemoryInputs:
         hf = self._language_model
         if not isinstance(hf, dict) or hf.get("model_type") not in HF_CHUNKED_MODEL_TYPES:
             return False
-        # engine/hf_head.py fusable: a head that scales its logits, or a router loss, keeps the whole logits
-        return (
-            hf.get("logit_scale") in (None, 1) and hf.get("logits_scaling") in (None, 1)
-            and not hf.get("output_router_logits")
-        )  # fmt: skip
+        # engine/hf_head.py fusable: a router loss keeps the whole logits
+        return not hf.get("output_router_logits")
 
     @property
     def soft_capped(self) -> bool:
