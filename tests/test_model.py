@@ -219,3 +219,19 @@ def test_mfu_is_achieved_over_peak_flops_across_devices():
     assert mfu(1e6, 3.9e9, 989e12, 8) == pytest.approx(3.9e15 / (8 * 989e12))
     assert mfu(1e6, 3.9e9, None, 8) is None
     assert mfu(1e6, 3.9e9, peak_flops("cpu"), 1) is None
+
+
+@pytest.mark.parametrize("implementation", ["native", "hf"])
+def test_the_trainers_model_from_a_path_is_in_training_mode(tmp_path, implementation):
+    """from_pretrained returns eval mode; the trainer's model must not keep it (dropout, lora_dropout, an MoE
+    router's jitter and load-balancing loss act only in training mode)."""
+    from prime_train.config.schema import Config
+    from prime_train.engine.model import load_model_and_tokenizer
+    from prime_train.engine.tokenizer import build_byte_tokenizer, padded_vocab_size
+
+    tokenizer = build_byte_tokenizer()
+    build_model(ModelConfig(), padded_vocab_size(tokenizer, 64)).save_pretrained(tmp_path / "saved")
+    tokenizer.save_pretrained(tmp_path / "saved")
+    cfg = Config.model_validate({"model": {"path": str(tmp_path / "saved"), "implementation": implementation}})
+    model = load_model_and_tokenizer(cfg)[1]
+    assert all(m.training for m in model.modules())

@@ -380,4 +380,7 @@ def load_model_and_tokenizer(cfg: Config):
     except (OSError, ValueError) as exc:
         key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
         raise EngineConfigError(f"{key}: cannot load {getattr(cfg.model, key.split('.')[1])!r}: {exc}") from None
+    # from_pretrained hands models back in eval mode: training mode turns on what a model does only while it
+    # trains (its config's dropout, peft's lora_dropout, an MoE router's jitter and load-balancing loss)
+    model.train()
     return tokenizer, model
