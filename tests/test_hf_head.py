@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 
 import pytest
 import torch
@@ -11,7 +12,14 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from prime_train.engine import loss as fused_loss
-from prime_train.engine.hf_head import FUSED_MODEL_TYPES, fusable, fuse_head, has_fused_head
+from prime_train.engine.hf_head import (
+    FUSED_MODEL_TYPES,
+    ROUTED_MODEL_TYPES,
+    fusable,
+    fuse_head,
+    has_fused_head,
+    set_router_loss,
+)
 
 VOCAB = 101
 SHAPE = dict(
@@ -134,7 +142,6 @@ def test_a_deep_copy_keeps_the_fused_head_bound_to_itself():
 @pytest.mark.parametrize(
     ("model_type", "overrides", "why"),
     [
-        ("mixtral", {"output_router_logits": True}, "router loss"),
         ("gpt_neox", {}, "not one the chunked loss is checked against"),
     ],
 )
@@ -145,8 +152,8 @@ def test_heads_that_do_more_than_a_linear_projection_keep_transformers_forward(m
     assert not fuse_head(model) and not has_fused_head(model) and model.forward == forward
 
 
-def test_a_listed_family_with_a_router_loss_or_a_biased_head_is_not_fused():
-    assert "router loss" in fusable(_model("qwen3", output_router_logits=True))
+def test_a_listed_family_with_a_biased_head_is_not_fused_and_one_with_router_logits_on_is():
+    assert fusable(_model("mixtral", output_router_logits=True)) is None  # the fused forward adds the router loss
     model = _model("llama")
     model.lm_head = torch.nn.Linear(32, VOCAB, bias=True)
     assert "without bias" in fusable(model)
@@ -230,3 +237,121 @@ def test_gemma2_from_a_path_names_the_attention_key_under_sdpa_and_trains_fused_
     model = build_model(ModelConfig(path=str(tmp_path / "gemma2"), attn_implementation="eager"), VOCAB,
                         for_training=True)  # fmt: skip
     assert has_fused_head(model) and model.config.final_logit_softcapping == 30.0
+
+
+@pytest.mark.parametrize("model_type", ROUTED_MODEL_TYPES)
+def test_an_moe_router_loss_joins_the_fused_loss_as_transformers_adds_it(model_type):
+    """transformers adds coef x load_balancing_loss_func to its loss under output_router_logits: the fused forward
+    given the weight adds the same term, with its gradient into the routers, in training mode and to the loss only."""
+    plain = _model(model_type, router_aux_loss_coef=0.3)
+    model = copy.deepcopy(plain)
+    assert fuse_head(model)
+    unweighted = copy.deepcopy(model)
+    set_router_loss(model, 0.3)
+    ids, labels, _ = _batch()
+
+    want = plain(input_ids=ids, labels=labels, output_router_logits=True)
+    want.loss.backward()
+    want_grads = _grads(plain)
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss)
+    torch.testing.assert_close(out.router_loss, 0.3 * want.aux_loss.detach())
+    got_grads = _grads(model)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, msg=lambda m, name=name: f"{name}: {m}")
+    # the router's term moves the routers: without it their gradients differ
+    plain_out = unweighted(input_ids=ids, labels=labels)
+    assert plain_out.router_loss is None
+    plain_out.loss.backward()
+    routers = [n for n in want_grads if "gate.weight" in n and "proj" not in n and "shared" not in n]
+    assert routers and not any(torch.allclose(_grads(unweighted)[n], want_grads[n]) for n in routers)
+
+    # summed over tokens (the engine's reduction): the term weighs as many tokens as the loss sums
+    labelled = int((labels[:, 1:] != -100).sum())
+    summed = model(input_ids=ids, labels=labels, loss_reduction="sum")
+    torch.testing.assert_close(summed.loss, want.loss.detach() * labelled)
+    torch.testing.assert_close(summed.router_loss, 0.3 * want.aux_loss.detach() * labelled)
+    halves = model(input_ids=ids, labels=labels, num_items_in_batch=2 * labelled)
+    torch.testing.assert_close(halves.loss, want.loss.detach() / 2)
+
+    # log-probs (dpo, rl) and evaluation take no router term
+    assert model(input_ids=ids, labels=labels, token_log_probs=True).router_loss is None
+    model.eval()
+    evaluated = model(input_ids=ids, labels=labels)
+    assert evaluated.router_loss is None
+    torch.testing.assert_close(evaluated.loss, want.loss.detach() - 0.3 * want.aux_loss.detach())
+
+
+def test_the_router_loss_is_refused_where_the_forward_would_not_add_it():
+    with pytest.raises(ValueError, match="no router loss"):
+        set_router_loss(_model("qwen3_moe"), 0.1)  # not fused
+    model = _model("llama")
+    fuse_head(model)
+    with pytest.raises(ValueError, match="no router loss"):
+        set_router_loss(model, 0.1)
+
+
+def _saved(tmp_path, model_type="qwen3_moe", **config) -> str:
+    """A tiny `model_type` saved for model.path, in the byte tokenizer's vocabulary (the engine's without one)."""
+    from prime_train.engine.tokenizer import build_byte_tokenizer, padded_vocab_size
+
+    vocab = padded_vocab_size(build_byte_tokenizer(), 64)
+    moe = MOE if model_type in ROUTED_MODEL_TYPES else {}
+    shape = {**SHAPE, **moe, "vocab_size": vocab, "max_position_embeddings": 512, **config}
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **shape)).save_pretrained(tmp_path / model_type)
+    build_byte_tokenizer().save_pretrained(tmp_path / model_type)
+    return str(tmp_path / model_type)
+
+
+def test_an_sft_run_of_a_saved_moe_trains_with_its_router_loss_and_logs_it_apart(tmp_path):
+    import json
+
+    from enginetools import run_train
+
+    path = _saved(tmp_path)
+    result = run_train(
+        tmp_path, "run", timeout=300, **{"model.path": path, "model.router_aux_loss_coef": 0.5,
+                                         "train.max_steps": 4, "ckpt.interval": 1000, "logging.log_interval": 1}
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "load-balancing loss joins the loss with weight 0.5 (model.router_aux_loss_coef = 0.5)" in result.stdout
+    rows = [row for row in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+            if "loss" in row]  # fmt: skip
+    assert len(rows) == 4
+    # coef x aux, with aux = experts x sum(share of assignments x mean router probability): top_k when balanced
+    # (2 here), up to experts x top_k; the tokens' loss is logged without it (about ln(vocab) at the start)
+    assert all(0.5 * 1 < row["router_loss"] < 0.5 * 4 * 2 for row in rows), rows
+    assert abs(rows[0]["loss"] - math.log(vocab_of(path))) < 1.0
+    assert " router " in result.stdout
+
+
+def vocab_of(path: str) -> int:
+    return AutoConfig.from_pretrained(path).vocab_size
+
+
+def test_the_router_loss_follows_the_key_then_config_json_and_refuses_what_it_cannot_apply(tmp_path, caplog):
+    from prime_train.config.schema import Config
+    from prime_train.engine.hf_head import _ROUTER
+    from prime_train.engine.metrics import EngineConfigError
+    from prime_train.engine.model import load_model_and_tokenizer
+
+    on = _saved(tmp_path, output_router_logits=True, router_aux_loss_coef=0.02)
+
+    def weight(job="sft", path=on, **model):
+        cfg = Config.model_validate({"run": {"job": job}, "model": {"path": path, **model}})
+        return getattr(load_model_and_tokenizer(cfg)[1], _ROUTER, None)
+
+    assert weight() == 0.02  # config.json's output_router_logits and weight
+    assert weight(router_aux_loss_coef=0.5) == 0.5
+    assert weight(router_aux_loss_coef=0) is None
+    assert weight("pretrain") == 0.02
+    with caplog.at_level("WARNING"):
+        assert weight("dpo") is None
+    assert "not added: the dpo job's objective does not take it" in caplog.text
+    with pytest.raises(EngineConfigError, match=r"model.router_aux_loss_coef = 0.5: the dpo job's objective"):
+        weight("dpo", router_aux_loss_coef=0.5)
+    with pytest.raises(EngineConfigError, match=r"'llama' is not an MoE whose router loss the engine adds"):
+        weight(path=_saved(tmp_path, "llama"), router_aux_loss_coef=0.5)

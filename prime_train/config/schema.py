@@ -110,6 +110,15 @@ class ModelConfig(Section):
         "(HF parameter names; whole-model compile, flash SDPA, fused chunked loss); 'hf': transformers' class. "
         "'auto': native where it computes what transformers does for the architecture and rope scaling, else hf.",
     )
+    router_aux_loss_coef: float | None = Field(
+        None,
+        ge=0,
+        le=100,
+        description="Weight of an MoE model's router load-balancing loss (Switch Transformer's, as transformers "
+        "computes it for Mixtral, Qwen2-MoE and Qwen3-MoE) in the sft and pretrain loss; its term is logged as "
+        "router_loss. Unset: as the model's config.json says (output_router_logits, with its router_aux_loss_coef; "
+        "off in Mixtral's and Qwen's releases). 0: off.",
+    )
     activation_checkpointing: Literal["none", "full", "selective"] = Field(
         "none",
         description="Recompute decoder-layer activations in backward: 'full' keeps each layer's input only (true "

@@ -21,11 +21,15 @@ from prime_train.engine.model import chunked_head, last_logits_only
 from prime_train.engine.parallel import DistInfo, all_reduce_sum
 
 
-def token_losses(model, input_ids, position_ids, labels) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of next-token losses over labelled positions, and their count (labels use the HF convention)."""
+def token_losses(
+    model, input_ids, position_ids, labels, router: list | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of next-token losses over labelled positions, and their count (labels use the HF convention). An MoE
+    with its router loss on (engine/hf_head.py) adds that term to the sum; `router`, when given, receives it."""
     if chunked_head(model):
         # the fused, chunked loss: never the full fp32 logits
         out = model(input_ids=input_ids, position_ids=position_ids, labels=labels, loss_reduction="sum")
+        _take_router_loss(out, router)
         return out.loss, (labels[:, 1:] != -100).sum()
     logits = model(input_ids=input_ids, position_ids=position_ids).logits
     shift_logits = logits[:, :-1].float()
@@ -36,13 +40,14 @@ def token_losses(model, input_ids, position_ids, labels) -> tuple[torch.Tensor, 
     return loss_sum, (shift_labels != -100).sum()
 
 
-def row_losses(model, input_ids, position_ids, labels) -> tuple[torch.Tensor, torch.Tensor]:
+def row_losses(model, input_ids, position_ids, labels, router: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """As token_losses' sum, and each row's own sum of its losses ([B] fp32, no gradient), from the same forward."""
     if chunked_head(model):
         out = model(
             input_ids=input_ids, position_ids=position_ids, labels=labels, loss_reduction="sum",
             return_token_losses=True,
         )  # fmt: skip
+        _take_router_loss(out, router)
         return out.loss, out.token_losses.sum(1)
     logits = model(input_ids=input_ids, position_ids=position_ids).logits
     shift_logits = logits[:, :-1].float()
@@ -51,6 +56,11 @@ def row_losses(model, input_ids, position_ids, labels) -> tuple[torch.Tensor, to
         shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1), ignore_index=-100, reduction="none"
     ).view(shift_labels.shape)
     return per_token.sum(), per_token.detach().sum(1)
+
+
+def _take_router_loss(out, router: list | None) -> None:
+    if router is not None and getattr(out, "router_loss", None) is not None:
+        router.append(out.router_loss)
 
 
 @torch.no_grad()

@@ -12,15 +12,23 @@ own forward runs (generation, logits for a value head's caller). The forward is 
 module's call, so FSDP2's hooks gather lm_head's weight for it as for the native model, a deep copy (DPO's reference)
 carries it, and peft's in-place adapters run inside the base model as before.
 
-Not fused, and left to transformers' whole logits: a model whose `lm_head` has a bias, an MoE whose router loss is
-added to the loss (`output_router_logits`), and any family not listed below; tests check each listed family's fused
-loss, log-probs, entropy and every gradient against transformers' own logits.
+An MoE family's router loss (Switch Transformer's load balancing, transformers' `load_balancing_loss_func`, which
+transformers adds to the loss when `output_router_logits` is on) is added by the fused forward once
+`set_router_loss` gives the model its weight: in training mode, to the loss (not to log-probs), weighted by the
+labelled tokens of the forward, so under the engine's global-token normalisation each micro-batch's router loss
+counts as its tokens do (`loss_reduction = "mean"` without `num_items_in_batch` gives transformers' loss +
+coef * aux exactly); the output's `router_loss` is the term added, without gradient, for the trainer's metrics.
+
+Not fused, and left to transformers' whole logits: a model whose `lm_head` has a bias, and any family not listed
+below; tests check each listed family's fused loss, log-probs, entropy and every gradient against transformers' own
+logits.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import sys
 import types
 from typing import Any
 
@@ -42,7 +50,11 @@ FUSED_MODEL_TYPES = (
 # config.logits_scaling
 _MULTIPLIED = ("cohere", "cohere2")
 _DIVIDED = ("granite",)
+# the MoE families whose router loss the fused forward adds (their modules' load_balancing_loss_func, their
+# num_experts and num_experts_per_tok)
+ROUTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 _FLAG = "_prime_train_fused_head"
+_ROUTER = "_prime_train_router_loss_coef"
 # the native forward's keyword-only arguments (what transformers' forward does not take) with the native defaults:
 # the fused forward takes them as the native decoders do
 _HEAD_DEFAULTS = {
@@ -55,8 +67,6 @@ _HEAD_DEFAULTS = {
 def fusable(model: nn.Module) -> str | None:
     """None when `fuse_head` can give `model` the chunked head, else why not."""
     config = getattr(model, "config", None)
-    if getattr(config, "output_router_logits", False):
-        return "its router loss is added to the loss (output_router_logits)"
     model_type = getattr(config, "model_type", None)
     if model_type not in FUSED_MODEL_TYPES:
         return f"transformers' {model_type!r} head is not one the chunked loss is checked against"
@@ -94,11 +104,35 @@ def _forward(self, input_ids=None, *args: Any, labels=None, **kwargs: Any):
     if args:
         raise TypeError("with labels, pass the forward's arguments after input_ids by name")
     head = {name: kwargs.pop(name, default) for name, default in _HEAD_DEFAULTS.items()}
-    hidden = getattr(self, self.base_model_prefix)(input_ids=input_ids, **kwargs).last_hidden_state
+    coef = getattr(self, _ROUTER, 0.0)
+    routed = bool(coef) and self.training and not head["token_log_probs"]
+    if routed:
+        kwargs["output_router_logits"] = True
+    base = getattr(self, self.base_model_prefix)(input_ids=input_ids, **kwargs)
     softcap = getattr(self.config, "final_logit_softcapping", None)
-    return head_output(
-        hidden, self.get_output_embeddings(), labels, **head, softcap=softcap, logit_scale=logit_scale(self.config)
+    out = head_output(
+        base.last_hidden_state, self.get_output_embeddings(), labels, **head, softcap=softcap,
+        logit_scale=logit_scale(self.config),
+    )  # fmt: skip
+    if not routed:
+        return out
+    aux = sys.modules[type(self).__module__].load_balancing_loss_func(
+        base.router_logits, self.num_experts, self.num_experts_per_tok, kwargs.get("attention_mask")
     )
+    labelled = (labels[:, 1:] != -100).sum()
+    term = coef * aux * labelled  # a sum over the labelled tokens, as the loss is
+    if head["loss_reduction"] == "mean":
+        items = head["num_items_in_batch"]
+        term = term / (labelled.clamp(min=1) if items is None else items)
+    return out._replace(loss=out.loss + term, router_loss=term.detach())
+
+
+def set_router_loss(model: nn.Module, coef: float) -> None:
+    """Have `model`'s fused forward add its router's load-balancing loss times `coef` to the training loss (0:
+    not). `model` is an MoE of ROUTED_MODEL_TYPES given the chunked head."""
+    if getattr(model.config, "model_type", None) not in ROUTED_MODEL_TYPES or not has_fused_head(model):
+        raise ValueError(f"{type(model).__name__} has no router loss the fused forward adds")
+    setattr(model, _ROUTER, float(coef))
 
 
 def logit_scale(config) -> float | None:

@@ -43,7 +43,8 @@ class CausalLMOutput(NamedTuple):
     """What forward returns: logits (None when labels were given: the fused loss never forms them) and loss; with
     return_token_losses, each label position's loss ([B, T] fp32, no gradient, 0 where ignored). With
     token_log_probs, no loss but each label position's log-probability ([B, T] fp32, with gradient, 0 where
-    ignored), with return_entropy each position's entropy (no gradient), and the final hidden states."""
+    ignored), with return_entropy each position's entropy (no gradient), and the final hidden states.
+    router_loss: what an MoE's router loss added to `loss` (engine/hf_head.py; no gradient), else None."""
 
     logits: torch.Tensor | None
     loss: torch.Tensor | None
@@ -51,6 +52,7 @@ class CausalLMOutput(NamedTuple):
     log_probs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
+    router_loss: torch.Tensor | None = None
 
 
 def head_output(

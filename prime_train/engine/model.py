@@ -383,4 +383,44 @@ def load_model_and_tokenizer(cfg: Config):
     # from_pretrained hands models back in eval mode: training mode turns on what a model does only while it
     # trains (its config's dropout, peft's lora_dropout, an MoE router's jitter and load-balancing loss)
     model.train()
+    _router_loss(cfg, model)
     return tokenizer, model
+
+
+# the jobs whose loss the router loss joins (engine/train.py's step); dpo's, the reward model's and rl's objectives
+# are not a token loss the fused forward returns
+ROUTER_LOSS_JOBS = ("sft", "pretrain")
+
+
+def _router_loss(cfg: Config, model: nn.Module) -> None:
+    """Give an MoE model its router's load-balancing loss where model.router_aux_loss_coef, or unset, its
+    config.json (output_router_logits, router_aux_loss_coef) asks for it; refuse an explicit weight the run would
+    not apply."""
+    from prime_train.engine.hf_head import ROUTED_MODEL_TYPES, has_fused_head, set_router_loss
+
+    explicit = cfg.model.router_aux_loss_coef
+    hf_config = model.config
+    model_type = getattr(hf_config, "model_type", None)
+    if explicit is None:
+        if not getattr(hf_config, "output_router_logits", False):
+            return
+        coef, source = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0), "its config.json"
+    else:
+        coef, source = explicit, f"model.router_aux_loss_coef = {explicit}"
+    if not coef:
+        return
+    why = None
+    if model_type not in ROUTED_MODEL_TYPES:
+        why = f"{model_type!r} is not an MoE whose router loss the engine adds ({', '.join(ROUTED_MODEL_TYPES)})"
+    elif cfg.run.job not in ROUTER_LOSS_JOBS:
+        why = f"the {cfg.run.job} job's objective does not take it (sft and pretrain do)"
+    elif not has_fused_head(model):
+        why = "the model did not take the chunked head (see the log above)"
+    if why is None:
+        set_router_loss(model, coef)
+        logger.info("the router's load-balancing loss joins the loss with weight %g (%s)", coef, source)
+    elif explicit is not None:
+        raise EngineConfigError(f"model.router_aux_loss_coef = {explicit}: {why}; unset it")
+    else:
+        logger.warning("%s asks for the router's load-balancing loss (output_router_logits), not added: %s",
+                       source, why)  # fmt: skip

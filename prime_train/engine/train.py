@@ -168,6 +168,7 @@ class SFTJob(TrainingJob):
         # DDP and FSDP average gradients over the data-parallel ranks; scale back up so the result is a global mean
         scale = dist.dp_size / global_labels
         loss_sum = torch.zeros((), dtype=torch.float32, device=dist.device)
+        router: list[torch.Tensor] = []  # an MoE's router-loss terms, inside each part (engine/hf_head.py)
         for i, batch in enumerate(batches):
             with timer("data"):
                 batch = _to_device(batch, dist.device)
@@ -178,9 +179,13 @@ class SFTJob(TrainingJob):
                 with parallel.grad_sync(self.model, enabled=i == accum - 1), self._autocast():
                     with timer("forward"):
                         if paced is None:
-                            part, _ = token_losses(self.model, batch.input_ids, batch.positions, batch.labels)
+                            part, _ = token_losses(
+                                self.model, batch.input_ids, batch.positions, batch.labels, router=router
+                            )
                         else:  # the same forward, with each row's loss kept
-                            part, rows = row_losses(self.model, batch.input_ids, batch.positions, batch.labels)
+                            part, rows = row_losses(
+                                self.model, batch.input_ids, batch.positions, batch.labels, router=router
+                            )
                             row_sums.append(rows)
                     with timer("backward"):
                         self.scaler.scale(part * scale).backward()
@@ -198,8 +203,13 @@ class SFTJob(TrainingJob):
             self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
+        router_sum = torch.stack(router).sum().float() if router else None
+        if router_sum is not None:
+            loss_sum -= router_sum  # the loss reported is the tokens' loss; the router's term is its own metric
         with timer("communication"):
             parallel.all_reduce_(loss_sum, dist)  # enqueued on the device under NCCL: no wait here
+            if router_sum is not None:
+                parallel.all_reduce_(router_sum, dist)
         if paced is not None:
             self._pace(*paced, row_sums, batches)
         self.state.step += 1
@@ -213,6 +223,8 @@ class SFTJob(TrainingJob):
             "global_batch": accum * cfg.train.micro_batch_size * dist.dp_size,
             **self.scaler.metrics(),
         }
+        if router_sum is not None:
+            out["router_loss"] = router_sum / global_labels  # an MoE's: coef x its load-balancing loss
         if self.ewc is not None:
             out["ewc_penalty"] = self._ewc_penalty()
         if dist.device.type == "cuda":
@@ -249,6 +261,8 @@ class SFTJob(TrainingJob):
             f"grad {m['grad_norm']:.3f}",
             f"{m['tokens_per_s'] / 1e3:.1f}k tok/s",
         ]
+        if "router_loss" in m:
+            parts.insert(1, f"router {m['router_loss']:.4f}")
         if "mfu" in m:
             parts.append(f"mfu {m['mfu']:.1%}")
         return parts
