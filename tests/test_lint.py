@@ -806,3 +806,37 @@ def test_gemma2_under_sdpa_is_named_before_the_start_and_eager_lints_clean(tmp_p
     assert [(p.severity, "set model.attn_implementation = 'eager'" in p.message) for p in found] == [("error", True)]
     problems, _ = lint_files([clean], ["--model.path", str(model), "--model.attn_implementation", "eager"])
     assert not [p for p in problems if p.key == "model.attn_implementation"]
+
+
+def test_a_router_loss_weight_the_trainer_would_refuse_is_named_before_the_start(tmp_path, monkeypatch):
+    """model.router_aux_loss_coef on a job without a token loss, or on a model without a router (config.json read
+    locally): the errors engine/model.py gives at start-up, with the file's line, before it."""
+    import shutil
+
+    from prime_train.engine.hf_head import ROUTED_MODEL_TYPES
+    from prime_train.engine.model import ROUTER_LOSS_JOBS
+    from prime_train.validator import lint
+
+    assert (lint.ROUTED_MODEL_TYPES, lint.ROUTER_LOSS_JOBS) == (ROUTED_MODEL_TYPES, ROUTER_LOSS_JOBS)
+    monkeypatch.chdir(REPO)
+    models = {}
+    for name in ("Qwen3-30B-A3B", "Qwen3-8B"):
+        models[name] = tmp_path / name
+        models[name].mkdir()
+        shutil.copy(REPO / "tests" / "data" / "model_configs" / name / "config.json", models[name])
+    clean = str(EXAMPLES / "sft-jsonl.toml")
+
+    def router_problems(*overrides: str) -> list[str]:
+        problems, _ = lint_files([clean], list(overrides))
+        return [p.message for p in problems if p.key == "model.router_aux_loss_coef" and p.severity == "error"]
+
+    moe = ["--model.path", str(models["Qwen3-30B-A3B"])]
+    assert router_problems(*moe, "--model.router_aux_loss_coef", "0.01") == []
+    assert router_problems(*moe, "--model.router_aux_loss_coef", "0") == []
+    assert router_problems(*moe, "--run.job", "pretrain", "--model.router_aux_loss_coef", "0.01") == []
+    [dense] = router_problems("--model.path", str(models["Qwen3-8B"]), "--model.router_aux_loss_coef", "0.01")
+    assert "'qwen3' is not an MoE whose router loss the engine adds" in dense
+    [dpo] = router_problems(*moe, "--run.job", "dpo", "--model.router_aux_loss_coef", "0.01")
+    assert "the dpo job's objective does not take it" in dpo
+    [scratch] = router_problems("--model.router_aux_loss_coef", "0.01")  # the example has no model.path
+    assert "random-initialised" in scratch

@@ -731,7 +731,7 @@ def test_config_zero_stage_fp16_and_float8_reach_the_estimate():
 
 def test_transformers_families_with_the_chunked_head_count_chunks_and_those_without_whole_logits():
     """engine/hf_head.py: the listed families train on the chunked loss on transformers' model too; a soft cap
-    (Gemma 2) holds one more fp32 chunk buffer, a scaled one (Cohere) none; a router loss keeps the whole logits."""
+    (Gemma 2) holds one more fp32 chunk buffer, a scaled one (Cohere) none, and an MoE's router loss beside it none."""
     from prime_train.validator.memory_inputs import loss_chunk_tokens
 
     def logits_line(config: dict) -> tuple[bool, int]:
@@ -749,7 +749,10 @@ def test_transformers_families_with_the_chunked_head_count_chunks_and_those_with
     chunked, line = logits_line(gemma2)
     uncapped = logits_line({**gemma2, "final_logit_softcapping": None})[1]
     assert chunked and line - uncapped == loss_chunk_tokens(gemma2["vocab_size"]) * gemma2["vocab_size"] * 4
-    assert not logits_line({**gemma3, "output_router_logits": True})[0]
+    with open("tests/data/model_configs/Qwen3-30B-A3B/config.json") as f:
+        moe = json.load(f)
+    assert logits_line({**moe, "output_router_logits": True}) == logits_line(moe)
+    assert logits_line(moe)[0]
     assert logits_line({**gemma3, "model_type": "cohere", "logit_scale": 0.0625, "final_logit_softcapping": None}) == (
         logits_line({**gemma3, "final_logit_softcapping": None})
     )

@@ -39,9 +39,8 @@ from prime_train.engine.llama import DecoderForward, head_output
 logger = logging.getLogger("prime_train.engine.model")
 
 # transformers families whose causal LM forward is `lm_head(base(...).last_hidden_state)` and the plain loss
-# (the MoE ones while their router loss is off: output_router_logits, refused below, adds it to the loss; Gemma 2
-# and Gemma 3 soft-cap their logits by final_logit_softcapping, which the chunked loss applies too; Cohere's and
-# Granite's scale them, below)
+# (Gemma 2 and Gemma 3 soft-cap their logits by final_logit_softcapping, which the chunked loss applies too;
+# Cohere's and Granite's scale them, and the MoE ones add their router loss, below)
 FUSED_MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "starcoder2", "smollm3",
     "cohere", "cohere2", "granite", "mixtral", "qwen2_moe", "qwen3_moe",

@@ -151,6 +151,7 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
         _job_progress_problems,
         _vllm_model_problems,
         _attention_problems,
+        _router_loss_problems,
         _preference_problems,
         token_budget_problems,
         tp_problems,
@@ -578,6 +579,33 @@ def _attention_problems(cfg: Config, sources: Sources) -> list[Problem]:
             "(their attention logits are soft-capped); set model.attn_implementation = 'eager'",
         )
     ]
+
+
+# the MoE families whose router loss the engine adds, and the jobs it adds it to (engine/hf_head.py
+# ROUTED_MODEL_TYPES, engine/model.py ROUTER_LOSS_JOBS: mirrored without importing torch, a test pins them equal)
+ROUTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+ROUTER_LOSS_JOBS = ("sft", "pretrain")
+
+
+def _router_loss_problems(cfg: Config, sources: Sources) -> list[Problem]:
+    """model.router_aux_loss_coef where the trainer would refuse it: a job without a token loss, a model without a
+    router (its type read locally)."""
+    coef = cfg.model.router_aux_loss_coef
+    if not coef or cfg.job.command:
+        return []
+    why = None
+    if cfg.run.job not in ROUTER_LOSS_JOBS:
+        why = f"the {cfg.run.job} job's objective does not take it ({' and '.join(ROUTER_LOSS_JOBS)} do)"
+    elif cfg.model.path is None:
+        why = "a random-initialised model (model.arch) has no router"
+    else:
+        hf, _ = model_shape(cfg)
+        model_type = hf.get("model_type") if isinstance(hf, dict) else None
+        if model_type is not None and model_type not in ROUTED_MODEL_TYPES:
+            why = f"{model_type!r} is not an MoE whose router loss the engine adds ({', '.join(ROUTED_MODEL_TYPES)})"
+    if why is None:
+        return []
+    return [sources.problem(("model", "router_aux_loss_coef"), "error", f"model.router_aux_loss_coef = {coef}: {why}")]
 
 
 def _checkpoint_dir_problems(cfg: Config, sources: Sources) -> list[Problem]:

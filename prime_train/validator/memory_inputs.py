@@ -368,10 +368,7 @@ class MemoryInputs:
         if self.loss != "auto":
             return self.loss == "chunked"
         hf = self._language_model
-        if not isinstance(hf, dict) or hf.get("model_type") not in HF_CHUNKED_MODEL_TYPES:
-            return False
-        # engine/hf_head.py fusable: a router loss keeps the whole logits
-        return not hf.get("output_router_logits")
+        return isinstance(hf, dict) and hf.get("model_type") in HF_CHUNKED_MODEL_TYPES
 
     @property
     def soft_capped(self) -> bool:
