@@ -118,3 +118,16 @@ def test_padded_vocab_size_rounds_up_to_the_multiple(tokenizer):
     assert padded_vocab_size(tokenizer, 261) == 261
     with pytest.raises(ValueError, match="vocab_multiple"):
         padded_vocab_size(tokenizer, 0)
+
+
+@pytest.mark.parametrize(("model_type", "encodes_to"), [("qwen2", "nothing"), ("gemma", "unknown tokens only")])
+def test_a_model_directory_without_tokenizer_files_is_an_error_not_an_empty_tokenizer(tmp_path, model_type, encodes_to):
+    """transformers builds Qwen2's and Gemma's tokenizer classes with no vocabulary from a directory that holds only
+    the model (save_pretrained of the model alone): every text became nothing or <unk> and the run trained on it."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"model\.path = .*encodes text to {encodes_to}: it holds no tokenizer files"):
+        load_tokenizer(ModelConfig(path=str(tmp_path)))
+    build_byte_tokenizer().save_pretrained(tmp_path)
+    assert load_tokenizer(ModelConfig(path=str(tmp_path)))("abc")["input_ids"]

@@ -73,6 +73,10 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
+# a sentence any real tokenizer encodes to known tokens
+_PROBE = "The quick brown fox jumps over the lazy dog 0123456789."
+
+
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
     """The tokenizer of `cfg`: `model.tokenizer`, else the model at `model.path`, else the byte tokenizer."""
     if cfg.tokenizer is not None:
@@ -99,6 +103,16 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
             f"Point {key} at a local directory holding tokenizer.json, or go online (and log in) for a hub id; "
             "unset both model.tokenizer and model.path to use the built-in byte tokenizer."
         ) from exc
+    probe = tokenizer(_PROBE, add_special_tokens=False)["input_ids"]
+    if not probe or all(i == tokenizer.unk_token_id for i in probe):
+        # transformers builds some families' tokenizer classes with no vocabulary when the directory has no
+        # tokenizer files (a model saved by save_pretrained alone): every text would become nothing, or <unk>
+        raise ValueError(
+            f"{key} = {source!r}: the tokenizer transformers built from it has {len(tokenizer)} entries and "
+            f"encodes text to {'nothing' if not probe else 'unknown tokens only'}: it holds no "
+            "tokenizer files (tokenizer.json, tokenizer.model, vocab.json and merges.txt). Save the model's "
+            "tokenizer beside it (tokenizer.save_pretrained), or point model.tokenizer at one."
+        )
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(
