@@ -207,14 +207,8 @@ def test_an_sft_run_of_a_saved_gemma3_model_trains_through_the_fused_head(tmp_pa
 
     from enginetools import run_train
 
-    from prime_train.engine.tokenizer import build_byte_tokenizer, padded_vocab_size
-
-    vocab = padded_vocab_size(build_byte_tokenizer(), 64)
-    config = AutoConfig.for_model("gemma3_text", **{**SHAPE, "vocab_size": vocab, "max_position_embeddings": 512})
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gemma3")
     result = run_train(
-        tmp_path, "gemma", timeout=300, **{"model.path": str(tmp_path / "gemma3"), "train.max_steps": 8,
+        tmp_path, "gemma", timeout=300, **{"model.path": _saved(tmp_path, "gemma3_text"), "train.max_steps": 8,
                                            "ckpt.interval": 1000, "logging.log_interval": 1}
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -307,29 +301,32 @@ def _saved(tmp_path, model_type="qwen3_moe", **config) -> str:
 
 
 def test_an_sft_run_of_a_saved_moe_trains_with_its_router_loss_and_logs_it_apart(tmp_path):
+    """The engine's step: the router's term joins each micro-batch's loss and is logged apart, normalised over the
+    global batch's tokens as the loss is, so two DDP ranks log what one process accumulating over two micro-batches
+    does."""
     import json
 
     from enginetools import run_train
 
     path = _saved(tmp_path)
-    result = run_train(
-        tmp_path, "run", timeout=300, **{"model.path": path, "model.router_aux_loss_coef": 0.5,
-                                         "train.max_steps": 4, "ckpt.interval": 1000, "logging.log_interval": 1}
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "load-balancing loss joins the loss with weight 0.5 (model.router_aux_loss_coef = 0.5)" in result.stdout
-    rows = [row for row in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
-            if "loss" in row]  # fmt: skip
-    assert len(rows) == 4
-    # coef x aux, with aux = experts x sum(share of assignments x mean router probability): top_k when balanced
-    # (2 here), up to experts x top_k; the tokens' loss is logged without it (about ln(vocab) at the start)
-    assert all(0.5 * 1 < row["router_loss"] < 0.5 * 4 * 2 for row in rows), rows
-    assert abs(rows[0]["loss"] - math.log(vocab_of(path))) < 1.0
-    assert " router " in result.stdout
-
-
-def vocab_of(path: str) -> int:
-    return AutoConfig.from_pretrained(path).vocab_size
+    common = {"model.path": path, "model.router_aux_loss_coef": 0.5, "train.max_steps": 3, "ckpt.interval": 1000,
+              "logging.log_interval": 1, "train.micro_batch_size": 8, "train.global_batch_size": 16}  # fmt: skip
+    rows = {}
+    for name, extra in (("one", {}), ("two", {"distributed.nproc_per_node": 2})):
+        result = run_train(tmp_path, name, timeout=300, **common, **extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "load-balancing loss joins the loss with weight 0.5 (model.router_aux_loss_coef = 0.5)" in result.stdout
+        assert " router " in result.stdout
+        rows[name] = [row for row in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+                      if "loss" in row]  # fmt: skip
+    assert len(rows["one"]) == len(rows["two"]) == 3
+    for one, two in zip(rows["one"], rows["two"], strict=True):
+        assert math.isclose(one["loss"], two["loss"], rel_tol=1e-4), (one, two)
+        assert math.isclose(one["router_loss"], two["router_loss"], rel_tol=1e-4), (one, two)
+        # coef x aux, with aux = experts x sum(share of assignments x mean router probability): top_k when balanced
+        # (2 here), up to experts x top_k; the tokens' loss is logged without it (about ln(vocab) at the start)
+        assert 0.5 * 1 < one["router_loss"] < 0.5 * 4 * 2, one
+    assert abs(rows["one"][0]["loss"] - math.log(AutoConfig.from_pretrained(path).vocab_size)) < 1.0
 
 
 def test_the_router_loss_follows_the_key_then_config_json_and_refuses_what_it_cannot_apply(tmp_path, caplog):
