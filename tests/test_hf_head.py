@@ -270,8 +270,13 @@ def test_an_moe_router_loss_joins_the_fused_loss_as_transformers_adds_it(model_t
     halves = model(input_ids=ids, labels=labels, num_items_in_batch=2 * labelled)
     torch.testing.assert_close(halves.loss, want.loss.detach() / 2)
 
-    # log-probs (dpo, rl) and evaluation take no router term
-    assert model(input_ids=ids, labels=labels, token_log_probs=True).router_loss is None
+    # log-probs (DPO's) have no loss to take it: the term comes back with its gradient for the caller's objective;
+    # a forward without gradients (a reference's) and evaluation take none
+    log_probs = model(input_ids=ids, labels=labels, token_log_probs=True)
+    torch.testing.assert_close(log_probs.router_loss.detach(), 0.3 * want.aux_loss.detach())
+    assert log_probs.router_loss.requires_grad
+    with torch.no_grad():
+        assert model(input_ids=ids, labels=labels, token_log_probs=True).router_loss is None
     model.eval()
     evaluated = model(input_ids=ids, labels=labels)
     assert evaluated.router_loss is None
@@ -329,6 +334,28 @@ def test_an_sft_run_of_a_saved_moe_trains_with_its_router_loss_and_logs_it_apart
     assert abs(rows["one"][0]["loss"] - math.log(AutoConfig.from_pretrained(path).vocab_size)) < 1.0
 
 
+def test_a_dpo_run_of_a_saved_moe_adds_the_router_loss_to_its_objective_and_logs_it_apart(tmp_path):
+    """DPO has no token loss: the policy's log-prob forward hands back coef x aux and the step adds it, weighted by
+    the micro-batch's pairs; the logged DPO loss is the pairs' alone (ln 2 at the first step, the policy being the
+    reference)."""
+    import json
+
+    from enginetools import run_train
+
+    result = run_train(
+        tmp_path, "dpo", timeout=300, **{"run.job": "dpo", "model.path": _saved(tmp_path),
+                                         "model.router_aux_loss_coef": 0.5, "train.max_steps": 3,
+                                         "ckpt.interval": 1000, "logging.log_interval": 1,
+                                         "data.datasets.0.num_examples": 400}
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert " router " in result.stdout
+    rows = [row for row in map(json.loads, (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines())
+            if "loss" in row]  # fmt: skip
+    assert len(rows) == 3 and all(0.5 * 1 < row["router_loss"] < 0.5 * 4 * 2 for row in rows), rows
+    assert math.isclose(rows[0]["loss"], math.log(2), rel_tol=1e-4), rows[0]
+
+
 def test_the_router_loss_follows_the_key_then_config_json_and_refuses_what_it_cannot_apply(tmp_path, caplog):
     from prime_train.config.schema import Config
     from prime_train.engine.hf_head import _ROUTER
@@ -344,11 +371,11 @@ def test_the_router_loss_follows_the_key_then_config_json_and_refuses_what_it_ca
     assert weight() == 0.02  # config.json's output_router_logits and weight
     assert weight(router_aux_loss_coef=0.5) == 0.5
     assert weight(router_aux_loss_coef=0) is None
-    assert weight("pretrain") == 0.02
+    assert weight("pretrain") == weight("dpo") == 0.02
     with caplog.at_level("WARNING"):
-        assert weight("dpo") is None
-    assert "not added: the dpo job's objective does not take it" in caplog.text
-    with pytest.raises(EngineConfigError, match=r"model.router_aux_loss_coef = 0.5: the dpo job's objective"):
-        weight("dpo", router_aux_loss_coef=0.5)
+        assert weight("rl") is None
+    assert "not added: the rl job's objective does not take it" in caplog.text
+    with pytest.raises(EngineConfigError, match=r"model.router_aux_loss_coef = 0.5: the rl job's objective"):
+        weight("rl", router_aux_loss_coef=0.5)
     with pytest.raises(EngineConfigError, match=r"'llama' is not an MoE whose router loss the engine adds"):
         weight(path=_saved(tmp_path, "llama"), router_aux_loss_coef=0.5)

@@ -836,7 +836,8 @@ def test_a_router_loss_weight_the_trainer_would_refuse_is_named_before_the_start
     assert router_problems(*moe, "--run.job", "pretrain", "--model.router_aux_loss_coef", "0.01") == []
     [dense] = router_problems("--model.path", str(models["Qwen3-8B"]), "--model.router_aux_loss_coef", "0.01")
     assert "'qwen3' is not an MoE whose router loss the engine adds" in dense
-    [dpo] = router_problems(*moe, "--run.job", "dpo", "--model.router_aux_loss_coef", "0.01")
-    assert "the dpo job's objective does not take it" in dpo
+    assert router_problems(*moe, "--run.job", "dpo", "--model.router_aux_loss_coef", "0.01") == []
+    [reward] = router_problems(*moe, "--run.job", "reward", "--model.router_aux_loss_coef", "0.01")
+    assert "the reward job's objective does not take it" in reward
     [scratch] = router_problems("--model.router_aux_loss_coef", "0.01")  # the example has no model.path
     assert "random-initialised" in scratch

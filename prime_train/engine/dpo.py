@@ -229,6 +229,7 @@ class DPOJob(TrainingJob):
         scale = dist.world_size / max(1, global_pairs)  # DDP/FSDP average gradients over ranks: a global mean
         # loss, rewards_chosen, rewards_rejected, wins (chosen reward higher), summed over this rank's pairs
         sums = torch.zeros(4, dtype=torch.float32, device=dist.device)
+        router: list[torch.Tensor] = []  # an MoE's router-loss terms (engine/hf_head.py), each weighted by its pairs
         for i, batch in enumerate(batches):
             with timer("data"):
                 batch = batch.to(dist.device, non_blocking=dist.device.type == "cuda")
@@ -236,13 +237,18 @@ class DPOJob(TrainingJob):
                 ref_chosen, ref_rejected = self._reference_logprobs(batch)
             with parallel.grad_sync(self.model, enabled=i == accum - 1):
                 with timer("forward"):
-                    chosen, rejected = sequence_logprobs(self.model, batch, self._autocast)
+                    terms: list[torch.Tensor] = []
+                    chosen, rejected = sequence_logprobs(self.model, batch, self._autocast, router=terms)
                     losses, r_chosen, r_rejected = preference_loss(
                         chosen, rejected, ref_chosen, ref_rejected, beta=dpo.beta, loss_type=dpo.loss_type,
                         label_smoothing=dpo.label_smoothing,
                     )  # fmt: skip
+                    objective = losses.sum()
+                    if terms:  # weighted by the micro-batch's pairs, as the pairs' losses are summed
+                        objective = objective + terms[0] * batch.num_pairs
+                        router.append(terms[0].detach() * batch.num_pairs)
                 with timer("backward"):
-                    (losses.sum() * scale).backward()
+                    (objective * scale).backward()
             wins = (r_chosen > r_rejected).float()
             sums += torch.stack([losses.detach().sum(), r_chosen.sum(), r_rejected.sum(), wins.sum()])
         with timer("optimizer"):
@@ -251,6 +257,8 @@ class DPOJob(TrainingJob):
             self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
+        if router:
+            sums = torch.cat([sums, torch.stack(router).sum().reshape(1)])
         with timer("communication"):
             parallel.all_reduce_(sums, dist)
         self.state.step += 1
@@ -267,6 +275,8 @@ class DPOJob(TrainingJob):
             "tokens": self.state.tokens_seen,
             "global_batch": global_pairs,
         }
+        if router:
+            out["router_loss"] = mean[4]  # an MoE's: coef x its load-balancing loss, pair-weighted
         if dist.device.type == "cuda":
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated(dist.device) / 2**30
         return out
@@ -274,6 +284,7 @@ class DPOJob(TrainingJob):
     def log_fields(self, m: dict) -> list[str]:
         return [
             f"loss {m['loss']:.4f}",
+            *([f"router {m['router_loss']:.4f}"] if "router_loss" in m else []),
             f"margin {m['reward_margin']:.3f}",
             f"acc {m['reward_accuracy']:.3f}",
             f"lr {m['lr']:.2e}",

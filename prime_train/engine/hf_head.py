@@ -14,10 +14,12 @@ carries it, and peft's in-place adapters run inside the base model as before.
 
 An MoE family's router loss (Switch Transformer's load balancing, transformers' `load_balancing_loss_func`, which
 transformers adds to the loss when `output_router_logits` is on) is added by the fused forward once
-`set_router_loss` gives the model its weight: in training mode, to the loss (not to log-probs), weighted by the
-labelled tokens of the forward, so under the engine's global-token normalisation each micro-batch's router loss
+`set_router_loss` gives the model its weight, in a training-mode forward with gradients on: to the loss, weighted by
+the labelled tokens of the forward, so under the engine's global-token normalisation each micro-batch's router loss
 counts as its tokens do (`loss_reduction = "mean"` without `num_items_in_batch` gives transformers' loss +
-coef * aux exactly); the output's `router_loss` is the term added, without gradient, for the trainer's metrics.
+coef * aux exactly), the output's `router_loss` then the term added, without gradient, for the trainer's metrics;
+with `token_log_probs` there is no loss to add it to, and `router_loss` is coef * aux with its gradient, for the
+caller's objective (DPO's, engine/dpo.py).
 
 Not fused, and left to transformers' whole logits: a model whose `lm_head` has a bias, and any family not listed
 below; tests check each listed family's fused loss, log-probs, entropy and every gradient against transformers' own
@@ -32,6 +34,7 @@ import sys
 import types
 from typing import Any
 
+import torch
 from torch import nn
 
 from prime_train.engine.llama import DecoderForward, head_output
@@ -104,7 +107,7 @@ def _forward(self, input_ids=None, *args: Any, labels=None, **kwargs: Any):
         raise TypeError("with labels, pass the forward's arguments after input_ids by name")
     head = {name: kwargs.pop(name, default) for name, default in _HEAD_DEFAULTS.items()}
     coef = getattr(self, _ROUTER, 0.0)
-    routed = bool(coef) and self.training and not head["token_log_probs"]
+    routed = bool(coef) and self.training and torch.is_grad_enabled()  # not a reference's or an eval's forward
     if routed:
         kwargs["output_router_logits"] = True
     base = getattr(self, self.base_model_prefix)(input_ids=input_ids, **kwargs)
@@ -118,6 +121,8 @@ def _forward(self, input_ids=None, *args: Any, labels=None, **kwargs: Any):
     aux = sys.modules[type(self).__module__].load_balancing_loss_func(
         base.router_logits, self.num_experts, self.num_experts_per_tok, kwargs.get("attention_mask")
     )
+    if head["token_log_probs"]:
+        return out._replace(router_loss=coef * aux)  # no loss to add it to: the caller's objective adds it (DPO)
     labelled = (labels[:, 1:] != -100).sum()
     term = coef * aux * labelled  # a sum over the labelled tokens, as the loss is
     if head["loss_reduction"] == "mean":

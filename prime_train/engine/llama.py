@@ -44,7 +44,8 @@ class CausalLMOutput(NamedTuple):
     return_token_losses, each label position's loss ([B, T] fp32, no gradient, 0 where ignored). With
     token_log_probs, no loss but each label position's log-probability ([B, T] fp32, with gradient, 0 where
     ignored), with return_entropy each position's entropy (no gradient), and the final hidden states.
-    router_loss: what an MoE's router loss added to `loss` (engine/hf_head.py; no gradient), else None."""
+    router_loss: an MoE's router-loss term (engine/hf_head.py), else None: with a loss, what was added to it (no
+    gradient); with token_log_probs, coef x aux with its gradient, for the caller's objective to add."""
 
     logits: torch.Tensor | None
     loss: torch.Tensor | None

@@ -387,9 +387,9 @@ def load_model_and_tokenizer(cfg: Config):
     return tokenizer, model
 
 
-# the jobs whose loss the router loss joins (engine/train.py's step); dpo's, the reward model's and rl's objectives
-# are not a token loss the fused forward returns
-ROUTER_LOSS_JOBS = ("sft", "pretrain")
+# the jobs whose objective the router loss joins (engine/train.py's step, engine/dpo.py's); the reward model has no
+# causal LM head, and rl's steps do not add it
+ROUTER_LOSS_JOBS = ("sft", "pretrain", "dpo")
 
 
 def _router_loss(cfg: Config, model: nn.Module) -> None:
@@ -413,7 +413,7 @@ def _router_loss(cfg: Config, model: nn.Module) -> None:
     if model_type not in ROUTED_MODEL_TYPES:
         why = f"{model_type!r} is not an MoE whose router loss the engine adds ({', '.join(ROUTED_MODEL_TYPES)})"
     elif cfg.run.job not in ROUTER_LOSS_JOBS:
-        why = f"the {cfg.run.job} job's objective does not take it (sft and pretrain do)"
+        why = f"the {cfg.run.job} job's objective does not take it ({', '.join(ROUTER_LOSS_JOBS)} do)"
     elif not has_fused_head(model):
         why = "the model did not take the chunked head (see the log above)"
     if why is None:

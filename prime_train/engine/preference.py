@@ -535,7 +535,7 @@ def build_eval_pairs(
 
 
 def sequence_logprobs(
-    model, batch: PairBatch, autocast: Callable[[], AbstractContextManager]
+    model, batch: PairBatch, autocast: Callable[[], AbstractContextManager], router: list | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected): each row's summed log-probs of its labelled (completion) tokens, [B] fp32 each.
 
@@ -543,12 +543,15 @@ def sequence_logprobs(
     given its head (engine/hf_head.py), give each label's log-probability chunk by chunk (engine/loss.py: never the
     whole logits, whose fp32 copy alone is rows x seq_len x vocab x 4 bytes: 8 GiB for 8 rows of 2048 tokens at
     Llama 3's vocabulary); other transformers' models give logits, whose cross-entropy is taken at the labelled
-    positions as evaluate.token_losses takes it."""
+    positions as evaluate.token_losses takes it. An MoE with its router loss on (engine/hf_head.py) gives that
+    term (coef x aux, with its gradient) to `router` when it is given."""
     if chunked_head(model):
         with autocast():
             out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, labels=batch.labels,
                         token_log_probs=True)  # fmt: skip
         sums = out.log_probs.sum(-1)
+        if router is not None and getattr(out, "router_loss", None) is not None:
+            router.append(out.router_loss)
     else:
         with autocast():
             logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits

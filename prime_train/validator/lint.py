@@ -584,7 +584,7 @@ def _attention_problems(cfg: Config, sources: Sources) -> list[Problem]:
 # the MoE families whose router loss the engine adds, and the jobs it adds it to (engine/hf_head.py
 # ROUTED_MODEL_TYPES, engine/model.py ROUTER_LOSS_JOBS: mirrored without importing torch, a test pins them equal)
 ROUTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-ROUTER_LOSS_JOBS = ("sft", "pretrain")
+ROUTER_LOSS_JOBS = ("sft", "pretrain", "dpo")
 
 
 def _router_loss_problems(cfg: Config, sources: Sources) -> list[Problem]:
@@ -595,7 +595,7 @@ def _router_loss_problems(cfg: Config, sources: Sources) -> list[Problem]:
         return []
     why = None
     if cfg.run.job not in ROUTER_LOSS_JOBS:
-        why = f"the {cfg.run.job} job's objective does not take it ({' and '.join(ROUTER_LOSS_JOBS)} do)"
+        why = f"the {cfg.run.job} job's objective does not take it ({', '.join(ROUTER_LOSS_JOBS)} do)"
     elif cfg.model.path is None:
         why = "a random-initialised model (model.arch) has no router"
     else:
