@@ -757,3 +757,26 @@ def test_transformers_families_with_the_chunked_head_count_chunks_and_those_with
         logits_line({**gemma3, "final_logit_softcapping": None})
     )
     assert not logits_line({**gemma3, "model_type": "gpt_neox"})[0]
+
+
+def test_an_moe_router_loss_keeps_every_layers_router_logits_and_probabilities_past_checkpointing():
+    """engine/hf_head.py: with the router loss on, transformers keeps each layer's router logits until the loss, and
+    its load-balancing loss an fp32 softmax of them: 8 B per expert per layer per token past full or selective
+    checkpointing, the softmax's 4 B without checkpointing (the logits are among the MLP's then)."""
+    with open("tests/data/model_configs/Qwen3-30B-A3B/config.json") as f:
+        moe = json.load(f)
+    experts, layers, tokens = moe["num_experts"], moe["num_hidden_layers"], 4 * 2048
+
+    def activations(ckpt: str, **settings) -> int:
+        inputs = MemoryInputs(model=moe, seq_len=2048, micro_batch=4, activation_checkpointing=ckpt, **settings)
+        return trainer_memory(inputs, ModelShape.from_hf(moe)).get("activations")
+
+    for ckpt, per_layer in (("full", 8), ("selective", 8), ("none", 4)):
+        off = activations(ckpt)  # Qwen's config.json: output_router_logits false
+        assert activations(ckpt, router_aux_loss_coef=0.001) - off == per_layer * experts * layers * tokens, ckpt
+        assert activations(ckpt, router_aux_loss_coef=0.001, job="reward") == activations(ckpt, job="reward")
+        assert activations(ckpt, router_aux_loss_coef=0.0) == off
+    on = {**moe, "output_router_logits": True}
+    assert MemoryInputs(model=on).router_loss and not MemoryInputs(model=on, router_aux_loss_coef=0).router_loss
+    cfg = Config.model_validate({"model": {"router_aux_loss_coef": 0.01}})
+    assert inputs_from_config(cfg, model=moe).router_loss

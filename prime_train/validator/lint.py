@@ -23,6 +23,7 @@ from prime_train.tasks import read_multiple_choice
 from prime_train.validator import data_fields
 from prime_train.validator.data_fields import DATA_SUFFIXES, TASK_FIELDS
 from prime_train.validator.lora_checks import lora_problems
+from prime_train.validator.memory_inputs import ROUTED_MODEL_TYPES, ROUTER_LOSS_JOBS
 from prime_train.validator.method_checks import method_problems
 from prime_train.validator.model_shape import model_shape
 from prime_train.validator.param_count import split_config
@@ -579,12 +580,6 @@ def _attention_problems(cfg: Config, sources: Sources) -> list[Problem]:
             "(their attention logits are soft-capped); set model.attn_implementation = 'eager'",
         )
     ]
-
-
-# the MoE families whose router loss the engine adds, and the jobs it adds it to (engine/hf_head.py
-# ROUTED_MODEL_TYPES, engine/model.py ROUTER_LOSS_JOBS: mirrored without importing torch, a test pins them equal)
-ROUTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-ROUTER_LOSS_JOBS = ("sft", "pretrain", "dpo")
 
 
 def _router_loss_problems(cfg: Config, sources: Sources) -> list[Problem]:

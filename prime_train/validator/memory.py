@@ -104,6 +104,7 @@ def inputs_from_config(cfg: Config, **overrides: Any) -> MemoryInputs:
         "lora_targets": cfg.lora.target_modules,
         "lora_quantize": cfg.lora.quantize,
         "lora_dropout": cfg.lora.dropout,
+        "router_aux_loss_coef": cfg.model.router_aux_loss_coef,
     }
     # the job as the config runs it ([dpo], rl.algorithm and rl.kl_coef), or as `overrides` name it
     job = values["job"] = overrides.get("job", cfg.run.job)

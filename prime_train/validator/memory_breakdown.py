@@ -290,6 +290,10 @@ def _activation_bytes_per_token(inputs: MemoryInputs, m: ModelShape) -> dict[str
         "selective": h * (4 if (autocast or not bf16) else a)
         + (m.q_dim + 2 * m.kv_dim + 2 * h + 2 * m.mlp_width) * a
         + (m.heads * s * a + m.q_dim * a if inputs.attention == "eager" else m.q_dim * a + 4 * m.heads),
+        # an MoE's router loss: each layer's router logits (kept by transformers' recorder past checkpointing; without
+        # it they are among "mlp") and the fp32 softmax its load-balancing loss saves for backward
+        "router_logits": 4 * m.experts if inputs.router_loss else 0,
+        "router_probs": 4 * m.experts if inputs.router_loss else 0,
         "final_norm": norm,
         "indices": 8,
         "logits": LOSS_BYTES_PER_VOCAB * m.vocab,
@@ -480,12 +484,14 @@ def layers_per_token(
     lora = lora or _LoraActivations(0.0, 0.0, 0.0)
     layer = act["norms"] + act["attention"] + act["scores"] + act["mlp"] + lora.layer
     ckpt = inputs.activation_checkpointing
+    router = act.get("router_logits", 0) + act.get("router_probs", 0)
+    routed = "; router logits and probabilities kept for the router loss" if router else ""
     if ckpt == "full":
-        return layers * act["layer_input"] + layer, f"{layers} layer inputs + one layer recomputed"
+        return layers * (act["layer_input"] + router) + layer, f"{layers} layer inputs + one layer recomputed{routed}"
     if ckpt == "selective":
-        how = f"{layers} layers' inputs, matmul and attention outputs; the rest recomputed"
-        return layers * (act["selective"] + lora.selective), how
-    return layers * layer, f"{layers} layers"
+        how = f"{layers} layers' inputs, matmul and attention outputs; the rest recomputed{routed}"
+        return layers * (act["selective"] + lora.selective + router), how
+    return layers * (layer + act.get("router_probs", 0)), f"{layers} layers{routed}"
 
 
 # ---------------------------------------------------------------- tensor and pipeline parallel (memory_parallel.py)

@@ -53,6 +53,10 @@ PAIR_JOBS = ("dpo", "reward")
 RL_ALGORITHMS = ("grpo", "ppo")
 # the jobs that can hold a frozen copy of the starting weights: DPO's reference, RL's KL anchor (rl.kl_coef > 0)
 REFERENCE_JOBS = ("dpo", "rl")
+# an MoE's router loss: the families and jobs the engine adds it for (engine/hf_head.py ROUTED_MODEL_TYPES,
+# engine/model.py ROUTER_LOSS_JOBS: mirrored without importing torch, tests pin them equal; lint reads these)
+ROUTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+ROUTER_LOSS_JOBS = ("sft", "pretrain", "dpo")
 # lora.quantize: the frozen base as the run holds it, or its decoder blocks' linear weights in 4-bit NormalFloat
 LORA_QUANTIZE = ("none", "nf4")
 
@@ -225,6 +229,8 @@ class MemoryInputs:
     job: str = "sft"
     rl_algorithm: str = "grpo"
     reference: bool | None = None
+    # model.router_aux_loss_coef: an MoE's router loss (None: as its config.json's output_router_logits says)
+    router_aux_loss_coef: float | None = None
 
     def __post_init__(self) -> None:
         choices = {
@@ -351,6 +357,21 @@ class MemoryInputs:
     def sequences_per_sample(self) -> int:
         """Sequences one unit of micro_batch is: 2 for a preference pair (chosen and rejected), else 1."""
         return 2 if self.job in PAIR_JOBS else 1
+
+    @property
+    def router_loss(self) -> bool:
+        """Whether the trainer adds an MoE's router loss (engine/model.py _router_loss): each layer's router logits
+        and their fp32 softmax then live until the loss, past activation checkpointing."""
+        hf = self._language_model
+        if (
+            self.job not in ROUTER_LOSS_JOBS
+            or not isinstance(hf, dict)
+            or hf.get("model_type") not in ROUTED_MODEL_TYPES
+        ):
+            return False
+        if self.router_aux_loss_coef is not None:
+            return self.router_aux_loss_coef > 0
+        return bool(hf.get("output_router_logits") and hf.get("router_aux_loss_coef"))
 
     @property
     def value_head(self) -> bool:
