@@ -308,7 +308,8 @@ def _saved(tmp_path, model_type="qwen3_moe", **config) -> str:
 def test_an_sft_run_of_a_saved_moe_trains_with_its_router_loss_and_logs_it_apart(tmp_path):
     """The engine's step: the router's term joins each micro-batch's loss and is logged apart, normalised over the
     global batch's tokens as the loss is, so two DDP ranks log what one process accumulating over two micro-batches
-    does."""
+    does (the two ranks also recompute their layers under activation checkpointing: the router logits transformers
+    records in the forward are the ones the loss takes)."""
     import json
 
     from enginetools import run_train
@@ -317,7 +318,8 @@ def test_an_sft_run_of_a_saved_moe_trains_with_its_router_loss_and_logs_it_apart
     common = {"model.path": path, "model.router_aux_loss_coef": 0.5, "train.max_steps": 3, "ckpt.interval": 1000,
               "logging.log_interval": 1, "train.micro_batch_size": 8, "train.global_batch_size": 16}  # fmt: skip
     rows = {}
-    for name, extra in (("one", {}), ("two", {"distributed.nproc_per_node": 2})):
+    two = {"distributed.nproc_per_node": 2, "model.activation_checkpointing": "full"}
+    for name, extra in (("one", {}), ("two", two)):
         result = run_train(tmp_path, name, timeout=300, **common, **extra)
         assert result.returncode == 0, result.stderr[-3000:]
         assert "load-balancing loss joins the loss with weight 0.5 (model.router_aux_loss_coef = 0.5)" in result.stdout
