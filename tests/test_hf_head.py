@@ -373,11 +373,38 @@ def test_the_router_loss_follows_the_key_then_config_json_and_refuses_what_it_ca
     assert weight() == 0.02  # config.json's output_router_logits and weight
     assert weight(router_aux_loss_coef=0.5) == 0.5
     assert weight(router_aux_loss_coef=0) is None
-    assert weight("pretrain") == weight("dpo") == 0.02
+    assert weight("pretrain") == weight("dpo") == weight("rl") == 0.02
     with caplog.at_level("WARNING"):
-        assert weight("rl") is None
-    assert "not added: the rl job's objective does not take it" in caplog.text
-    with pytest.raises(EngineConfigError, match=r"model.router_aux_loss_coef = 0.5: the rl job's objective"):
-        weight("rl", router_aux_loss_coef=0.5)
+        assert weight("reward") is None
+    assert "not added: the reward job's objective does not take it" in caplog.text
+    with pytest.raises(EngineConfigError, match=r"model.router_aux_loss_coef = 0.5: the reward job's objective"):
+        weight("reward", router_aux_loss_coef=0.5)
     with pytest.raises(EngineConfigError, match=r"'llama' is not an MoE whose router loss the engine adds"):
         weight(path=_saved(tmp_path, "llama"), router_aux_loss_coef=0.5)
+
+
+def test_a_grpo_run_of_a_saved_moe_adds_the_router_loss_to_its_objective_and_logs_it_apart(tmp_path):
+    """RL's policy forward returns log-probs: the step adds coef x aux weighted by the chunk's share of the samples,
+    and logs it apart from the policy loss. The embedded worker loads the MoE's published weights, whose experts
+    transformers saves one tensor each and runs fused."""
+    import json
+    import subprocess
+
+    from enginetools import TINY_RL, cli, env, free_port
+
+    args = {"run.output_dir": str(tmp_path), "run.name": "rl", "model.path": _saved(tmp_path),
+            "model.router_aux_loss_coef": 0.5, "inference.base_port": free_port(), "logging.tensorboard": "false",
+            "supervisor.poll_interval_s": 0.5, "train.max_steps": 2, "rl.prompts_per_step": 4, "rl.group_size": 4,
+            "train.global_batch_size": 16, "rl.eval_prompts": 4, "train.eval_interval": 1000,
+            "ckpt.interval": 1000, "logging.log_interval": 1,
+            # the random model scores every group alike and runs to the token limit: learn from every sample anyway
+            "rl.drop_zero_variance_groups": "false", "rl.mask_truncated": "false"}  # fmt: skip
+    argv = cli("run", str(TINY_RL), *[part for key, value in args.items() for part in (f"--{key}", str(value))])
+    result = subprocess.run(argv, env=env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [row for row in map(json.loads, (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines())
+            if "reward" in row]  # fmt: skip
+    assert len(rows) == 2 and all(0.5 * 1 < row["router_loss"] < 0.5 * 4 * 2 for row in rows), rows
+    # the worker served the trainer's weights: its log-probs of its samples are the trainer's
+    assert all(row["logprob_mismatch"] < 1e-4 for row in rows), rows
+    assert " router " in (tmp_path / "rl" / "logs" / "attempt-1" / "trainer.log").read_text()

@@ -115,7 +115,7 @@ class ModelConfig(Section):
         ge=0,
         le=100,
         description="Weight of an MoE model's router load-balancing loss (Switch Transformer's, as transformers "
-        "computes it for Mixtral, Qwen2-MoE and Qwen3-MoE) in the sft, pretrain and dpo objective; its term is "
+        "computes it for Mixtral, Qwen2-MoE and Qwen3-MoE) in the sft, pretrain, dpo and rl objective; its term is "
         "logged as router_loss. Unset: as the model's config.json says (output_router_logits, with its "
         "router_aux_loss_coef; off in Mixtral's and Qwen's releases). 0: off.",
     )

@@ -387,9 +387,9 @@ def load_model_and_tokenizer(cfg: Config):
     return tokenizer, model
 
 
-# the jobs whose objective the router loss joins (engine/train.py's step, engine/dpo.py's); the reward model has no
-# causal LM head, and rl's steps do not add it
-ROUTER_LOSS_JOBS = ("sft", "pretrain", "dpo")
+# the jobs whose objective the router loss joins (engine/train.py's step, engine/dpo.py's, rl/train.py's); the
+# reward model has no causal LM head
+ROUTER_LOSS_JOBS = ("sft", "pretrain", "dpo", "rl")
 
 
 def _router_loss(cfg: Config, model: nn.Module) -> None:

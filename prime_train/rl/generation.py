@@ -339,6 +339,12 @@ class Engine:
         tied = _tied_names(self.model)
         missing = [k for k in live if k not in state and k not in tied]
         unexpected = [k for k in state if k not in live]
+        if missing and unexpected:
+            # a checkpoint in the layout transformers saves, not the one it runs (an MoE's experts: one tensor per
+            # expert on disk, fused in memory): its own loading converts them
+            state = _converted(type(self.model), path) or state
+            missing = [k for k in live if k not in state and k not in tied]
+            unexpected = [k for k in state if k not in live]
         mismatched = [
             f"{k}: {tuple(state[k].shape)} vs {tuple(live[k].shape)}"
             for k in state
@@ -379,6 +385,16 @@ def read_safetensors_dir(path: str | os.PathLike[str]) -> dict[str, Any]:
         except (SafetensorError, OSError, ValueError) as exc:
             raise RequestError(f"could not read {file}: {exc}") from None
     return state
+
+
+def _converted(model_class, path: str) -> dict[str, Any] | None:
+    """The state dict transformers' from_pretrained makes of the checkpoint at `path` (its weight conversions
+    applied), on the CPU; None when it cannot load it."""
+    try:
+        return model_class.from_pretrained(path, dtype="auto").state_dict()
+    except (OSError, ValueError, RuntimeError) as exc:
+        logger.warning("%s: transformers could not load it either: %s", path, exc)
+        return None
 
 
 def _tied_names(model) -> set[str]:

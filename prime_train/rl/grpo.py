@@ -32,6 +32,9 @@ class CompletionScores:
     mask: torch.Tensor  # 1 on each row's completion tokens
     entropy: torch.Tensor | None = None  # of the tempered distribution at each token (nats, no gradient)
     values: torch.Tensor | None = None  # PPO: the value head's V_t, read where token t is predicted
+    # an MoE with its router loss on (engine/hf_head.py): coef x its load-balancing loss over the forward, with its
+    # gradient, for the step's objective to add
+    router_loss: torch.Tensor | None = None
 
 
 def completion_logprobs(model, samples: list[Sample], device, temperature: float, pad_id: int, *, entropy=False):
@@ -56,7 +59,7 @@ def score_completions(
         ids[row, : len(x)] = torch.tensor(x)
     ids = ids.to(device)
     positions = torch.arange(width, device=device).expand(len(seqs), width)
-    token_entropy = token_values = None
+    token_entropy = token_values = router_loss = None
     if chunked_head(model):
         # chunk by chunk (engine/loss.py): never the whole logits, rows x width x vocab x 4 bytes in fp32, and their
         # log-softmax and entropy as much again
@@ -68,6 +71,7 @@ def score_completions(
         if entropy:
             token_entropy = out.entropy[:, :-1]
         hidden = [out.hidden_states]
+        router_loss = getattr(out, "router_loss", None)
     else:
         with final_hidden_states(model) if value_head is not None else contextlib.nullcontext([]) as hidden:
             logits = model(input_ids=ids, position_ids=positions).logits[:, :-1].float()
@@ -94,7 +98,9 @@ def score_completions(
 
     for row, s in enumerate(samples):
         mask[row, : len(s.completion_ids)] = 1.0
-    return CompletionScores(completion_part(logp), mask, completion_part(token_entropy), completion_part(token_values))
+    return CompletionScores(
+        completion_part(logp), mask, completion_part(token_entropy), completion_part(token_values), router_loss
+    )
 
 
 def token_weights(mask, loss_norm: str, *, tokens: float, samples: float, max_tokens: int):

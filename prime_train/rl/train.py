@@ -235,6 +235,8 @@ class GRPOJob(TrainingJob):
             "workers_reloaded": len(self._last_load.seconds),
             "clamped_completions": batch.clamped,
         }
+        if sums.routed:  # an MoE's: coef x its load-balancing loss, the loss's mean over the optimizer steps
+            m["router_loss"] = total["router_loss"] / k
         if tokens > 0:  # the policy's entropy at the tokens it learnt from (none: every group scored alike)
             m["entropy"] = total["entropy"] / tokens
         if mismatch_tokens > 0:
@@ -303,9 +305,15 @@ class GRPOJob(TrainingJob):
                     )  # fmt: skip
                     figures = {"kl": kl, "clipped": clipped, "entropy": (scores.entropy * scores.mask).sum()}
                     loss = loss + self.value_loss(chunk, scores, weights, figures)
+                    objective = loss
+                    if scores.router_loss is not None:  # an MoE's, weighted by the chunk's share of the samples
+                        router = scores.router_loss * (weight * len(chunk) / num_samples)
+                        objective = loss + router
+                        sums.add("router_loss", router)
+                        sums.routed = True
                 with timer("backward"):
                     # DDP and FSDP average gradients over ranks; the weights already divide by the whole batch
-                    (loss * dist.world_size).backward()
+                    (objective * dist.world_size).backward()
             sums.add("loss", loss)
             if weight:
                 for name, value in figures.items():
@@ -343,6 +351,7 @@ class GRPOJob(TrainingJob):
             f"reward {m['reward']:.3f}",
             f"pass {m['pass_rate']:.3f}",
             f"loss {m['loss']:.4f}",
+            *([f"router {float(m['router_loss']):.4f}"] if "router_loss" in m else []),
             f"kl {m['kl']:.4f}",
             f"rollout {m['rollout_s']:.1f}s train {m['train_s']:.1f}s",
             f"reload {m['weight_reload_s']:.2f}s x{m['workers_reloaded']}",
@@ -456,10 +465,11 @@ class _StepSums:
     of each gave before, without a sync each time), the token counts on the host (a mask's ones are its samples'
     completion tokens)."""
 
-    DEVICE = ("loss", "kl", "clipped", "entropy", "mismatch", "value_loss", "value_clipped")
+    DEVICE = ("loss", "kl", "clipped", "entropy", "mismatch", "value_loss", "value_clipped", "router_loss")
 
     def __init__(self, device: torch.device):
         self._sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in self.DEVICE}
+        self.routed = False  # an MoE's router loss joined the objective (every rank alike)
         self.tokens = 0.0  # completion tokens learnt from
         self.mismatch_tokens = 0.0  # completion tokens the logprob mismatch was measured on
 

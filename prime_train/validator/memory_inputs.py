@@ -56,7 +56,7 @@ REFERENCE_JOBS = ("dpo", "rl")
 # an MoE's router loss: the families and jobs the engine adds it for (engine/hf_head.py ROUTED_MODEL_TYPES,
 # engine/model.py ROUTER_LOSS_JOBS: mirrored without importing torch, tests pin them equal; lint reads these)
 ROUTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-ROUTER_LOSS_JOBS = ("sft", "pretrain", "dpo")
+ROUTER_LOSS_JOBS = ("sft", "pretrain", "dpo", "rl")
 # lora.quantize: the frozen base as the run holds it, or its decoder blocks' linear weights in 4-bit NormalFloat
 LORA_QUANTIZE = ("none", "nf4")
 
