@@ -19,12 +19,13 @@ import torch
 from enginetools import free_port
 
 from prime_train.config.loader import dump_toml
-from prime_train.config.schema import Config
+from prime_train.config.schema import Config, ModelConfig
 from prime_train.engine.model import build_model
 from prime_train.engine.tokenizer import build_byte_tokenizer, padded_vocab_size
 from prime_train.rl.client import (
     ContextLengthError,
     RolloutPool,
+    WeightsMismatchError,
     WorkerClient,
     WorkerUnavailable,
 )
@@ -319,6 +320,7 @@ def test_update_weights_serves_the_new_weights_and_a_bad_path_keeps_them(tmp_pat
     new_model.save_pretrained(tmp_path / "new")
     (tmp_path / "corrupt").mkdir()
     (tmp_path / "corrupt" / "model.safetensors").write_bytes(b"\x00garbage")
+    build_model(ModelConfig(num_layers=1), padded_vocab_size(tokenizer, 64)).save_pretrained(tmp_path / "other")
 
     w = Worker(cfg, tmp_path / "worker.log").wait_healthy()
     try:
@@ -346,6 +348,9 @@ def test_update_weights_serves_the_new_weights_and_a_bad_path_keeps_them(tmp_pat
         for bad in (tmp_path / "missing", tmp_path / "corrupt"):
             status, body = w.post("/update_weights", {"path": str(bad), "step": 4})
             assert status == 400 and str(bad) in body["error"]["message"]
+        # another model's weights: the client says so apart (the trainer makes it exit 78: a restart republishes them)
+        with pytest.raises(WeightsMismatchError, match="does not fit the served model: missing"):
+            w.client.update_weights(str(tmp_path / "other"), 4)
         assert w.client.weights_step() == 3
         assert serves(new_model)
     finally:

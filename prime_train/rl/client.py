@@ -48,6 +48,9 @@ CONTEXT_LENGTH_MARKERS = (
     "cannot be greater than max_model_len",
     "max_tokens must be at least 1, got 0",
 )
+# the embedded worker's refusal of weights whose tensors are not its model's (rl/generation.py load_weights): the
+# trainer publishes the same weights after a restart, so a restart cannot help
+WEIGHTS_MISMATCH_MARKER = "does not fit the served model"
 RESET_TRIES = 20  # vLLM's reset_prefix_cache answers false while blocks are still held; after a pause none should be
 
 
@@ -70,6 +73,10 @@ class WorkerError(RuntimeError):
     def __init__(self, message: str, status: int):
         super().__init__(message)
         self.status = status
+
+
+class WeightsMismatchError(WorkerError):
+    """A worker refused the published weights: their tensors are not those of the model it serves."""
 
 
 @dataclass
@@ -139,6 +146,8 @@ class WorkerClient:
         message = _error_message(obj) or raw.decode("utf-8", "replace")[:500] or f"HTTP {status}"
         if status == 400 and any(marker in message for marker in CONTEXT_LENGTH_MARKERS):
             raise ContextLengthError(message)
+        if status == 400 and WEIGHTS_MISMATCH_MARKER in message:
+            raise WeightsMismatchError(f"{self.base_url}{path}: {message}", status)
         if status == 503:
             raise WorkerUnavailable(f"{self.base_url}{path}: {message}")
         raise WorkerError(f"{self.base_url}{path}: HTTP {status}: {message}", status)

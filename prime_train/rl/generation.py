@@ -357,7 +357,7 @@ class Engine:
             problems.append(f"{len(unexpected)} tensors this model does not have (e.g. {unexpected[0]})")
         if mismatched:
             problems.append(f"shape mismatch ({mismatched[0]})")
-        if problems:
+        if problems:  # the wording rl/client.py WEIGHTS_MISMATCH_MARKER knows: a restart does not retry it
             raise RequestError(f"{path} does not fit the served model: {'; '.join(problems)}; nothing was loaded")
         with torch.no_grad():
             for name, tensor in state.items():

@@ -49,7 +49,7 @@ from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.optim import param_groups
 from prime_train.environments import load_environment, passes, prepare, score_batch
 from prime_train.rl.budget import group_size_problem
-from prime_train.rl.client import ContextLengthError, RolloutPool, WeightLoad, worker_url
+from prime_train.rl.client import ContextLengthError, RolloutPool, WeightLoad, WeightsMismatchError, worker_url
 from prime_train.rl.grpo import CompletionScores, completion_logprobs, grpo_loss, score_completions, token_weights
 from prime_train.rl.ppo import ValueHead, clipped_value_loss, explained_variance_from_sums, gae, whiten
 from prime_train.rl.rollouts import RolloutBatch, RolloutSource, Sample, sample_passed
@@ -376,7 +376,13 @@ class GRPOJob(TrainingJob):
         export_hf(self.model, self.tokenizer, out, rank=self.dist.rank, merge=not adapter, adapter=adapter)
         if self.dist.is_rank0:
             load_path = out / ADAPTER_DIR if adapter else out
-            self._last_load = self.pool.update_weights(str(load_path), self.state.step)
+            try:
+                self._last_load = self.pool.update_weights(str(load_path), self.state.step)
+            except WeightsMismatchError as exc:
+                raise EngineConfigError(
+                    f"the rollout workers cannot load the trainer's weights ({exc}): they serve another model than "
+                    "model.path, or one its checkpoint layout does not fit; a restart would publish the same weights"
+                ) from None
             load = self._last_load
             missed = f"; not reached: {', '.join(load.unreachable)}" if load.unreachable else ""
             logger.info(
