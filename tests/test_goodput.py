@@ -70,3 +70,37 @@ def test_goodput_of_a_live_run_counts_to_now_and_of_no_session_is_none(tmp_path)
     assert figures["lost_s"]["startup"] == 4.0 and figures["lost_s"]["compile"] == 1.0
     assert figures["lost_s"]["end"] == 4.0  # since the newest step: not counted as training while unknown
     assert figures["goodput"] == pytest.approx(0.1)
+
+
+def test_a_session_that_never_finished_a_step_trained_nothing(tmp_path):
+    """A run that fails at start-up (exit 78 before its first step), one still starting, one with no attempt: none
+    of their time is training (it was reported as goodput 100 %)."""
+    rd = RunDir(tmp_path)
+    write_lines(
+        rd.events_path,
+        [
+            {"time": 100, "event": "run_started"},
+            {"time": 101, "event": "attempt_started", "attempt": 1},
+            {"time": 105, "event": "process_exited", "exit_code": 78},
+            {"time": 106, "event": "attempt_ended"},
+            {"time": 106, "event": "run_failed"},
+        ],
+    )
+    write_lines(rd.metrics_path, [])
+    figures = goodput(rd)
+    assert figures["goodput"] == 0.0 and figures["lost_s"]["startup"] == 6.0
+    assert goodput_line(figures)[0].startswith("goodput 0.0% (0.0s training of 6.0s)")
+    # one crash, then a second attempt still starting: the first is start-up, the wait since its death restart
+    write_lines(
+        rd.events_path,
+        [
+            {"time": 100, "event": "run_started"},
+            {"time": 101, "event": "attempt_started", "attempt": 1},
+            {"time": 104, "event": "process_exited", "exit_code": 1},
+            {"time": 105, "event": "attempt_started", "attempt": 2},
+        ],
+    )
+    figures = goodput(rd, now=110.0)
+    assert figures["goodput"] == 0.0 and (figures["lost_s"]["startup"], figures["lost_s"]["restart"]) == (4.0, 6.0)
+    write_lines(rd.events_path, [{"time": 100, "event": "run_started"}, {"time": 103, "event": "run_failed"}])
+    assert goodput(rd)["goodput"] == 0.0

@@ -105,8 +105,12 @@ def goodput(run_dir: RunDir, now: float | None = None) -> dict[str, Any] | None:
             else:
                 parts["lost_steps"] += max(0.0, until - (reached if reached is not None else first_start))
             last_death = until
+        elif first_start is None:  # the last attempt never finished a step (failed at start-up, or starting now)
+            parts["startup" if last_death is None else "restart"] += max(0.0, ended - waited_from)
         elif reached is not None:
             parts["end"] += max(0.0, ended - reached)
+    if not attempts:  # the session ended (or waits) before any attempt: nothing trained
+        parts["startup"] = max(0.0, ended - begun)
     wall = max(0.0, ended - begun)
     lost = sum(parts.values())
     productive = max(0.0, wall - lost)
