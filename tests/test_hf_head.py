@@ -383,10 +383,11 @@ def test_the_router_loss_follows_the_key_then_config_json_and_refuses_what_it_ca
         weight(path=_saved(tmp_path, "llama"), router_aux_loss_coef=0.5)
 
 
-def test_a_grpo_run_of_a_saved_moe_adds_the_router_loss_to_its_objective_and_logs_it_apart(tmp_path):
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_an_rl_run_of_a_saved_moe_adds_the_router_loss_to_its_objective_and_logs_it_apart(tmp_path, algorithm):
     """RL's policy forward returns log-probs: the step adds coef x aux weighted by the chunk's share of the samples,
-    and logs it apart from the policy loss. The embedded worker loads the MoE's published weights, whose experts
-    transformers saves one tensor each and runs fused."""
+    and logs it apart from the policy loss (PPO's value head reads the same forward's hidden states). The embedded
+    worker loads the MoE's published weights, whose experts transformers saves one tensor each and runs fused."""
     import json
     import subprocess
 
@@ -398,7 +399,8 @@ def test_a_grpo_run_of_a_saved_moe_adds_the_router_loss_to_its_objective_and_log
             "train.global_batch_size": 16, "rl.eval_prompts": 4, "train.eval_interval": 1000,
             "ckpt.interval": 1000, "logging.log_interval": 1,
             # the random model scores every group alike and runs to the token limit: learn from every sample anyway
-            "rl.drop_zero_variance_groups": "false", "rl.mask_truncated": "false"}  # fmt: skip
+            "rl.drop_zero_variance_groups": "false", "rl.mask_truncated": "false",
+            "rl.algorithm": algorithm}  # fmt: skip
     argv = cli("run", str(TINY_RL), *[part for key, value in args.items() for part in (f"--{key}", str(value))])
     result = subprocess.run(argv, env=env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
