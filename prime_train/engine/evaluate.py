@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from prime_train.engine.hf_head import collect_router_loss
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.model import chunked_head, last_logits_only
 from prime_train.engine.parallel import DistInfo, all_reduce_sum
@@ -29,7 +30,7 @@ def token_losses(
     if chunked_head(model):
         # the fused, chunked loss: never the full fp32 logits
         out = model(input_ids=input_ids, position_ids=position_ids, labels=labels, loss_reduction="sum")
-        _take_router_loss(out, router)
+        collect_router_loss(out, router)
         return out.loss, (labels[:, 1:] != -100).sum()
     logits = model(input_ids=input_ids, position_ids=position_ids).logits
     shift_logits = logits[:, :-1].float()
@@ -47,7 +48,7 @@ def row_losses(model, input_ids, position_ids, labels, router: list | None = Non
             input_ids=input_ids, position_ids=position_ids, labels=labels, loss_reduction="sum",
             return_token_losses=True,
         )  # fmt: skip
-        _take_router_loss(out, router)
+        collect_router_loss(out, router)
         return out.loss, out.token_losses.sum(1)
     logits = model(input_ids=input_ids, position_ids=position_ids).logits
     shift_logits = logits[:, :-1].float()
@@ -56,11 +57,6 @@ def row_losses(model, input_ids, position_ids, labels, router: list | None = Non
         shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1), ignore_index=-100, reduction="none"
     ).view(shift_labels.shape)
     return per_token.sum(), per_token.detach().sum(1)
-
-
-def _take_router_loss(out, router: list | None) -> None:
-    if router is not None and getattr(out, "router_loss", None) is not None:
-        router.append(out.router_loss)
 
 
 @torch.no_grad()

@@ -131,6 +131,13 @@ def _forward(self, input_ids=None, *args: Any, labels=None, **kwargs: Any):
     return out._replace(loss=out.loss + term, router_loss=term.detach())
 
 
+def collect_router_loss(out, router: list | None) -> None:
+    """Append `out`'s router-loss term (CausalLMOutput.router_loss) to `router` when both are there: the engine's
+    loss and log-prob callers hand it to their step this way."""
+    if router is not None and getattr(out, "router_loss", None) is not None:
+        router.append(out.router_loss)
+
+
 def set_router_loss(model: nn.Module, coef: float) -> None:
     """Have `model`'s fused forward add its router's load-balancing loss times `coef` to the training loss (0:
     not). `model` is an MoE of ROUTED_MODEL_TYPES given the chunked head."""

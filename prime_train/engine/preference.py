@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from prime_train import tasks
 from prime_train.engine.data import TrainLoader, _BatchesAt, _check_data_config, _EpochOrder
 from prime_train.engine.documents import Document, Encoder
+from prime_train.engine.hf_head import collect_router_loss
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.model import chunked_head
 from prime_train.engine.packing import IGNORE_INDEX, PackingStats
@@ -550,8 +551,7 @@ def sequence_logprobs(
             out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, labels=batch.labels,
                         token_log_probs=True)  # fmt: skip
         sums = out.log_probs.sum(-1)
-        if router is not None and getattr(out, "router_loss", None) is not None:
-            router.append(out.router_loss)
+        collect_router_loss(out, router)
     else:
         with autocast():
             logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
