@@ -203,13 +203,13 @@ class SFTJob(TrainingJob):
             self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        router_sum = torch.stack(router).sum().float() if router else None
-        if router_sum is not None:
-            loss_sum -= router_sum  # the loss reported is the tokens' loss; the router's term is its own metric
+        sums = loss_sum.reshape(1)
+        if router:  # the loss reported is the tokens' loss; the router's term is its own metric
+            router_sum = torch.stack(router).sum().float()
+            sums = torch.stack([loss_sum - router_sum, router_sum])
         with timer("communication"):
-            parallel.all_reduce_(loss_sum, dist)  # enqueued on the device under NCCL: no wait here
-            if router_sum is not None:
-                parallel.all_reduce_(router_sum, dist)
+            parallel.all_reduce_(sums, dist)  # one collective, enqueued on the device under NCCL: no wait here
+        loss_sum = sums[0]
         if paced is not None:
             self._pace(*paced, row_sums, batches)
         self.state.step += 1
@@ -223,8 +223,8 @@ class SFTJob(TrainingJob):
             "global_batch": accum * cfg.train.micro_batch_size * dist.dp_size,
             **self.scaler.metrics(),
         }
-        if router_sum is not None:
-            out["router_loss"] = router_sum / global_labels  # an MoE's: coef x its load-balancing loss
+        if router:
+            out["router_loss"] = sums[1] / global_labels  # an MoE's: coef x its load-balancing loss
         if self.ewc is not None:
             out["ewc_penalty"] = self._ewc_penalty()
         if dist.device.type == "cuda":
