@@ -484,14 +484,14 @@ def layers_per_token(
     lora = lora or _LoraActivations(0.0, 0.0, 0.0)
     layer = act["norms"] + act["attention"] + act["scores"] + act["mlp"] + lora.layer
     ckpt = inputs.activation_checkpointing
-    router = act.get("router_logits", 0) + act.get("router_probs", 0)
+    router = act["router_logits"] + act["router_probs"]
     routed = "; router logits and probabilities kept for the router loss" if router else ""
     if ckpt == "full":
         return layers * (act["layer_input"] + router) + layer, f"{layers} layer inputs + one layer recomputed{routed}"
     if ckpt == "selective":
         how = f"{layers} layers' inputs, matmul and attention outputs; the rest recomputed{routed}"
         return layers * (act["selective"] + lora.selective + router), how
-    return layers * (layer + act.get("router_probs", 0)), f"{layers} layers{routed}"
+    return layers * (layer + act["router_probs"]), f"{layers} layers{routed}"
 
 
 # ---------------------------------------------------------------- tensor and pipeline parallel (memory_parallel.py)
