@@ -841,3 +841,27 @@ def test_a_router_loss_weight_the_trainer_would_refuse_is_named_before_the_start
     assert "the reward job's objective does not take it" in reward
     [scratch] = router_problems("--model.router_aux_loss_coef", "0.01")  # the example has no model.path
     assert "random-initialised" in scratch
+
+
+def test_a_model_inside_the_run_directory_or_a_run_directory_inside_the_model_is_an_error(tmp_path, monkeypatch):
+    """The run writes checkpoints and final/ into its directory: a model.path there (a run's own final/, to train
+    it further under the same name) would be replaced under the run; a run directory inside the model's would fill
+    the model's directory with the run's files."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "sft" / "final").mkdir(parents=True)
+    (tmp_path / "model").mkdir()
+    config = tmp_path / "run.toml"
+    config.write_text('[run]\nname = "sft"\noutput_dir = "runs"\n[model]\npath = "runs/sft/final"\n')
+
+    def found(*overrides: str) -> list[tuple[str, str, int | None]]:
+        problems, _ = lint_files([str(config)], list(overrides))
+        return [(p.key, p.severity, p.line) for p in problems if p.key in ("model.path", "run.output_dir")]
+
+    assert found() == [("model.path", "error", 5)]
+    message = lint_files([str(config)])[0][0].message
+    assert "is inside this run's directory runs/sft" in message and "use another run.name" in message
+    assert found("--model.path", str(tmp_path / "runs" / "sft")) == [("model.path", "error", 0)]
+    assert found("--run.output_dir", "model/runs", "--model.path", "./model") == [("run.output_dir", "error", 0)]
+    assert found("--run.name", "sft2") == []  # another run's final/: the usual way to train on
+    assert found("--model.path", "./model") == []
+    assert found("--model.path", "Qwen/Qwen2.5-0.5B") == []  # a hub id is no directory here

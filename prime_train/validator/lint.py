@@ -141,6 +141,7 @@ def check_config(cfg: Config, sources: Sources, *, spot: bool = False) -> list[P
         _data_problems,
         _context_problems,
         _output_dir_problems,
+        _model_and_run_dir_problems,
         _distributed_problems,
         precision_problems,
         method_problems,
@@ -461,6 +462,36 @@ def _output_dir_problems(cfg: Config, sources: Sources) -> list[Problem]:
         return [
             sources.problem(("run", "output_dir"), "error", f"run.output_dir cannot be written: {why}; choose another")
         ]
+    return []
+
+
+def _model_and_run_dir_problems(cfg: Config, sources: Sources) -> list[Problem]:
+    """model.path and the run directory apart: the run writes checkpoints, logs and final/ into its directory (and
+    --fresh moves its old outputs aside), so a model inside it would change under the run (final/ is replaced at the
+    end, and a LoRA resume rebuilds its frozen base from model.path), and a run directory inside the model's directory
+    writes all that among the model's files."""
+    path = cfg.model.path
+    if path is None or cfg.job.command:
+        return []
+    local = path.startswith(("/", ".", "~")) or os.path.isdir(os.path.expanduser(path))
+    if not local:  # a hub id
+        return []
+    model = Path(os.path.expanduser(path)).resolve()
+    run_dir = Path(os.path.expanduser(cfg.run_dir)).resolve()
+    if model == run_dir or run_dir in model.parents:
+        where = "is this run's directory" if model == run_dir else f"is inside this run's directory {cfg.run_dir}"
+        why = (
+            f"model.path = {path!r} {where}: the run writes its checkpoints and final/ there (final/ is replaced at "
+            "the end, --fresh moves the outputs aside, a LoRA resume rebuilds its base from model.path), so the model "
+            "it starts from would change under it; copy the model out of the run directory, or use another run.name"
+        )
+        return [sources.problem(("model", "path"), "error", why)]
+    if model in run_dir.parents:
+        why = (
+            f"the run directory {cfg.run_dir} is inside model.path = {path!r}: the run would write its checkpoints, "
+            "logs and exports among the model's files; set run.output_dir outside the model's directory"
+        )
+        return [sources.problem(("run", "output_dir"), "error", why)]
     return []
 
 
