@@ -295,12 +295,18 @@ def test_a_lora_run_starts_vllm_with_runtime_lora_loading_at_a_rank_vllm_takes()
         assert args[args.index("--enable-lora") + 1 :][:2] == ["--max-lora-rank", max_rank]
         assert vllm_env(cfg(rank=rank), 0, cpu=True, environ={})["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     assert "load the LoRA adapter (rank 16" in lora_adapter_plan(cfg(rank=16))[1]
-    # no adapters: no LoRA, QLoRA (vLLM's base would not be the trainer's 4-bit one), a rank past vLLM's largest
-    for off in (cfg(), cfg(rank=16, quantize="nf4"), cfg(rank=1024)):
+    # no adapters: no LoRA, QLoRA (vLLM's base would not be the trainer's 4-bit one), a rank past vLLM's largest,
+    # adapters on an MoE's fused expert tensors (peft's target_parameters, not seen loaded by vLLM here)
+    experts = cfg(rank=16, target_parameters=["gate_up_proj", "down_proj"])
+    for off in (cfg(), cfg(rank=16, quantize="nf4"), cfg(rank=1024), experts):
         assert "--enable-lora" not in vllm_args(off, 0, cpu=True)
         assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in vllm_env(off, 0, cpu=True, environ={})
     assert "reload the merged weights" in lora_adapter_plan(cfg(rank=16, quantize="nf4"))[1]
     assert "above vLLM's largest" in lora_adapter_plan(cfg(rank=1024))[1]
+    assert (
+        "lora.target_parameters = ['gate_up_proj', 'down_proj']: the vLLM workers reload the merged weights"
+        in (lora_adapter_plan(experts)[1])
+    )
     given = vllm_args(cfg(rank=16).model_copy(update={"inference": cfg(rank=16).inference.model_copy(
         update={"extra_args": ["--enable-lora", "--max-lora-rank", "64"]})}), 0)  # fmt: skip
     assert given.count("--enable-lora") == 1 and given[-1] == "64"  # the user's own LoRA flags stay

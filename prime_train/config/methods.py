@@ -39,6 +39,15 @@ class LoraConfig(Section):
         "layer of attention and MLP in each decoder block (q/k/v/o_proj, gate/up/down_proj for Llama and Qwen); "
         "lm_head and the embeddings never.",
     )
+    target_parameters: list[str] = Field(
+        default_factory=list,
+        description="Fused expert tensors of a mixture-of-experts model that get an adapter too, by name (a list, "
+        "or names separated by commas): a 3-D parameter of the decoder blocks whose name is the entry or ends in "
+        "'.<entry>' ('gate_up_proj', 'experts.down_proj'). transformers runs the routed experts of Qwen3-MoE, "
+        "Qwen2-MoE and Mixtral as one tensor per projection, not linear layers, so target_modules never reaches "
+        "them; each expert gets its own rank-r adapter (peft's target_parameters). Needs lora.dropout = 0. "
+        "Empty: the experts stay frozen.",
+    )
     quantize: Literal["none", "nf4"] = Field(
         "none",
         description="'nf4': QLoRA, the frozen linear layers of the decoder blocks held in 4-bit NormalFloat through "
@@ -78,6 +87,37 @@ class LoraConfig(Section):
         if len(set(value)) != len(value):
             raise ValueError("lora.target_modules names a layer twice")
         return value
+
+    @field_validator("target_parameters", mode="before")
+    @classmethod
+    def _parameters_from_text(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",")] if value.strip() else []
+        return value
+
+    @field_validator("target_parameters", mode="after")
+    @classmethod
+    def _parameter_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not re.fullmatch(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*", name):
+                raise ValueError(
+                    f"lora.target_parameters entry {name!r} is not a parameter name (dotted words such as "
+                    "'gate_up_proj' or 'experts.down_proj'; no patterns)"
+                )
+        if len(set(value)) != len(value):
+            raise ValueError("lora.target_parameters names a tensor twice")
+        return value
+
+    @model_validator(mode="after")
+    def _expert_adapters_without_dropout(self) -> LoraConfig:
+        if self.target_parameters and self.dropout > 0:
+            # an expert tensor's adapter is folded into the weight (W + B @ A) for the forward, so there is no
+            # adapter input to drop out; peft refuses the combination
+            raise ValueError(
+                f"lora.dropout = {self.dropout:g} cannot apply to lora.target_parameters (the experts' adapters are "
+                "added to their weights, not run on the input): set lora.dropout = 0, or leave the experts out"
+            )
+        return self
 
     @model_validator(mode="after")
     def _quantize_needs_an_adapter(self) -> LoraConfig:

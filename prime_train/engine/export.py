@@ -55,6 +55,7 @@ from prime_train.engine.llama import to_hf
 from prime_train.engine.lora import (
     adapter_identity,
     dense_state_dict,
+    expert_adapters,
     has_lora,
     has_quantized_base,
     is_adapter_key,
@@ -396,7 +397,7 @@ def export_hf(
             def write_adapter(tmp: Path) -> None:
                 save_peft_adapter(lora_model, tmp / ADAPTER_DIR, base_model, state_dict=weights)
 
-        state_dict = merged_state_dict(state_dict, identity) if merge else {}
+        state_dict = merged_state_dict(state_dict, identity, expert_adapters(hf_model)) if merge else {}
     write_model = merge or not lora
     if write_model and hasattr(hf_model, "export_model"):
         # a model of the engine's own that transformers writes as another class (engine/reward.py's native reward

@@ -148,7 +148,68 @@ def resolve_targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
     return list(cfg.target_modules)
 
 
-def _peft_config(cfg: LoraConfig, targets: list[str], *, fan_in_fan_out: bool = False, lm_head: bool = True):
+def _block_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The 3-D parameters of the decoder blocks (fused expert stacks: experts x out x in, or x in x out), named inside
+    their block ('mlp.experts.gate_up_proj'), each name once."""
+    seen: dict[str, torch.Tensor] = {}
+    for layer in decoder_layers(model):
+        for name, param in layer.named_parameters():
+            if param.dim() == 3:
+                seen.setdefault(_clean(name).replace(".base_layer", ""), param)
+    return sorted(seen.items())
+
+
+def expert_parameter_names(model: nn.Module) -> list[str]:
+    """The distinct names (last name component) of the decoder blocks' fused expert tensors, sorted: what
+    lora.target_parameters may name ('down_proj', 'gate_up_proj' for Qwen3-MoE)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, _ in _block_tensors(model)})
+
+
+def resolve_target_parameters(model: nn.Module, cfg: LoraConfig) -> list[str]:
+    """lora.target_parameters, each checked to name at least one fused expert tensor of a decoder block and nothing
+    else of the model (EngineConfigError listing the model's expert tensors otherwise); sorted, as peft nests the
+    wrappers of one module in its parameters' order whatever the list's."""
+    if not cfg.target_parameters:
+        return []
+    model_type = type(_unwrap(model)).__name__
+    experts = [name for name, _ in _block_tensors(model)]
+    if not experts:
+        raise EngineConfigError(
+            f"lora.target_parameters = {cfg.target_parameters!r}: {model_type} has no fused expert tensors in its "
+            "decoder blocks (it is not a mixture-of-experts model transformers runs with fused experts, such as "
+            "Qwen3-MoE, Qwen2-MoE or Mixtral); leave lora.target_parameters empty and name linear layers in "
+            "lora.target_modules"
+        )
+
+    def hits(entry: str, name: str) -> bool:
+        return name == entry or name.endswith("." + entry)
+
+    # peft matches an entry against every parameter of the model by the same rule: one reaching a tensor that is not
+    # an expert stack (a norm's weight, a router's) is refused here rather than adapted by surprise
+    others = [_clean(n).replace(".base_layer", "") for n, p in _unwrap(model).named_parameters() if p.dim() != 3]
+    problems = []
+    for entry in cfg.target_parameters:
+        if stray := next((n for n in others if hits(entry, n) and not is_adapter_key(n)), None):
+            problems.append(f"{entry!r} names {stray}, which is not a fused expert tensor")
+        elif not any(hits(entry, n) for n in experts):
+            problems.append(f"{entry!r} matches no fused expert tensor in the decoder blocks")
+    if problems:
+        raise EngineConfigError(
+            f"lora.target_parameters: {'; '.join(problems)} of {model_type}. Its expert tensors are: "
+            f"{', '.join(expert_parameter_names(model))} (an entry names the tensors whose name is it or ends in "
+            "'.<entry>')"
+        )
+    return sorted(cfg.target_parameters)
+
+
+def _peft_config(
+    cfg: LoraConfig,
+    targets: list[str],
+    *,
+    parameters: list[str] | None = None,
+    fan_in_fan_out: bool = False,
+    lm_head: bool = True,
+):
     from peft import LoraConfig as PeftLoraConfig
 
     # the adapters go into the decoder blocks only: lm_head is the native model's loss weight (engine/loss.py reads
@@ -158,6 +219,7 @@ def _peft_config(cfg: LoraConfig, targets: list[str], *, fan_in_fan_out: bool = 
         lora_alpha=cfg.scale_alpha,
         lora_dropout=cfg.dropout,
         target_modules=targets,
+        target_parameters=parameters or None,
         exclude_modules=["lm_head"] if lm_head else None,  # a reward model has none (peft warns of a no-op)
         fan_in_fan_out=fan_in_fan_out,
         bias="none",
@@ -196,6 +258,7 @@ def apply_lora(
     if has_lora(model):
         raise EngineConfigError("the model already has LoRA adapters (is model.path a PEFT adapter directory?)")
     targets = resolve_targets(model, cfg)
+    parameters = resolve_target_parameters(model, cfg)
     if cfg.quantize == "nf4":
         if (reason := nf4_unavailable(strategy)) is not None:
             raise EngineConfigError(reason)
@@ -204,8 +267,11 @@ def apply_lora(
     conv1d = [t for t in _linear_types() if t is not nn.Linear]
     fan_in_fan_out = any(isinstance(m, tuple(conv1d)) for layer in decoder_layers(model) for m in layer.modules())
     lm_head = any(name.rsplit(".", 1)[-1] == "lm_head" for name, _ in model.named_modules())
-    peft_config = _peft_config(cfg, targets, fan_in_fan_out=fan_in_fan_out and bool(conv1d), lm_head=lm_head)
-    inject_adapter_in_model(peft_config, model, adapter_name=ADAPTER_NAME)
+    peft_config = _peft_config(
+        cfg, targets, parameters=parameters, fan_in_fan_out=fan_in_fan_out and bool(conv1d), lm_head=lm_head
+    )
+    with _targets_as_resolved():
+        inject_adapter_in_model(peft_config, model, adapter_name=ADAPTER_NAME)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter_key(name) or any(name.startswith(m + ".") for m in train_in_full))
     trainable, total = trainable_parameters(model)
@@ -213,13 +279,38 @@ def apply_lora(
         "LoRA rank %d, alpha %g on %s: %d trainable parameters of %d (%.3f%%)%s",
         cfg.rank,
         cfg.scale_alpha,
-        ", ".join(targets),
+        ", ".join(targets + [f"{p} (each expert)" for p in parameters]),
         trainable,
         total,
         100.0 * trainable / max(total, 1),
         ", base in NF4" if cfg.quantize == "nf4" else "",
     )
     return model
+
+
+@contextmanager
+def _targets_as_resolved() -> Iterator[None]:
+    """Within it peft puts adapters where its config says. On transformers 5, peft 0.21 first renames the transformers
+    4 names of some MoE families' layers (DeepSeek-V3, Qwen3-MoE, GLM-4-MoE, OLMoE, Mixtral, ...): gate_proj, up_proj
+    and down_proj become the fused expert tensors (gate_up_proj at twice the rank), gate the router's weight. That is
+    for adapters trained on transformers 4; here it would move the adapters of a dense MLP layer (DeepSeek-V3's first
+    layers, Qwen3-MoE's mlp_only_layers) onto every expert. The engine's targets are resolved against the transformers
+    5 model it trains, so the renaming (gated by peft's own is_transformers_ge_v5 flag, read as it injects) is
+    switched off while they go in."""
+    try:
+        from peft.tuners import tuners_utils
+    except ImportError:  # pragma: no cover - apply_lora checked peft first
+        yield
+        return
+    flag = getattr(tuners_utils, "is_transformers_ge_v5", None)
+    if not flag:
+        yield
+        return
+    tuners_utils.is_transformers_ge_v5 = False
+    try:
+        yield
+    finally:
+        tuners_utils.is_transformers_ge_v5 = flag
 
 
 def _is_fsdp(model: nn.Module) -> bool:
@@ -267,15 +358,19 @@ def adapter_identity(model: nn.Module) -> dict[str, Any] | None:
     }
     if peft_config.fan_in_fan_out:  # peft sets it for transformers' Conv1D layers (weights stored as in x out)
         identity["fan_in_fan_out"] = True
+    if peft_config.target_parameters:  # left out when empty: checkpoints from before the key compare equal
+        identity["target_parameters"] = sorted(peft_config.target_parameters)
     return identity
 
 
 def describe_identity(identity: dict[str, Any] | None) -> str:
     if identity is None:
         return "no LoRA (the whole model trained)"
+    experts = identity.get("target_parameters") or []
     return (
         f"LoRA rank {identity.get('rank')}, alpha {identity.get('alpha')}, "
         f"target_modules {', '.join(identity.get('target_modules') or [])}"
+        + (f", target_parameters {', '.join(experts)}" if experts else "")
     )
 
 
@@ -298,7 +393,12 @@ def check_resume_compatible(
 def comparable_identity(identity: dict[str, Any] | None) -> tuple | None:
     if identity is None:
         return None
-    return (int(identity["rank"]), float(identity["alpha"]), tuple(sorted(identity["target_modules"])))
+    return (
+        int(identity["rank"]),
+        float(identity["alpha"]),
+        tuple(sorted(identity["target_modules"])),
+        tuple(sorted(identity.get("target_parameters") or ())),
+    )
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -390,10 +490,22 @@ def save_peft_adapter(
     config = copy.deepcopy(peft_config)
     config.inference_mode = True
     config.target_modules = sorted(config.target_modules)  # a set in memory; a stable list in the file
+    if config.target_parameters:  # peft matches them sorted whatever the order; the file says them sorted too
+        config.target_parameters = sorted(config.target_parameters)
     if base_model_name_or_path is None:
         hf_config = getattr(identity_model, "config", None)
         base_model_name_or_path = getattr(hf_config, "name_or_path", None) or None
     config.base_model_name_or_path = base_model_name_or_path
+    if renamed := renamed_on_load(identity_model, sorted(config.target_modules)):
+        logger.warning(
+            "the adapter in %s adapts %s of dense layers; PeftModel.from_pretrained on transformers 5 (peft %s) reads "
+            "those names of a %s model as transformers 4's expert layers and puts them on the fused experts instead, "
+            "so what it loads is not the adapter trained here. The merged model (lora.merge_on_export) is.",
+            out_dir,
+            ", ".join(renamed),
+            _peft_version(),
+            getattr(getattr(identity_model, "config", None), "model_type", "?"),
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(out))
@@ -401,6 +513,24 @@ def save_peft_adapter(
     save_file(tensors, str(out / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
     logger.info("wrote the LoRA adapter (%d tensors) in PEFT's format to %s", len(tensors), out)
     return out
+
+
+def renamed_on_load(model: nn.Module, targets: list[str]) -> list[str]:
+    """The entries of `targets` that peft renames when it loads an adapter for `model`'s family on transformers 5
+    (see _targets_as_resolved): empty for most models, and wherever peft's table is not where 0.21 keeps it."""
+    try:
+        from peft.utils.transformers_weight_conversion import _MODEL_TO_CONVERSION_PATTERN, _MOE_TARGET_MODULE_MAPPING
+    except ImportError:
+        return []
+    family = _MODEL_TO_CONVERSION_PATTERN.get(getattr(getattr(model, "config", None), "model_type", None))
+    names = _MOE_TARGET_MODULE_MAPPING.get(family) or {}
+    return [t for t in targets if any(t == n or t.endswith("." + n) for n in names)]
+
+
+def _peft_version() -> str:
+    import peft
+
+    return getattr(peft, "__version__", "?")
 
 
 def read_adapter_config(adapter_dir: str | os.PathLike[str]) -> dict[str, Any]:
@@ -411,25 +541,72 @@ def read_adapter_config(adapter_dir: str | os.PathLike[str]) -> dict[str, Any]:
 # ---------------------------------------------------------------- merging
 
 
-def merged_state_dict(state_dict: dict[str, torch.Tensor], identity: dict[str, Any]) -> dict[str, torch.Tensor]:
+def expert_adapters(model: nn.Module) -> dict[str, tuple[str, bool]]:
+    """Where the fused expert tensors' adapters are (lora.target_parameters): for each adapted tensor's plain name
+    (`model.layers.0.mlp.experts.gate_up_proj`), the name of the peft wrapper holding its lora_A / lora_B
+    (`model.layers.0.mlp.experts.base_layer` when two tensors of one module are adapted: peft nests one wrapper a
+    tensor) and whether the tensor is stored experts x out x in (True; transformers' Qwen and Mixtral experts) or
+    experts x in x out (False). Read from the live model (plain, DDP, compiled or FSDP2: nothing is gathered)."""
+    from peft.tuners.lora import ParamWrapper
+
+    out: dict[str, tuple[str, bool]] = {}
+    for name, layer in _lora_layers(model):
+        if isinstance(layer, ParamWrapper):
+            plain = f"{name.replace('.base_layer', '')}.{layer.parameter_name}"
+            # peft's rule for a 3-D tensor: stored experts x out x in unless the module says it is transposed
+            out[plain] = (name, not getattr(layer.get_base_layer(), "is_transposed", False))
+    return out
+
+
+def _expert_delta(a: torch.Tensor, b: torch.Tensor, rank: int, *, out_in: bool) -> torch.Tensor:
+    """B @ A of a fused expert stack's adapter, in fp32, one product an expert, stacked as the tensor stores them.
+
+    peft's layout: lora_A is (experts·r) x in, expert e's rows e·r to e·r + r; lora_B is out x (r·experts), expert
+    e's columns e, e + experts, ... (the r·experts axis read as r x experts)."""
+    experts = a.shape[0] // rank
+    a_e = a.to(torch.float32).reshape(experts, rank, a.shape[1])  # e x r x in
+    b_e = b.to(torch.float32).reshape(b.shape[0], rank, experts).permute(2, 0, 1)  # e x out x r
+    delta = torch.bmm(b_e, a_e)  # e x out x in
+    return delta if out_in else delta.transpose(1, 2)
+
+
+def merged_state_dict(
+    state_dict: dict[str, torch.Tensor],
+    identity: dict[str, Any],
+    experts: dict[str, tuple[str, bool]] | None = None,
+) -> dict[str, torch.Tensor]:
     """A full state dict of a LoRA model (base_layer and lora_A / lora_B keys) as the plain model's: each adapted
     weight W replaced by W + (alpha / rank) · B @ A (computed in fp32, kept in W's dtype) under the layer's own name
     (`...q_proj.weight`), its bias likewise, the adapters dropped. `state_dict` is consumed: each entry leaves it as
     its counterpart is made, so a gathered model is not held twice; no tensor is changed in place (they may be the
-    live model's own). `identity`: adapter_identity's (rank, alpha, and fan_in_fan_out for Conv1D weights)."""
+    live model's own). `identity`: adapter_identity's (rank, alpha, and fan_in_fan_out for Conv1D weights).
+    `experts`: expert_adapters' map of the model, for the fused expert tensors lora.target_parameters adapted (each
+    expert's own update folded into its slice)."""
     scale = float(identity["alpha"]) / int(identity["rank"])
+    rank = int(identity["rank"])
     transpose = bool(identity.get("fan_in_fan_out"))
     marker_a, marker_b = f".lora_A.{ADAPTER_NAME}.weight", f".lora_B.{ADAPTER_NAME}.weight"
     adapters = {name: state_dict.pop(name) for name in list(state_dict) if is_adapter_key(name)}
+    experts = experts or {}
     out: dict[str, torch.Tensor] = {}
     for name in list(state_dict):
         tensor = state_dict.pop(name)
         if ".base_layer." not in name:
             out[name] = tensor
             continue
+        plain = name.replace(".base_layer", "")
+        if plain in experts:
+            wrapper, out_in = experts[plain]
+            a, b = adapters.get(wrapper + marker_a), adapters.get(wrapper + marker_b)
+            if a is None or b is None:
+                raise ValueError(f"{name} has no lora_A / lora_B beside it in the state dict")
+            delta = _expert_delta(a, b, rank, out_in=out_in) * scale
+            out[plain] = (tensor.to(torch.float32) + delta.to(tensor.device)).to(tensor.dtype)
+            continue
         layer, _, leaf = name.partition(".base_layer.")
-        plain = f"{layer}.{leaf}"
         if leaf != "weight":
+            # a bias, or another tensor of a module whose expert tensors are adapted (GPT-OSS's expert biases): under
+            # its plain name, without the base_layer of each wrapper around it
             out[plain] = tensor
             continue
         a, b = adapters.get(layer + marker_a), adapters.get(layer + marker_b)
@@ -456,7 +633,9 @@ def merge_lora(model: nn.Module) -> nn.Module:
             raise ValueError(f"{name} is quantized (nf4): merge its dequantized weights with merged_state_dict")
         layer.merge(adapter_names=[ADAPTER_NAME])
     for name, module in list(bare.named_modules()):
-        if isinstance(module, LoraLayer):
+        # the outermost peft layer of a module only: the wrappers of a module's expert tensors are nested (each holds
+        # the next as base_layer), and get_base_layer gives the module under all of them
+        if isinstance(module, LoraLayer) and not name.endswith(".base_layer"):
             parent_name, _, child = name.rpartition(".")
             parent = bare.get_submodule(parent_name) if parent_name else bare
             setattr(parent, child, module.get_base_layer())

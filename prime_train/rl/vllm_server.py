@@ -236,6 +236,12 @@ def lora_adapter_plan(cfg: Config) -> tuple[int | None, str]:
             f"lora.quantize = {lora.quantize!r}: the vLLM workers reload the merged weights each step (the trainer's "
             "base is quantized, vLLM's is model.path as it is, so the adapter alone would not give the trainer's model)"
         )
+    if lora.target_parameters:
+        return None, (
+            f"lora.target_parameters = {lora.target_parameters!r}: the vLLM workers reload the merged weights each "
+            "step (an adapter on fused expert tensors is peft's target_parameters format, which vLLM's runtime LoRA "
+            "loading was not seen to take here)"
+        )
     fits = [r for r in VLLM_LORA_RANKS if r >= lora.rank]
     if not fits:
         return None, (

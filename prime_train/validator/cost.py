@@ -470,7 +470,7 @@ def _adapters(cfg: Config, hf: dict[str, Any]) -> int | None:
     if not cfg.lora.enabled:
         return None
     try:
-        return count_adapters(hf, cfg.lora.rank, cfg.lora.target_modules).trainable
+        return count_adapters(hf, cfg.lora.rank, cfg.lora.target_modules, cfg.lora.target_parameters).trainable
     except (KeyError, TypeError, ValueError) as exc:
         raise CostInputError(f"LoRA adapters not counted: the model's config lacks {exc}") from None
 

@@ -42,7 +42,7 @@ def adapters(cfg: Config) -> AdapterCount | None:
     if hf is None or not cfg.lora.enabled:
         return None
     try:
-        return count_adapters(hf, cfg.lora.rank, cfg.lora.target_modules)
+        return count_adapters(hf, cfg.lora.rank, cfg.lora.target_modules, cfg.lora.target_parameters)
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -97,6 +97,8 @@ def lora_problems(cfg: Config, sources: Sources, *, spot: bool = False) -> list[
     ad = adapters(cfg)
     if ad is not None and (why := unmatched_targets(ad)):
         problems.append(sources.problem(("lora", "target_modules"), "error", why))
+    if ad is not None and (why := ad.expert_problem()):
+        problems.append(sources.problem(("lora", "target_parameters"), "error", why))
     return problems
 
 
@@ -123,6 +125,8 @@ def check_lora(cfg: Config, cuda: CheckResult, strategy: str) -> CheckResult | N
     ad = adapters(cfg)
     if ad is not None and (why := unmatched_targets(ad)):
         found.append((why, "name layers the message lists in lora.target_modules"))
+    if ad is not None and (why := ad.expert_problem()):
+        found.append((why, "name expert tensors the message lists in lora.target_parameters, or leave it empty"))
     details: dict = {"rank": lora.rank, "quantize": lora.quantize, "strategy": strategy}
     hf, _ = model_shape(cfg)
     if ad is not None and hf is not None:

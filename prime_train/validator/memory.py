@@ -104,6 +104,7 @@ def inputs_from_config(cfg: Config, **overrides: Any) -> MemoryInputs:
         "lora_targets": cfg.lora.target_modules,
         "lora_quantize": cfg.lora.quantize,
         "lora_dropout": cfg.lora.dropout,
+        "lora_target_parameters": tuple(cfg.lora.target_parameters),
         "router_aux_loss_coef": cfg.model.router_aux_loss_coef,
     }
     # the job as the config runs it ([dpo], rl.algorithm and rl.kl_coef), or as `overrides` name it
@@ -420,7 +421,14 @@ def lora_notes(params: MemoryInputs) -> list[str]:
             f"lora.target_modules: {shown} {'matches' if len(ad.unmatched) == 1 else 'match'} no linear layer in the "
             f"decoder blocks; its linear layers are: {', '.join(ad.linear_names)} (or use 'all-linear')"
         )
+    if why := ad.expert_problem():
+        raise MemoryInputError(why)
     notes = [f"LoRA adapters: {n}" for n in ad.notes]
+    if ad.unmatched_experts:
+        notes.append(
+            f"lora.target_parameters {', '.join(map(repr, ad.unmatched_experts))}: the counter does not know this "
+            "family's expert tensors; their adapters and merged weights are not counted"
+        )
     if ad.unmatched:
         notes.append(f"lora.target_modules {', '.join(map(repr, ad.unmatched))}: no such layer in the counted model")
     if params.lora_quantize == "nf4":
@@ -492,6 +500,8 @@ def render_memory(report: MemoryReport, console: Console) -> None:
     if (ad := p.adapters) is not None:
         t = report.trainer
         targets = ", ".join(sorted({lin.name.rsplit(".", 1)[-1] for lin in ad.adapted}))
+        if ad.experts:
+            targets += f" and every expert's {', '.join(t.name.rsplit('.', 1)[-1] for t in ad.experts)}"
         console.print(
             f"LoRA rank {ad.rank} on {escape(targets)}: {t.trainable_params:,} trainable of {t.total_params:,} "
             f"parameters ({100 * t.trainable_fraction:.3f} %)" + (", base in NF4" if p.lora_quantize == "nf4" else "")

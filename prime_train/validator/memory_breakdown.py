@@ -432,6 +432,28 @@ def _lora_activations(inputs: MemoryInputs, m: ModelShape, ad: AdapterCount | No
     return _LoraActivations(float(layer), float(selective), float(outside))
 
 
+def expert_adapter_part(inputs: MemoryInputs, ad: AdapterCount) -> Part:
+    """lora.target_parameters: peft runs an adapted expert tensor as W + scale · B @ A, built whole (every expert) in
+    the layer's forward and kept for its backward, in the dtype the layer holds its weights in (fp32 under autocast,
+    the gathered bf16 under FSDP2's mixed precision); its gradient, as large, exists once in the backward. Without
+    activation checkpointing every sparse layer keeps its copies until the backward reaches it; with full or
+    selective checkpointing (the sum is not among the ops selective keeps) one layer's are rebuilt at a time.
+    Measured on the CPU by the saved tensors of a forward (tests/test_lora_experts.py)."""
+    autocast = inputs.half and inputs.strategy in ("none", "ddp")
+    width = 4 if (autocast or not inputs.half) else 2
+    per_layer = sum(t.fan_in * t.fan_out * t.experts for t in ad.experts)
+    largest = max(t.fan_in * t.fan_out * t.experts for t in ad.experts)
+    sparse = max(t.blocks for t in ad.experts)
+    layers = sparse if inputs.activation_checkpointing == "none" else 1
+    held = "every sparse layer's" if layers > 1 else "one layer's (checkpointing rebuilds them a layer at a time)"
+    return Part(
+        "expert adapters' merged weights",
+        (layers * per_layer + largest) * width,
+        f"W + B @ A of {', '.join(t.name.rsplit('.', 1)[-1] for t in ad.experts)}: {held} x "
+        f"{per_layer * width / GIB:,.2f} GiB, and one tensor's gradient",
+    )
+
+
 def trainer_memory(inputs: MemoryInputs, m: ModelShape, *, micro_batch: int | None = None) -> TrainerMemory:
     """Per-GPU bytes of a training process, part by part (see the module docstring for every rule); with tensor or
     pipeline parallelism, the busiest rank's (memory_parallel.py)."""
@@ -463,6 +485,8 @@ def trainer_memory(inputs: MemoryInputs, m: ModelShape, *, micro_batch: int | No
             f"{_sequences(mb, seqs)} × {inputs.seq_len} tokens × {per_token / 1024:,.1f} KiB; {how}",
         )
     )
+    if ad is not None and ad.experts:
+        parts.append(expert_adapter_part(inputs, ad))
     loss_part, per_token_loss = _loss_part(inputs, m, act, tokens)
     parts.append(loss_part)
     parts.append(Part("runtime", RUNTIME_OVERHEAD_BYTES, "CUDA context, cuBLAS workspaces, NCCL buffers"))

@@ -223,6 +223,9 @@ class MemoryInputs:
     lora_targets: str | list[str] = ALL_LINEAR
     lora_quantize: str = "none"
     lora_dropout: float = 0.0
+    # lora.target_parameters: fused expert tensors that get an adapter each expert (engine/lora.py); each adapted
+    # tensor is held again as W + B @ A from a layer's forward to its backward
+    lora_target_parameters: tuple[str, ...] | list[str] = ()
     # the job ([run].job): dpo and reward hold two sequences a pair; rl's PPO trains a value head; `reference` is a
     # frozen copy of the starting weights (None: the job's default, dpo's reference; dpo.precompute_reference and
     # an rl run without rl.kl_coef hold none; with LoRA no job does: the base with its adapters off is the reference)
@@ -336,6 +339,8 @@ class MemoryInputs:
             raise MemoryInputError(nf4.unavailable(strategy=self.strategy, cuda=True, bitsandbytes=True))
         if not 0 <= self.lora_dropout < 1:
             raise MemoryInputError(f"lora_dropout = {self.lora_dropout!r}: must be in [0, 1)")
+        if self.lora_target_parameters and self.lora_dropout > 0:
+            raise MemoryInputError("lora_dropout must be 0 with lora_target_parameters (peft refuses the two together)")
 
     @property
     def adapters(self) -> AdapterCount | None:
@@ -343,7 +348,7 @@ class MemoryInputs:
         if not self.lora_rank:
             return None
         try:
-            return count_adapters(self.model, self.lora_rank, self.lora_targets)
+            return count_adapters(self.model, self.lora_rank, self.lora_targets, tuple(self.lora_target_parameters))
         except (KeyError, TypeError, ValueError) as exc:
             raise MemoryInputError(f"LoRA adapters not counted: {self.model_source} lacks {exc}") from None
 

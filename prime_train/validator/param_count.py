@@ -150,6 +150,17 @@ def _layers(cfg: dict[str, Any]) -> int:
     return layers
 
 
+# Fields a family's config.json may hold under another name: transformers 5 saves Qwen3-MoE's expert count as
+# num_local_experts (its attribute_map's target), where the hub's files and the counter say num_experts
+_SAVED_AS = {"qwen3_moe": {"num_experts": "num_local_experts"}}
+
+
+def _aliased(fields: dict[str, Any], text_type: str) -> dict[str, Any]:
+    renamed = {ours: fields[saved] for ours, saved in _SAVED_AS.get(text_type, {}).items()
+               if ours not in fields and saved in fields}  # fmt: skip
+    return {**fields, **renamed} if renamed else fields
+
+
 def split_config(hf: dict[str, Any]) -> tuple[dict[str, Any], str, str]:
     """The language model's fields (with transformers' defaults filled in), its model_type, and the outer one."""
     if not isinstance(hf, dict):
@@ -158,14 +169,14 @@ def split_config(hf: dict[str, Any]) -> tuple[dict[str, Any], str, str]:
     nested = hf.get("text_config")
     if isinstance(nested, dict):
         text_type = str(nested.get("model_type") or _TEXT_TYPE_OF.get(outer, outer))
-        text = {**_DEFAULTS.get(text_type, {}), **nested}
+        text = {**_DEFAULTS.get(text_type, {}), **_aliased(nested, text_type)}
         if "tie_word_embeddings" in hf:  # the outer model owns the lm_head
             text["tie_word_embeddings"] = hf["tie_word_embeddings"]
         elif outer == "gemma3":
             text.setdefault("tie_word_embeddings", True)
     else:
         text_type = _TEXT_TYPE_OF.get(outer, outer)
-        text = {**_DEFAULTS.get(text_type, {}), **hf}
+        text = {**_DEFAULTS.get(text_type, {}), **_aliased(hf, text_type)}
     return text, text_type, outer
 
 
@@ -208,6 +219,7 @@ class _MoE:
     per_expert: int
     router: int
     shared: int
+    width: int = 0  # one expert's intermediate size
 
 
 def _is_routed(cfg: dict[str, Any], text_type: str) -> bool:
@@ -243,18 +255,18 @@ def _moe_block(cfg: dict[str, Any], text_type: str, h: int) -> _MoE:
         width = _num(cfg, "intermediate_size")
         top_k = _num(cfg, "num_experts_per_tok", _num(cfg, "experts_per_token", 2))
         if text_type == "gpt_oss":  # experts and router carry biases
-            return _MoE(experts, top_k, 3 * h * width + 2 * width + h, experts * h + experts, 0)
-        return _MoE(experts, top_k, 3 * h * width, experts * h, 0)
+            return _MoE(experts, top_k, 3 * h * width + 2 * width + h, experts * h + experts, 0, width)
+        return _MoE(experts, top_k, 3 * h * width, experts * h, 0, width)
     if text_type in ("qwen2_moe", "qwen3_moe"):
         experts = _num(cfg, "num_experts", 0)
         width = _num(cfg, "moe_intermediate_size")
         shared = 0
         if text_type == "qwen2_moe":
             shared = 3 * h * _num(cfg, "shared_expert_intermediate_size") + h  # shared expert and its gate
-        return _MoE(experts, _num(cfg, "num_experts_per_tok"), 3 * h * width, experts * h, shared)
+        return _MoE(experts, _num(cfg, "num_experts_per_tok"), 3 * h * width, experts * h, shared, width)
     experts, width = _num(cfg, "n_routed_experts"), _num(cfg, "moe_intermediate_size")  # deepseek_v3
     shared = 3 * h * width * _num(cfg, "n_shared_experts", 0)
-    return _MoE(experts, _num(cfg, "num_experts_per_tok"), 3 * h * width, experts * h, shared)
+    return _MoE(experts, _num(cfg, "num_experts_per_tok"), 3 * h * width, experts * h, shared, width)
 
 
 def _qwen_vl_vision(vision: dict[str, Any], outer: str) -> int:
@@ -352,16 +364,18 @@ _VL_TYPES = frozenset(_VISION_COUNTED | {"qwen2_vl", "qwen2_5_vl"})
 
 @dataclass(frozen=True)
 class Linear:
-    """One linear layer of a decoder block: its name inside the block, its sizes, and in how many blocks it is."""
+    """One linear layer of a decoder block: its name inside the block, its sizes, and in how many blocks it is; or
+    one fused expert tensor (`experts` > 1: one in x out weight an expert, all in one tensor)."""
 
     name: str
     fan_in: int
     fan_out: int
     blocks: int
+    experts: int = 1
 
     @property
     def params(self) -> int:
-        return self.fan_in * self.fan_out * self.blocks
+        return self.fan_in * self.fan_out * self.blocks * self.experts
 
 
 def _mlp_linears(prefix: str, h: int, width: int, blocks: int) -> list[Linear]:
@@ -423,6 +437,25 @@ def decoder_linears(hf: dict[str, Any]) -> list[Linear]:
     return out
 
 
+def decoder_expert_tensors(hf: dict[str, Any]) -> list[Linear]:
+    """The routed experts' fused tensors of the decoder blocks as transformers 5 builds them (Mixtral, Qwen2-MoE,
+    Qwen3-MoE, GPT-OSS, DeepSeek-V3: `mlp.experts.gate_up_proj`, hidden -> 2 x width, and `mlp.experts.down_proj`,
+    width -> hidden, one 3-D tensor each holding every expert): what lora.target_parameters may adapt. Empty for
+    a dense model and for families the counter does not mirror."""
+    cfg, text_type, _ = split_config(hf)
+    if text_type not in EXACT_TEXT_TYPES:
+        return []
+    h, layers = _num(cfg, "hidden_size"), _layers(cfg)
+    sparse = _moe_layer_count(cfg, text_type, layers)
+    if not sparse:
+        return []
+    block = _moe_block(cfg, text_type, h)
+    return [
+        Linear("mlp.experts.down_proj", block.width, h, sparse, block.experts),
+        Linear("mlp.experts.gate_up_proj", h, 2 * block.width, sparse, block.experts),
+    ]
+
+
 @dataclass
 class AdapterCount:
     """LoRA's adapters on a model: B (out × r) @ A (r × in) beside each targeted linear layer of every block."""
@@ -435,6 +468,28 @@ class AdapterCount:
     unmatched: list[str]  # target_modules entries that name no linear layer
     exact: bool
     notes: list[str] = field(default_factory=list)
+    # lora.target_parameters: the fused expert tensors adapted (each expert its own r x (in + out) pair, in trainable),
+    # the names an entry can end with, and the entries that name none
+    experts: list[Linear] = field(default_factory=list)
+    expert_names: list[str] = field(default_factory=list)
+    unmatched_experts: list[str] = field(default_factory=list)
+
+    def expert_problem(self) -> str | None:
+        """Why lora.target_parameters cannot be applied (entries naming no fused expert tensor of a model the counter
+        mirrors: a dense model has none), as the engine says it at start-up; None when it can, or is not known."""
+        if not self.unmatched_experts or not self.exact:
+            return None
+        shown = ", ".join(repr(t) for t in self.unmatched_experts)
+        if not self.expert_names:
+            return (
+                f"lora.target_parameters: {shown}: the model has no fused expert tensors in its decoder blocks (it is "
+                "not a mixture-of-experts model); leave lora.target_parameters empty and name linear layers in "
+                "lora.target_modules"
+            )
+        return (
+            f"lora.target_parameters: {shown} {'matches' if len(self.unmatched_experts) == 1 else 'match'} no fused "
+            f"expert tensor in the decoder blocks of the model; its expert tensors are: {', '.join(self.expert_names)}"
+        )
 
     @property
     def per_block(self) -> list[Linear]:
@@ -443,9 +498,12 @@ class AdapterCount:
         return [lin for lin in self.adapted if lin.blocks == most]
 
 
-def count_adapters(hf: dict[str, Any], rank: int, targets: str | list[str] = ALL_LINEAR) -> AdapterCount:
-    """The adapters `lora.rank` and `lora.target_modules` put on the model `hf` describes (engine/lora.py's rule: an
-    entry names the layers whose name is it or ends in '.<entry>'; 'all-linear' every linear layer of the blocks)."""
+def count_adapters(
+    hf: dict[str, Any], rank: int, targets: str | list[str] = ALL_LINEAR, parameters: list[str] | tuple[str, ...] = ()
+) -> AdapterCount:
+    """The adapters `lora.rank`, `lora.target_modules` and `lora.target_parameters` (`parameters`) put on the model
+    `hf` describes (engine/lora.py's rule: an entry names the layers, or fused expert tensors, whose name is it or
+    ends in '.<entry>'; 'all-linear' every linear layer of the blocks)."""
     _, text_type, outer = split_config(hf)
     linears = decoder_linears(hf)
     if targets == ALL_LINEAR:
@@ -464,13 +522,22 @@ def count_adapters(hf: dict[str, Any], rank: int, targets: str | list[str] = ALL
         notes.append(f"{outer}: the language model's linear layers only (the vision tower's are not counted)")
     elif text_type not in EXACT_TEXT_TYPES:
         notes.append(f"model_type {text_type!r} is not one the counter mirrors: Llama-shaped linear layers assumed")
+    tensors = decoder_expert_tensors(hf) if parameters else []
+
+    def names(entry: str, lin: Linear) -> bool:
+        return lin.name == entry or lin.name.endswith("." + entry)
+
+    experts = [t for t in tensors if any(names(p, t) for p in parameters)]
     return AdapterCount(
         rank=rank,
-        trainable=sum(rank * (lin.fan_in + lin.fan_out) * lin.blocks for lin in adapted),
+        trainable=sum(rank * (lin.fan_in + lin.fan_out) * lin.blocks * lin.experts for lin in adapted + experts),
         adapted=adapted,
         linear_params=sum(lin.params for lin in linears),
         linear_names=sorted({lin.name.rsplit(".", 1)[-1] for lin in linears}),
         unmatched=unmatched,
         exact=exact,
         notes=notes,
+        experts=experts,
+        expert_names=sorted({t.name.rsplit(".", 1)[-1] for t in tensors}),
+        unmatched_experts=[p for p in parameters if not any(names(p, t) for t in tensors)],
     )
