@@ -675,3 +675,39 @@ def _worker(mode: str, out_dir: str) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2])
+
+
+# ---------------------------------------------------------------- rank-stabilised LoRA
+
+
+def test_rslora_scales_by_alpha_over_sqrt_rank_merges_exports_and_must_match_on_resume(tmp_path):
+    """lora.rslora: peft's use_rslora, so the live model scales B @ A by alpha / sqrt(r) (16 / 2 = 8 at rank 4, not
+    16 / 4 = 4); the merge and the PEFT export use the same scale, and the identity carries it (older checkpoints,
+    without the key, are plain LoRA)."""
+    from peft import PeftModel
+
+    assert LoraConfig(rank=4, alpha=16).scaling == 4.0 and LoraConfig(rank=4, alpha=16, rslora=True).scaling == 8.0
+    plain_model = hf_model()
+    plain_model.save_pretrained(tmp_path / "base")
+    model = lora.apply_lora(hf_model(), lora_cfg(alpha=16, rslora=True))
+    assert lora.adapter_identity(model) == {"rank": 4, "alpha": 16.0, "target_modules": ALL_LINEAR, "rslora": True}
+    q = model.model.layers[0].self_attn.q_proj
+    assert q.scaling[lora.ADAPTER_NAME] == 8.0
+    train(model, 3)
+    expected = logits(model)
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    plain_model.load_state_dict(lora.merged_state_dict(state, lora.adapter_identity(model)))
+    torch.testing.assert_close(logits(plain_model), expected, rtol=1e-4, atol=1e-4)
+    lora.save_peft_adapter(model, tmp_path / "adapter", str(tmp_path / "base"))
+    assert lora.read_adapter_config(tmp_path / "adapter")["use_rslora"] is True
+    from transformers import AutoModelForCausalLM
+
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    torch.testing.assert_close(logits(loaded), expected, rtol=1e-4, atol=1e-4)
+    # the wrong scale would show: plain LoRA's merge of the same adapters is another model
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    plain_scale = {k: v for k, v in lora.adapter_identity(model).items() if k != "rslora"}
+    plain_model.load_state_dict(lora.merged_state_dict(state, plain_scale))
+    assert (logits(plain_model) - expected).abs().max() > 1e-3
+    with pytest.raises(EngineConfigError, match=r"saved with LoRA rank 4, alpha 16\.0, .*, rsLoRA; this run has"):
+        lora.check_resume_compatible(lora.adapter_identity(model), plain_scale)

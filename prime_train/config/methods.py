@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
@@ -13,6 +14,11 @@ from prime_train.config.section import Section
 # What lora.target_modules = "all-linear" means: every linear layer inside the decoder blocks (attention and MLP:
 # q/k/v/o_proj and gate/up/down_proj in the Llama and Qwen families), never lm_head or the embeddings.
 LORA_ALL_LINEAR = "all-linear"
+
+
+def adapter_scaling(alpha: float, rank: int, *, rslora: bool = False) -> float:
+    """LoRA's multiplier of B @ A: alpha / rank, or rank-stabilised alpha / sqrt(rank) (peft's rule for both)."""
+    return alpha / (math.sqrt(rank) if rslora else rank)
 
 
 class LoraConfig(Section):
@@ -28,6 +34,11 @@ class LoraConfig(Section):
         gt=0,
         le=1e6,
         description="The adapter's output is scaled by alpha / rank. Unset: 2 × rank (a scale of 2).",
+    )
+    rslora: bool = Field(
+        False,
+        description="Rank-stabilised LoRA (Kalajdzievski 2023; peft's use_rslora): the adapter's output is scaled by "
+        "alpha / sqrt(rank) instead of alpha / rank, so a higher rank keeps learning at the same lr.",
     )
     dropout: float = Field(
         0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input (the frozen path has none)."
@@ -137,6 +148,11 @@ class LoraConfig(Section):
     def scale_alpha(self) -> float:
         """alpha as applied: the configured value, else 2 × rank."""
         return self.alpha if self.alpha is not None else 2.0 * self.rank
+
+    @property
+    def scaling(self) -> float:
+        """What the adapter's B @ A is multiplied by: alpha / rank, or alpha / sqrt(rank) with lora.rslora."""
+        return adapter_scaling(self.scale_alpha, self.rank, rslora=self.rslora)
 
     def unavailable(self, *, strategy: str, cuda: bool, bitsandbytes: bool) -> str | None:
         """Why this [lora] cannot run under data-parallel `strategy` ('none', 'ddp', 'fsdp', 'hsdp', or 'auto'),

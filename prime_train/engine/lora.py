@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from prime_train.config.methods import adapter_scaling
 from prime_train.config.schema import LORA_ALL_LINEAR, LoraConfig
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.model import decoder_layers
@@ -217,6 +218,7 @@ def _peft_config(
     return PeftLoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.scale_alpha,
+        use_rslora=cfg.rslora,
         lora_dropout=cfg.dropout,
         target_modules=targets,
         target_parameters=parameters or None,
@@ -276,9 +278,10 @@ def apply_lora(
         param.requires_grad_(is_adapter_key(name) or any(name.startswith(m + ".") for m in train_in_full))
     trainable, total = trainable_parameters(model)
     logger.info(
-        "LoRA rank %d, alpha %g on %s: %d trainable parameters of %d (%.3f%%)%s",
+        "LoRA rank %d, alpha %g%s on %s: %d trainable parameters of %d (%.3f%%)%s",
         cfg.rank,
         cfg.scale_alpha,
+        f" (rsLoRA: scale alpha / sqrt(rank) = {cfg.scaling:g})" if cfg.rslora else "",
         ", ".join(targets + [f"{p} (each expert)" for p in parameters]),
         trainable,
         total,
@@ -358,6 +361,8 @@ def adapter_identity(model: nn.Module) -> dict[str, Any] | None:
     }
     if peft_config.fan_in_fan_out:  # peft sets it for transformers' Conv1D layers (weights stored as in x out)
         identity["fan_in_fan_out"] = True
+    if peft_config.use_rslora:  # left out when off, as target_parameters: older checkpoints compare equal
+        identity["rslora"] = True
     if peft_config.target_parameters:  # left out when empty: checkpoints from before the key compare equal
         identity["target_parameters"] = sorted(peft_config.target_parameters)
     return identity
@@ -371,6 +376,7 @@ def describe_identity(identity: dict[str, Any] | None) -> str:
         f"LoRA rank {identity.get('rank')}, alpha {identity.get('alpha')}, "
         f"target_modules {', '.join(identity.get('target_modules') or [])}"
         + (f", target_parameters {', '.join(experts)}" if experts else "")
+        + (", rsLoRA" if identity.get("rslora") else "")
     )
 
 
@@ -398,6 +404,7 @@ def comparable_identity(identity: dict[str, Any] | None) -> tuple | None:
         float(identity["alpha"]),
         tuple(sorted(identity["target_modules"])),
         tuple(sorted(identity.get("target_parameters") or ())),
+        bool(identity.get("rslora")),
     )
 
 
@@ -582,8 +589,8 @@ def merged_state_dict(
     live model's own). `identity`: adapter_identity's (rank, alpha, and fan_in_fan_out for Conv1D weights).
     `experts`: expert_adapters' map of the model, for the fused expert tensors lora.target_parameters adapted (each
     expert's own update folded into its slice)."""
-    scale = float(identity["alpha"]) / int(identity["rank"])
     rank = int(identity["rank"])
+    scale = adapter_scaling(float(identity["alpha"]), rank, rslora=bool(identity.get("rslora")))
     transpose = bool(identity.get("fan_in_fan_out"))
     marker_a, marker_b = f".lora_A.{ADAPTER_NAME}.weight", f".lora_B.{ADAPTER_NAME}.weight"
     adapters = {name: state_dict.pop(name) for name in list(state_dict) if is_adapter_key(name)}

@@ -134,7 +134,8 @@ def check_lora(cfg: Config, cuda: CheckResult, strategy: str) -> CheckResult | N
         details.update(trainable_params=ad.trainable, total_params=total, trainable_fraction=ad.trainable / total)
     if found:
         return CheckResult("lora", FAIL, "; ".join(w for w, _ in found), "; ".join(f for _, f in found), details)
-    what = f"rank {lora.rank}, alpha {lora.scale_alpha:g}" + (", base in NF4" if lora.quantize == "nf4" else "")
+    what = f"rank {lora.rank}, alpha {lora.scale_alpha:g}" + (", rsLoRA" if lora.rslora else "")
+    what += ", base in NF4" if lora.quantize == "nf4" else ""
     if "total_params" in details:
         what += (
             f": {details['trainable_params']:,} trainable of {details['total_params']:,} parameters "
