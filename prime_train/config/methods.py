@@ -16,6 +16,17 @@ from prime_train.config.section import Section
 LORA_ALL_LINEAR = "all-linear"
 
 
+def _check_names(key: str, names: list[str], kind: str, examples: str, one: str) -> None:
+    """lora.<key>'s entries are dotted names, each once (ValueError naming the key otherwise)."""
+    for name in names:
+        if not re.fullmatch(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*", name):
+            raise ValueError(
+                f"lora.{key} entry {name!r} is not a {kind} name (dotted words such as {examples}; no patterns)"
+            )
+    if len(set(names)) != len(names):
+        raise ValueError(f"lora.{key} names {one} twice")
+
+
 def adapter_scaling(alpha: float, rank: int, *, rslora: bool = False) -> float:
     """LoRA's multiplier of B @ A: alpha / rank, or rank-stabilised alpha / sqrt(rank) (peft's rule for both)."""
     return alpha / (math.sqrt(rank) if rslora else rank)
@@ -87,16 +98,9 @@ class LoraConfig(Section):
             return LORA_ALL_LINEAR
         if not value:
             raise ValueError(f"lora.target_modules is empty: name linear layers, or use {LORA_ALL_LINEAR!r}")
-        for name in value:
-            if name == LORA_ALL_LINEAR:
-                raise ValueError(f"{LORA_ALL_LINEAR!r} stands alone: it already names every linear layer")
-            if not re.fullmatch(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*", name):
-                raise ValueError(
-                    f"lora.target_modules entry {name!r} is not a module name (dotted words such as 'q_proj' or "
-                    "'self_attn.q_proj'; no patterns)"
-                )
-        if len(set(value)) != len(value):
-            raise ValueError("lora.target_modules names a layer twice")
+        if LORA_ALL_LINEAR in value:
+            raise ValueError(f"{LORA_ALL_LINEAR!r} stands alone: it already names every linear layer")
+        _check_names("target_modules", value, "module", "'q_proj' or 'self_attn.q_proj'", "a layer")
         return value
 
     @field_validator("target_parameters", mode="before")
@@ -109,14 +113,7 @@ class LoraConfig(Section):
     @field_validator("target_parameters", mode="after")
     @classmethod
     def _parameter_names(cls, value: list[str]) -> list[str]:
-        for name in value:
-            if not re.fullmatch(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*", name):
-                raise ValueError(
-                    f"lora.target_parameters entry {name!r} is not a parameter name (dotted words such as "
-                    "'gate_up_proj' or 'experts.down_proj'; no patterns)"
-                )
-        if len(set(value)) != len(value):
-            raise ValueError("lora.target_parameters names a tensor twice")
+        _check_names("target_parameters", value, "parameter", "'gate_up_proj' or 'experts.down_proj'", "a tensor")
         return value
 
     @model_validator(mode="after")
