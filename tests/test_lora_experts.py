@@ -112,6 +112,8 @@ def test_each_expert_gets_its_own_adapter_that_trains_merges_and_loads_in_peft(m
     plain = _model(model_type, seed=7)
     plain.load_state_dict(merged, strict=True)
     torch.testing.assert_close(_logits(plain), live, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"adapters of model\.layers\.0\.mlp\.experts\S* were not merged"):
+        lora.merged_state_dict(dict(model.state_dict()), lora.adapter_identity(model))  # the expert map left out
 
     lora.save_peft_adapter(model, tmp_path / "adapter", str(tmp_path / "base"))
     saved = lora.read_adapter_config(tmp_path / "adapter")

@@ -596,6 +596,7 @@ def merged_state_dict(
     adapters = {name: state_dict.pop(name) for name in list(state_dict) if is_adapter_key(name)}
     experts = experts or {}
     out: dict[str, torch.Tensor] = {}
+    merged: set[str] = set()  # the layers (or expert wrappers) whose adapters went into a weight
     for name in list(state_dict):
         tensor = state_dict.pop(name)
         if ".base_layer." not in name:
@@ -609,6 +610,7 @@ def merged_state_dict(
                 raise ValueError(f"{name} has no lora_A / lora_B beside it in the state dict")
             delta = _expert_delta(a, b, rank, out_in=out_in) * scale
             out[plain] = (tensor.to(torch.float32) + delta.to(tensor.device)).to(tensor.dtype)
+            merged.add(wrapper)
             continue
         layer, _, leaf = name.partition(".base_layer.")
         if leaf != "weight":
@@ -621,6 +623,11 @@ def merged_state_dict(
             raise ValueError(f"{name} has no lora_A / lora_B beside it in the state dict")
         delta = (b.to(torch.float32) @ a.to(torch.float32)) * scale
         out[plain] = (tensor.to(torch.float32) + (delta.T if transpose else delta).to(tensor.device)).to(tensor.dtype)
+        merged.add(layer)
+    # every adapter went into a weight: an expert tensor's, passed without `experts`, would otherwise be left out of
+    # the merge in silence (its tensor copied as the base's)
+    if unmerged := sorted({name.rsplit(".lora_", 1)[0] for name in adapters} - merged):
+        raise ValueError(f"the adapters of {unmerged[0]} were not merged into any weight (an expert tensor's?)")
     return out
 
 
