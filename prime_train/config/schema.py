@@ -148,6 +148,12 @@ class ModelConfig(Section):
             raise ValueError(f"model.num_heads ({self.num_heads}) must be a multiple of model.num_kv_heads ({kv})")
         return self
 
+    @property
+    def local_path(self) -> bool:
+        """Whether model.path names a directory on this machine (a path, or a directory that exists), not a hub id."""
+        path = self.path or ""
+        return path.startswith(("/", ".", "~")) or os.path.isdir(os.path.expanduser(path))
+
 
 class DatasetConfig(Section):
     task: Literal["arithmetic", "reverse-text", "sorting"] | None = Field(

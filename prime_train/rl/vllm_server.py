@@ -329,8 +329,7 @@ def vllm_env(cfg: Config, index: int, *, cpu: bool, environ: dict[str, str] | No
     if _is_loopback(cfg.inference.host):
         # vLLM's engine and workers talk over this address; left to itself it picks the host's outward one
         env["VLLM_HOST_IP"] = "127.0.0.1"
-    path = cfg.model.path or ""
-    if path.startswith(("/", ".", "~")) or os.path.isdir(os.path.expanduser(path)):
+    if cfg.model.local_path:
         env["HF_HUB_OFFLINE"] = "1"  # a local model: no hub lookups (they hang without a network)
     if cpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(CPU_KVCACHE_GIB)

@@ -473,8 +473,7 @@ def _model_and_run_dir_problems(cfg: Config, sources: Sources) -> list[Problem]:
     path = cfg.model.path
     if path is None or cfg.job.command:
         return []
-    local = path.startswith(("/", ".", "~")) or os.path.isdir(os.path.expanduser(path))
-    if not local:  # a hub id
+    if not cfg.model.local_path:  # a hub id
         return []
     model = Path(os.path.expanduser(path)).resolve()
     run_dir = Path(os.path.expanduser(cfg.run_dir)).resolve()
