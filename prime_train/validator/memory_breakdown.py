@@ -260,6 +260,14 @@ def bytes_per_param(strategy: str, precision: str, optimizer: str) -> dict[str, 
     return {"weights": 4, "bf16 weight copy": copy, "gradients": 4, "optimizer states": states}
 
 
+def _held_width(inputs: MemoryInputs) -> int:
+    """Bytes a value takes in the dtype the model holds its weights and residual stream in: 4 in fp32 training and
+    under autocast (fp32 weights, bf16 matmuls: one process, DDP), 2 with half-precision weights (FSDP2's mixed
+    precision)."""
+    autocast = inputs.half and inputs.strategy in ("none", "ddp")
+    return 4 if (autocast or not inputs.half) else 2
+
+
 def _activation_bytes_per_token(inputs: MemoryInputs, m: ModelShape) -> dict[str, float]:
     """Bytes one token leaves behind for backward: one decoder layer's, split into its terms, and the rest."""
     bf16 = inputs.half
@@ -283,11 +291,11 @@ def _activation_bytes_per_token(inputs: MemoryInputs, m: ModelShape) -> dict[str
         "attention": qkv_out,
         "scores": scores,
         "mlp": mlp,
-        "layer_input": h * (4 if (autocast or not bf16) else a),  # the residual stream's dtype
+        "layer_input": h * _held_width(inputs),  # the residual stream's dtype
         # selective checkpointing (engine/parallel.py): a layer's input, the outputs of its matmuls (q, k, v and
         # output projections, gate, up and down) and of its attention kernel (output and fp32 log-sum-exp; eager
         # attention's two bmm outputs instead, the score matrix among them)
-        "selective": h * (4 if (autocast or not bf16) else a)
+        "selective": h * _held_width(inputs)
         + (m.q_dim + 2 * m.kv_dim + 2 * h + 2 * m.mlp_width) * a
         + (m.heads * s * a + m.q_dim * a if inputs.attention == "eager" else m.q_dim * a + 4 * m.heads),
         # an MoE's router loss: each layer's router logits (kept by transformers' recorder past checkpointing; without
@@ -413,9 +421,8 @@ def _lora_activations(inputs: MemoryInputs, m: ModelShape, ad: AdapterCount | No
         return _LoraActivations(0.0, 0.0, 0.0)
     bf16 = inputs.half
     a = 2 if bf16 else 4
-    autocast = bf16 and inputs.strategy in ("none", "ddp")
     h = m.hidden
-    norm_weight_only = 4 * h if (autocast or not bf16) else h * a  # the normalised value `weight *` keeps
+    norm_weight_only = h * _held_width(inputs)  # the normalised value `weight *` keeps
     block = ad.per_block
     leaves = {lin.name.rsplit(".", 1)[-1] for lin in block}
     layer = len(block) * ad.rank * a - 2 * norm_weight_only
@@ -439,8 +446,7 @@ def expert_adapter_part(inputs: MemoryInputs, ad: AdapterCount) -> Part:
     activation checkpointing every sparse layer keeps its copies until the backward reaches it; with full or
     selective checkpointing (the sum is not among the ops selective keeps) one layer's are rebuilt at a time.
     Measured on the CPU by the saved tensors of a forward (tests/test_lora_experts.py)."""
-    autocast = inputs.half and inputs.strategy in ("none", "ddp")
-    width = 4 if (autocast or not inputs.half) else 2
+    width = _held_width(inputs)
     per_layer = sum(t.fan_in * t.fan_out * t.experts for t in ad.experts)
     largest = max(t.fan_in * t.fan_out * t.experts for t in ad.experts)
     sparse = max(t.blocks for t in ad.experts)
