@@ -498,6 +498,17 @@ class AdapterCount:
         return [lin for lin in self.adapted if lin.blocks == most]
 
 
+def _named(entries: list[str], layers: list[Linear]) -> tuple[list[Linear], list[str]]:
+    """The layers some entry names (its name is the entry or ends in '.<entry>', engine/lora.py's rule), and the
+    entries that name none."""
+
+    def names(entry: str, lin: Linear) -> bool:
+        return lin.name == entry or lin.name.endswith("." + entry)
+
+    hit = [lin for lin in layers if any(names(e, lin) for e in entries)]
+    return hit, [e for e in entries if not any(names(e, lin) for lin in layers)]
+
+
 def count_adapters(
     hf: dict[str, Any], rank: int, targets: str | list[str] = ALL_LINEAR, parameters: list[str] | tuple[str, ...] = ()
 ) -> AdapterCount:
@@ -509,13 +520,7 @@ def count_adapters(
     if targets == ALL_LINEAR:
         adapted, unmatched = linears, []
     else:
-        names = list(targets)
-
-        def hit(lin: Linear) -> bool:
-            return any(lin.name == t or lin.name.endswith("." + t) for t in names)
-
-        adapted = [lin for lin in linears if hit(lin)]
-        unmatched = [t for t in names if not any(lin.name == t or lin.name.endswith("." + t) for lin in linears)]
+        adapted, unmatched = _named(list(targets), linears)
     notes = []
     exact = text_type in EXACT_TEXT_TYPES and outer not in _VL_TYPES
     if outer in _VL_TYPES:
@@ -523,11 +528,7 @@ def count_adapters(
     elif text_type not in EXACT_TEXT_TYPES:
         notes.append(f"model_type {text_type!r} is not one the counter mirrors: Llama-shaped linear layers assumed")
     tensors = decoder_expert_tensors(hf) if parameters else []
-
-    def names(entry: str, lin: Linear) -> bool:
-        return lin.name == entry or lin.name.endswith("." + entry)
-
-    experts = [t for t in tensors if any(names(p, t) for p in parameters)]
+    experts, unmatched_experts = _named(list(parameters), tensors)
     return AdapterCount(
         rank=rank,
         trainable=sum(rank * (lin.fan_in + lin.fan_out) * lin.blocks * lin.experts for lin in adapted + experts),
@@ -539,5 +540,5 @@ def count_adapters(
         notes=notes,
         experts=experts,
         expert_names=sorted({t.name.rsplit(".", 1)[-1] for t in tensors}),
-        unmatched_experts=[p for p in parameters if not any(names(p, t) for t in tensors)],
+        unmatched_experts=unmatched_experts,
     )
