@@ -13,16 +13,20 @@
 # four models to compile, 40-60 s each), the tests what it leaves. GPU_CHECK_PARTS picks the parts (default
 # "lora bench tests"; a session that measured one already can leave it out).
 #
-# Issue 35's figures (speed), in one call: GPU_CHECK_PARTS="gpt2 layers stall" (at most the 540 s budget; no
-# tests), run in this order, each cut to what the budget leaves:
+# Issue 35's figures (speed), in one call: GPU_CHECK_PARTS="stall goodput gpt2 layers" (at most the 540 s budget;
+# no tests), run in this order, each cut to what the budget leaves:
 #   stall   bench/checkpoint_stall.py --shapes gpt2: async against sync DCP save of the 124M model, blocking and
 #           the step-time dip over the next 10 steps (stall.log; GPU_CHECK_STALL_S, default 110 s)
+#   goodput scripts/goodput-kill9.sh: the default job (`prime-train run`) with one kill -9 of its trainer after the
+#           step-100 checkpoint; its goodput line (goodput.log; GPU_CHECK_GOODPUT_S, default 70 s)
 #   gpt2    bench/vs_nanogpt.py --shape gpt2 --sides native,gpt2,native-gpt2 --mask causal: the native Llama, the
 #           bench's GPT-2 and the engine's GPT-2 (model.arch = "gpt2") at GPT-2-124M shape, every row one causal
 #           stream as nanoGPT trains (data.document_masking = false), tokens/s and ratios (gpt2.log;
 #           GPU_CHECK_GPT2_S, default 170 s)
 #   layers  scripts/gpu_layers_mfu.py: 2 Llama-3-8B-shaped layers, FSDP2 + selective AC + compile, bf16 then
 #           float8, MFU and the float8 / bf16 ratio (layers.log, layers.json; GPU_CHECK_LAYERS_S, default 260 s)
+# On the H200 on 2026-11-29 stall, goodput and gpt2 gave figures (README, "Speed on a GPU"); layers timed out at
+# 125 s a side. The next lent session: GPU_CHECK_PARTS="layers tests" GPU_CHECK_LAYERS_S=400 first.
 # Also on request: logprobs  bench/logprobs.py on the GPU: DPO's and GRPO's per-token log-probs at Llama 3's
 #           vocabulary, 8 x 2048 tokens, hidden 4096, bf16: whole logits against chunks of the engine's 512
 #           tokens and of 1024, time and peak memory (logprobs.log; GPU_CHECK_LOGPROBS_S, default 60 s)
@@ -74,6 +78,10 @@ if [[ $parts == *" stall "* ]]; then
     --after 10
 fi
 
+if [[ $parts == *" goodput "* ]]; then
+  run_part goodput "${GPU_CHECK_GOODPUT_S:-70}" bash scripts/goodput-kill9.sh /tmp/pt-goodput 100
+fi
+
 if [[ $parts == *" gpt2 "* ]]; then
   run_part gpt2 "${GPU_CHECK_GPT2_S:-170}" python3 bench/vs_nanogpt.py --shape gpt2 --rounds 5 --steps 20 \
     --sides native,gpt2,native-gpt2 --mask causal
@@ -99,7 +107,7 @@ parallel=(-o "addopts=-ra --strict-markers")
 python3 -c "import xdist" 2>/dev/null && parallel=(-n 3)
 tests_s=$(($(left) - 15))
 if [[ $parts != *" tests "* ]]; then
-  echo "pytest not asked for (GPU_CHECK_PARTS)" | tee "$OUT/pytest.log"
+  echo "pytest not asked for (GPU_CHECK_PARTS)"  # no pytest.log: $OUT's files that come back are few (8)
 elif ((tests_s >= 30)); then  # `timeout 0` would mean no limit at all
   timeout "$tests_s" python3 -m pytest -m gpu -v -rA --durations=0 -p no:cacheprovider --basetemp /tmp/pt \
     --timeout 240 "${parallel[@]}" tests/test_lora.py tests/test_gpu.py tests/test_zero_precision.py tests/test_cli_commands.py \
@@ -111,6 +119,6 @@ else
 fi
 
 cp /tmp/pt-lora/*.log "$OUT/" 2>/dev/null  # the two LoRA runs' output (lora-8b-none.log, lora-8b-nf4.log)
-tar czf "$OUT/runs.tgz" -C /tmp/pt --exclude='*.safetensors' --exclude='*.distcp' --exclude='*.bin' \
+[[ -d /tmp/pt ]] && tar czf "$OUT/runs.tgz" -C /tmp/pt --exclude='*.safetensors' --exclude='*.distcp' --exclude='*.bin' \
   --exclude='*.pt' --exclude='__pycache__' . 2>/dev/null
 ls -la "$OUT"

@@ -8,8 +8,8 @@ Each side is one `prime-train profile --json` run (its own run directory, the su
 its FLOPs per token over the device's datasheet peak), a timeout of its own. The 8B layer: hidden 4096, 32 heads
 on 8 KV heads, MLP 14336, vocabulary 128256 (the byte tokenizer padded to Llama 3's size, so lm_head costs what
 it costs in the 8B), rows of 8192 tokens, one a step. The generated data packs short documents into each row:
-attention is document-masked (FlexAttention under compile on CUDA), while the MFU counts full causal attention
-FLOPs, so the figure is a little below what plain causal rows would give. Prints one line per side and
+attention is plain causal over each whole row (`data.document_masking = false`, as nanoGPT and torchtitan's MFU
+figures train), which is what the MFU's FLOPs count. Prints one line per side and
 writes layers.json.
 """
 
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -51,6 +53,9 @@ def side_args(out: Path, name: str, layers: int, float8: bool, dry: bool) -> lis
         "train.eval_interval": 1000,
         "logging.tensorboard": "false",
         "data.datasets.0.num_examples": 2000,
+        # causal attention over whole rows: the MFU counts causal attention's FLOPs, as torchtitan's figures do (and
+        # no FlexAttention to compile: on the H200 on 2026-11-29 each side ran out of its 125 s, why unseen then)
+        "data.document_masking": "false",
     }
     return [arg for key, value in overrides.items() for arg in (f"--{key}", str(value))]
 
@@ -59,14 +64,21 @@ def profile(out: Path, name: str, layers: int, float8: bool, args) -> dict:
     cmd = [sys.executable, "-m", "prime_train", "profile", "--json", "--steps", str(args.steps),
            "--warmup", str(args.warmup), *side_args(out, name, layers, float8, args.dry)]  # fmt: skip
     t0 = time.time()
-    try:
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"side": name, "error": f"timed out after {args.timeout_s} s"}
-    (out / f"{name}.log").write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        return {"side": name, "error": f"exit {done.returncode}: {done.stderr.strip()[-400:]}"}
-    summary = json.loads(done.stdout)
+    log = out / f"{name}.log"  # stderr as it comes: a side cut by its timeout still says how far it got
+    with log.open("w") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+        try:
+            stdout, _ = proc.communicate(timeout=args.timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the supervisor and its trainer too
+            proc.communicate()
+            tail = log.read_text(errors="replace").strip().splitlines()[-6:]
+            return {"side": name, "error": f"timed out after {args.timeout_s} s; its last lines: " + " | ".join(tail)}
+    with log.open("a") as err:
+        err.write(stdout)
+    if proc.returncode != 0:
+        return {"side": name, "error": f"exit {proc.returncode}: {log.read_text(errors='replace').strip()[-400:]}"}
+    summary = json.loads(stdout)
     keep = ("device", "step_s", "tokens_per_s", "mfu", "bottleneck")
     return {"side": name, "wall_s": round(time.time() - t0, 1), **{k: summary.get(k) for k in keep}}
 

@@ -120,6 +120,15 @@ def test_padded_vocab_size_rounds_up_to_the_multiple(tokenizer):
         padded_vocab_size(tokenizer, 0)
 
 
+def test_the_byte_vocabulary_pads_to_llama_3s_whole_vocabulary():
+    # scripts/gpu_layers_mfu.py pads the byte tokenizer to Llama 3's 128,256 ids so an 8B-shaped layer's lm_head costs
+    # what the 8B's does; the schema's bound refused it (1 << 16) and the H200 run of 2026-11-29 lost its layers part
+    model = ModelConfig(vocab_multiple=128256)
+    assert padded_vocab_size(build_byte_tokenizer(), model.vocab_multiple) == 128256
+    with pytest.raises(ValueError, match="vocab_multiple"):
+        ModelConfig(vocab_multiple=(1 << 18) + 1)
+
+
 @pytest.mark.parametrize(("model_type", "encodes_to"), [("qwen2", "nothing"), ("gemma", "unknown tokens only")])
 def test_a_model_directory_without_tokenizer_files_is_an_error_not_an_empty_tokenizer(tmp_path, model_type, encodes_to):
     """transformers builds Qwen2's and Gemma's tokenizer classes with no vocabulary from a directory that holds only

@@ -94,7 +94,7 @@ class ModelConfig(Section):
     max_position_embeddings: int = Field(
         512, ge=16, le=1 << 24, description="Context length of a random-initialised model."
     )
-    vocab_multiple: int = Field(64, ge=1, le=1 << 16, description="Pad the vocabulary to a multiple of this.")
+    vocab_multiple: int = Field(64, ge=1, le=1 << 18, description="Pad the vocabulary to a multiple of this.")
     tie_embeddings: bool = Field(True, description="Tie input and output embeddings of a random-initialised model.")
     tokenizer: str | None = Field(
         None,

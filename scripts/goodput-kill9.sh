@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The default job (`prime-train run`, its embedded config) with one kill -9: the trainer is SIGKILLed once the
+# step-AT checkpoint exists, the supervisor resumes it, and the run's closing lines give its goodput (productive
+# time of the wall time, and where the rest went). Issue 35's goodput figure; scripts/gpu-check.sh part "goodput".
+#
+#   bash scripts/goodput-kill9.sh [DIR] [AT]      # DIR default /tmp/pt-goodput (emptied first), AT default 100
+set -u
+dir=${1:-/tmp/pt-goodput}
+at=${2:-100}
+rm -rf "$dir" && mkdir -p "$dir"
+run="$dir/default"
+python3 -m prime_train run --run.output_dir "$dir" --run.name default &
+sup=$!
+until [[ -d $run/checkpoints/step-$at ]]; do
+  kill -0 "$sup" 2>/dev/null || { echo "the run ended before its step-$at checkpoint"; wait "$sup"; exit 1; }
+  sleep 0.2
+done
+trainer=$(python3 - "$run/events.jsonl" <<'PY'
+import json, sys
+events = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+print([e["pid"] for e in events if e.get("event") == "process_started" and e.get("process") == "trainer"][-1])
+PY
+)
+kill -9 "$trainer" && echo "== killed the trainer (pid $trainer) once checkpoints/step-$at existed"
+wait "$sup"
+rc=$?
+echo "== run exit: $rc"
+python3 -m prime_train status "$run" 2>&1 | grep -i -E "goodput|step|restart|attempt" | head -20
+exit "$rc"
