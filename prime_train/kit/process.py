@@ -461,9 +461,13 @@ class ChildProcess:
         if self.popen is None:
             return
         self.signal(signal.SIGKILL)
-        for p in self.alive_descendants():
+        alive = self.alive_descendants()
+        for p in alive:
             with contextlib.suppress(psutil.Error):
                 p.kill()
+        # SIGKILL is not death: an orphan (init reaps it, not us) still runs for a moment, and the attempt's
+        # leftover_pids would name a process that was on its way out (DCP's checkpoint process after a kill -9)
+        psutil.wait_procs(alive, timeout=5)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=10)
         if self.exited_at is None:
