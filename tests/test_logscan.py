@@ -959,6 +959,38 @@ def test_traceback_python_survived_is_not_a_crash():
     assert found + scanner.finish() == []
 
 
+# DCP's checkpoint process (ckpt.async_writer = 'process') when its trainer was killed -9, as it printed into the
+# trainer's log on this machine (torch 2.13.0)
+_DCP_PROCESS_ORPHANED = [
+    "Process SpawnProcess-1:",
+    "Traceback (most recent call last):",
+    '  File "/root/.pyenv/versions/3.11.7/lib/python3.11/multiprocessing/process.py", line 314, in _bootstrap',
+    "    self.run()",
+    '  File "/root/.pyenv/versions/3.11.7/lib/python3.11/multiprocessing/process.py", line 108, in run',
+    "    self._target(*self._args, **self._kwargs)",
+    '  File "/venv/lib/python3.11/site-packages/torch/distributed/checkpoint/_async_process_executor.py", line 290, '
+    "in _checkpointing_subprocess",
+    "    obj = parent_conn.recv()",
+    "          ^^^^^^^^^^^^^^^^^^",
+    '  File "/root/.pyenv/versions/3.11.7/lib/python3.11/multiprocessing/connection.py", line 399, in _recv',
+    "    raise EOFError",
+    "EOFError",
+]
+
+
+def test_the_checkpoint_process_reading_its_dead_trainers_pipe_is_no_finding_but_its_own_errors_are():
+    # a kill -9 read as "crash: EOFError" before: the supervisor's cause must stay the trainer's SIGKILL
+    scanner, found = _feed(_DCP_PROCESS_ORPHANED)
+    assert found + scanner.finish() == []
+    # the same process failing on its own (a write error) is still a crash
+    failing = [*_DCP_PROCESS_ORPHANED[:-1], "RuntimeError: checkpoint write failed"]
+    scanner, found = _feed(failing)
+    assert [f.name for f in found] == [PYTHON_EXCEPTION.name]
+    # an EOFError elsewhere (the trainer's own) is still a crash
+    scanner, found = _feed(["Traceback (most recent call last):", '  File "train.py", line 3, in main', "EOFError"])
+    assert [f.name for f in found] == [PYTHON_EXCEPTION.name]
+
+
 def test_warning_lines_never_make_a_fatal_finding_but_the_same_words_in_an_error_do():
     warning = (
         "[W socket.cpp:464] [c10d] The server socket has failed to bind to [::]:29500 (errno: 98 - Address"

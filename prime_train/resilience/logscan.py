@@ -28,6 +28,7 @@ from prime_train.kit.failures import FailureKind
 from prime_train.kit.redact import redact
 from prime_train.resilience.patterns import (
     CONTEXT_PATTERNS,
+    ECHO_TRACEBACKS,
     EXCEPTION_LINE,
     FATAL,
     FRAME_MARKS,
@@ -336,6 +337,8 @@ class LogScanner:
                 if _is_exception_line(body):
                     self._open.remove(block)
                     ended, exception = block, body.strip()
+                    if any(mark in block.marks and rx.search(exception) for mark, rx in ECHO_TRACEBACKS):
+                        block.benign = True
                 else:
                     block.foreign += 1
                     if block.foreign > _MAX_FOREIGN_LINES:

@@ -529,11 +529,17 @@ CHECKPOINT_WRITE_IO_ERROR = Pattern(
 FRAME_MARKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model_type_lookup", ("CONFIG_MAPPING[", "configuration_auto.py")),
     ("checkpoint_write", ("torch/serialization.py", "safetensors", "save_pretrained", "save_checkpoint")),
+    ("dcp_checkpoint_process", ("_checkpointing_subprocess",)),
 )
 CONTEXT_PATTERNS: tuple[tuple[str, Pattern], ...] = (
     ("model_type_lookup", UNSUPPORTED_MODEL_TYPE),
     ("checkpoint_write", CHECKPOINT_WRITE_IO_ERROR),
 )
+# Tracebacks that echo the trainer's death rather than cause it: (mark, exception line). They make no finding, so the
+# cause stays what the trainer's own exit says. DCP's checkpoint process (ckpt.async_writer = 'process') waits on a
+# pipe from the trainer; when the trainer dies (kill -9, the OOM killer) it reads end-of-file and prints this on the
+# way out, into the trainer's log (seen here: a kill -9 read as "crash: EOFError" until this entry).
+ECHO_TRACEBACKS: tuple[tuple[str, re.Pattern[str]], ...] = (("dcp_checkpoint_process", re.compile(r"^EOFError\s*$")),)
 
 # A gradient norm that stays NaN/inf is a diverged run, not the fp16 loss scaler skipping a step:
 # this many logged non-finite norms in a row, with no finite one between, make it fatal.
