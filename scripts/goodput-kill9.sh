@@ -3,11 +3,16 @@
 # step-AT checkpoint exists, the supervisor resumes it, and the run's closing lines give its goodput (productive
 # time of the wall time, and where the rest went). Issue 35's goodput figure; scripts/gpu-check.sh part "goodput".
 #
-#   bash scripts/goodput-kill9.sh [DIR] [AT]      # DIR default /tmp/pt-goodput (emptied first), AT default 100
+#   bash scripts/goodput-kill9.sh [DIR] [AT]      # DIR: a new directory (default: a fresh one under /tmp); AT 100
 set -u
-dir=${1:-/tmp/pt-goodput}
+dir=${1:-$(mktemp -d /tmp/pt-goodput.XXXXXX)}
 at=${2:-100}
-rm -rf "$dir" && mkdir -p "$dir"
+# never emptied or removed here: a directory that holds anything is refused
+if [[ -e $dir && -n $(ls -A "$dir" 2>/dev/null) ]]; then
+  echo "$dir is not empty: give a new directory" >&2
+  exit 78
+fi
+mkdir -p "$dir" || exit 78
 run="$dir/default"
 python3 -m prime_train run --run.output_dir "$dir" --run.name default &
 sup=$!

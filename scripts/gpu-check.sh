@@ -15,18 +15,21 @@
 #
 # Issue 35's figures (speed), in one call: GPU_CHECK_PARTS="stall goodput gpt2 layers" (at most the 540 s budget;
 # no tests), run in this order, each cut to what the budget leaves:
-#   stall   bench/checkpoint_stall.py --shapes gpt2: async against sync DCP save of the 124M model, blocking and
-#           the step-time dip over the next 10 steps (stall.log; GPU_CHECK_STALL_S, default 110 s)
+#   stall   bench/checkpoint_stall.py --shapes gpt2: async (thread and process writers) against sync DCP save of the
+#           124M model, blocking and the step-time dip over the next 10 steps (stall.log; GPU_CHECK_STALL_S, default
+#           150 s)
 #   goodput scripts/goodput-kill9.sh: the default job (`prime-train run`) with one kill -9 of its trainer after the
 #           step-100 checkpoint; its goodput line (goodput.log; GPU_CHECK_GOODPUT_S, default 70 s)
-#   gpt2    bench/vs_nanogpt.py --shape gpt2 --sides native,gpt2,native-gpt2 --mask causal: the native Llama, the
-#           bench's GPT-2 and the engine's GPT-2 (model.arch = "gpt2") at GPT-2-124M shape, every row one causal
+#   gpt2    bench/vs_nanogpt.py --shape gpt2 --sides native,native-full,gpt2,native-gpt2 --mask causal: the native
+#           Llama (chunked loss and full logits), the bench's GPT-2 and the engine's GPT-2 (model.arch = "gpt2") at
+#           GPT-2-124M shape, every row one causal
 #           stream as nanoGPT trains (data.document_masking = false), tokens/s and ratios (gpt2.log;
-#           GPU_CHECK_GPT2_S, default 170 s)
+#           GPU_CHECK_GPT2_S, default 200 s)
 #   layers  scripts/gpu_layers_mfu.py: 2 Llama-3-8B-shaped layers, FSDP2 + selective AC + compile, bf16 then
 #           float8, MFU and the float8 / bf16 ratio (layers.log, layers.json; GPU_CHECK_LAYERS_S, default 260 s)
-# On the H200 on 2026-11-29 stall, goodput and gpt2 gave figures (README, "Speed on a GPU"); layers timed out at
-# 125 s a side. The next lent session: GPU_CHECK_PARTS="layers tests" GPU_CHECK_LAYERS_S=400 first.
+# On the H200 on 2026-11-29 stall, goodput and gpt2 gave figures (README: the engine, goodput, async saves); layers
+# timed out at 125 s a side with nothing kept. The next lent session, in one call of 590 s: GPU_CHECK_PARTS="layers
+# stall" GPU_CHECK_BUDGET_S=570 GPU_CHECK_LAYERS_S=400 GPU_CHECK_STALL_S=150; then, warm, "gpt2 tests".
 # Also on request: logprobs  bench/logprobs.py on the GPU: DPO's and GRPO's per-token log-probs at Llama 3's
 #           vocabulary, 8 x 2048 tokens, hidden 4096, bf16: whole logits against chunks of the engine's 512
 #           tokens and of 1024, time and peak memory (logprobs.log; GPU_CHECK_LOGPROBS_S, default 60 s)
@@ -74,17 +77,17 @@ run_part() {
 }
 
 if [[ $parts == *" stall "* ]]; then
-  run_part stall "${GPU_CHECK_STALL_S:-110}" python3 bench/checkpoint_stall.py --shapes gpt2 --rounds 2 --steps 10 \
-    --after 10
+  run_part stall "${GPU_CHECK_STALL_S:-150}" python3 bench/checkpoint_stall.py --shapes gpt2 --rounds 2 --steps 10 \
+    --after 10 --writers thread,process
 fi
 
 if [[ $parts == *" goodput "* ]]; then
-  run_part goodput "${GPU_CHECK_GOODPUT_S:-70}" bash scripts/goodput-kill9.sh /tmp/pt-goodput 100
+  run_part goodput "${GPU_CHECK_GOODPUT_S:-70}" bash scripts/goodput-kill9.sh "$(mktemp -d /tmp/pt-goodput.XXXXXX)" 100
 fi
 
 if [[ $parts == *" gpt2 "* ]]; then
-  run_part gpt2 "${GPU_CHECK_GPT2_S:-170}" python3 bench/vs_nanogpt.py --shape gpt2 --rounds 5 --steps 20 \
-    --sides native,gpt2,native-gpt2 --mask causal
+  run_part gpt2 "${GPU_CHECK_GPT2_S:-200}" python3 bench/vs_nanogpt.py --shape gpt2 --rounds 5 --steps 20 \
+    --sides native,native-full,gpt2,native-gpt2 --mask causal
 fi
 
 if [[ $parts == *" layers "* ]]; then
