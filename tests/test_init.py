@@ -127,7 +127,7 @@ def test_gpu_memory_comes_from_the_shipped_table_and_decides_sharding(tmp_path):
     assert parse_hardware("H100:8").memory_gib > 70
     # a 0.98B model (under the 1B at which init always shards): its 16 bytes a parameter (~14.6 GiB) fit half an
     # 80 GB GPU, so DDP; not half a 24 GB one, so FSDP
-    from prime_train.validator.preflight import count_parameters
+    from prime_train.validator.param_count import count_parameters
 
     shape = {"model_type": "qwen2", "hidden_size": 1536, "num_hidden_layers": 16, "num_attention_heads": 12,
              "num_key_value_heads": 2, "intermediate_size": 8960, "vocab_size": 151936, "tie_word_embeddings": True,

@@ -237,7 +237,7 @@ def _cost_config(tmp_path, job: str, **sections) -> Config:
 
 def test_cost_prices_each_job_by_hand(tmp_path):
     from prime_train.validator.cost import CostInputError, estimate_cost
-    from prime_train.validator.preflight import count_parameters
+    from prime_train.validator.param_count import count_parameters
 
     n = count_parameters(SMALL)
     matmul = n - 1000 * 512  # the input embedding is a lookup; the untied lm_head is a matmul

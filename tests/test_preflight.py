@@ -23,13 +23,11 @@ from prime_train.validator.preflight import (
     PASS,
     WARN,
     check_cuda,
-    check_disk,
     check_memory_fit,
     check_open_files,
     check_output_dir,
     check_ports,
     check_secrets,
-    checkpoint_disk_need,
     estimate_memory,
     inference_workers,
     open_files_needed,
@@ -37,6 +35,7 @@ from prime_train.validator.preflight import (
     probe_gpus,
     run_preflight,
 )
+from prime_train.validator.storage_checks import check_disk, check_shared_memory, checkpoint_disk_need
 
 GIB = 1 << 30
 CHECK_NAMES = ["open_files", "model_source", "cuda", "output_dir", "disk", "ports", "secrets", "memory_fit"]
@@ -274,6 +273,33 @@ def test_disk_passes_warns_and_fails_against_free_space(tmp_path):
     fail = check_disk(cfg, disk_usage=disk_with(0.5 * need))
     assert fail.status == FAIL and "ckpt.keep_last (now 2)" in fail.fix and "run.output_dir" in fail.fix
     assert fail.details["num_params"] == 494_032_768
+
+
+def test_the_process_writer_needs_one_saves_state_in_dev_shm_per_node(tmp_path):
+    model_dir = tmp_path / "qwen"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(QWEN25_05B))
+    per_checkpoint = checkpoint_disk_need(make_config(tmp_path, model={"path": str(model_dir)}), 494_032_768)
+    one = per_checkpoint["checkpoint_bytes"]
+
+    def cfg(**distributed):
+        ckpt = {"async_writer": "process"}
+        return make_config(tmp_path, model={"path": str(model_dir)}, ckpt=ckpt, distributed=distributed)
+
+    assert check_shared_memory(make_config(tmp_path, model={"path": str(model_dir)})) is None  # the thread writer
+    assert check_shared_memory(cfg(), shm_usage=disk_with(2 * one)).status == PASS
+    # Docker's default 64 MiB holds no half-billion-parameter model's state: refused before the run, with the fix
+    docker = check_shared_memory(cfg(), shm_usage=disk_with(64 << 20))
+    assert docker.status == FAIL and "--shm-size" in docker.fix and "ckpt.async_writer = 'thread'" in docker.fix
+    assert docker.details["need_bytes"] == one
+    # four DDP ranks on the node each stage the whole state; four FSDP ranks a quarter each
+    ddp = check_shared_memory(cfg(nproc_per_node=4, strategy="ddp"), shm_usage=disk_with(2 * one))
+    assert ddp.status == FAIL and ddp.details["need_bytes"] == 4 * one
+    fsdp = check_shared_memory(cfg(nproc_per_node=4, strategy="fsdp"), shm_usage=disk_with(2 * one))
+    assert fsdp.status == PASS and fsdp.details["need_bytes"] == one
+    two_nodes = check_shared_memory(cfg(nproc_per_node=4, nnodes=2, strategy="fsdp"), shm_usage=disk_with(2 * one))
+    assert two_nodes.details["need_bytes"] == one // 2
+    assert "shared memory" in [r.name for r in preflight.run_preflight(cfg(), shm_usage=disk_with(64 << 20))]
 
 
 # ---------------------------------------------------------------- output directory

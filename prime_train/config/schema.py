@@ -449,6 +449,13 @@ class CkptConfig(Section):
         None, ge=1, description="Also keep every checkpoint whose step is a multiple of this."
     )
     async_save: bool = Field(True, description="Save with dcp.async_save; at most one save in flight.")
+    async_writer: Literal["thread", "process"] = Field(
+        "thread",
+        description="Where an async save writes after staging: 'thread', a thread of the trainer (its Python work "
+        "takes the GIL from the training loop's, so the steps during the write run slower); 'process', DCP's "
+        "checkpoint process (started at the first save, staged through shared memory, no GIL shared; a run of "
+        "one process gets a one-rank gloo group for it).",
+    )
     resume: str = Field(
         "auto", description="'auto': newest whole checkpoint; 'never': start fresh; or a step-N directory."
     )

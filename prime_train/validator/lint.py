@@ -252,6 +252,15 @@ def _keep_and_resume_problems(cfg: Config, sources: Sources) -> list[Problem]:
                 "the next is still being written; use keep_last ≥ 2 or async_save = false",
             )
         )
+    if ck.async_writer == "process" and not ck.async_save:
+        problems.append(
+            sources.problem(
+                ("ckpt", "async_writer"),
+                "warning",
+                "ckpt.async_writer = 'process' writes async saves, and ckpt.async_save is false: every save is "
+                "synchronous, in the trainer; set ckpt.async_save = true or leave async_writer out",
+            )
+        )
     if ck.resume not in ("auto", "never"):
         why = _resume_problem(ck.resume)
         if why:

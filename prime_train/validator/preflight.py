@@ -31,15 +31,21 @@ from prime_train.contract import ExitCode
 from prime_train.kit.gpu import ENV_GPU_REPLAY, replayed_probe
 from prime_train.launch import node_rank, procs_per_node, rendezvous_endpoint, visible_gpu_count
 from prime_train.validator.checks import FAIL, PASS, WARN, CheckResult
-from prime_train.validator.lora_checks import adapters, check_lora
+from prime_train.validator.lora_checks import check_lora
 from prime_train.validator.memory import engine_strategy, estimate, inputs_from_config
 from prime_train.validator.memory_breakdown import STATE_PARTS
 from prime_train.validator.memory_inputs import MemoryInputError
 from prime_train.validator.model_files import hub_model_unavailable
 from prime_train.validator.model_shape import model_shape
-from prime_train.validator.param_count import count_parameters
 from prime_train.validator.precision_checks import check_float8
 from prime_train.validator.rl_checks import rl_preflight_checks
+from prime_train.validator.storage_checks import (
+    DiskUsage,
+    check_disk,
+    check_shared_memory,
+)
+from prime_train.validator.storage_checks import existing_ancestor as _existing_ancestor
+from prime_train.validator.storage_checks import human_bytes as _human
 
 try:
     import resource
@@ -59,12 +65,6 @@ NOFILE_WITH_VLLM = 65536
 
 CUDA_PROBE_TIMEOUT_S = 60.0
 
-# Bytes per parameter on disk. A DCP checkpoint holds fp32 weights (4) and AdamW's two fp32 moments (8).
-# The HF export in final/ is written from the fp32 master weights (engine/export.py), so 4, not bf16's 2.
-DCP_BYTES_PER_PARAM = 12
-EXPORT_BYTES_PER_PARAM = 4
-DISK_WARN_MARGIN = 1.5
-
 # Per process beyond the model: the CUDA context, cuBLAS workspaces and NCCL buffers on a GPU; the Python
 # interpreter and torch's own allocations in host RAM on the CPU.
 GPU_OVERHEAD_BYTES = 1 << 30
@@ -72,7 +72,6 @@ CPU_OVERHEAD_BYTES = 512 << 20
 MEMORY_WARN_FRACTION = 0.8
 
 GpuProbe = Callable[[int], dict[str, Any]]
-DiskUsage = Callable[[str], Any]
 
 
 # ---------------------------------------------------------------- open files
@@ -353,77 +352,6 @@ def _missing_model_files(directory: Path, key: str) -> str | None:
         return None if any(next(directory.glob(p), None) for p in WEIGHT_PATTERNS) else "weights (*.safetensors)"
     except OSError as exc:
         return f"readable files ({exc.strerror or exc})"
-
-
-def _human(num_bytes: float) -> str:
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:.1f} {unit}"
-    return f"{num_bytes / 1e3:.1f} kB"
-
-
-def _existing_ancestor(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path.parent != path:
-        path = path.parent
-    return path
-
-
-# ---------------------------------------------------------------- disk
-
-
-def checkpoint_disk_need(cfg: Config, num_params: int, adapters: int | None = None) -> dict[str, int]:
-    """Bytes the run's checkpoints and export occupy at their peak, with the counts behind it. With LoRA
-    (`adapters` parameters) a checkpoint holds the adapters and their optimizer state only, and the export the
-    adapter (PEFT's format) and, with lora.merge_on_export, the merged model."""
-    ck, max_steps = cfg.ckpt, cfg.train.max_steps
-    written = max_steps // ck.interval + (1 if ck.resumable_final_save and max_steps % ck.interval else 0)
-    # keep_last + 1: the next checkpoint is written whole before the oldest is deleted
-    kept = written if ck.keep_last is None else min(written, ck.keep_last + 1)
-    if ck.keep_every:
-        kept = min(written, kept + max_steps // ck.keep_every)
-    if ck.keep_best.metric:  # the best one is kept beside them (and saved at an eval, off the interval)
-        kept += 1
-    per_checkpoint = (num_params if adapters is None else adapters) * DCP_BYTES_PER_PARAM
-    exported = num_params if adapters is None else adapters + (num_params if cfg.lora.merge_on_export else 0)
-    export = exported * EXPORT_BYTES_PER_PARAM if ck.export_final else 0
-    total = kept * per_checkpoint + export
-    return {"checkpoints": kept, "checkpoint_bytes": per_checkpoint, "export_bytes": export, "total_bytes": total}
-
-
-def check_disk(cfg: Config, disk_usage: DiskUsage | None = None) -> CheckResult:
-    """Free space of the output filesystem against the checkpoints kept (keep_last + 1) and the final export."""
-    where = _existing_ancestor(Path(os.path.expanduser(cfg.run_dir)))
-    usage = (disk_usage or psutil.disk_usage)(str(where))
-    free = int(usage.free)
-    details: dict[str, Any] = {"path": str(where), "free_bytes": free}
-    if cfg.job.command:
-        return CheckResult(
-            "disk", PASS, f"{_human(free)} free on {where}; not estimated for an external [job].command", None, details
-        )
-    hf, source = model_shape(cfg)
-    if hf is None:
-        return CheckResult(
-            "disk", WARN, f"{_human(free)} free on {where}; checkpoint size unknown: {source}", None, details
-        )
-    num_params = count_parameters(hf)
-    ad = adapters(cfg)
-    need = checkpoint_disk_need(cfg, num_params, ad.trainable if ad is not None else None)
-    details.update(need, num_params=num_params)
-    total = need["total_bytes"]
-    breakdown = f"{need['checkpoints']} checkpoint(s) × {_human(need['checkpoint_bytes'])}"
-    if need["export_bytes"]:
-        breakdown += f" + final export {_human(need['export_bytes'])}"
-    message = f"{_human(free)} free on {where}; the run needs about {_human(total)} ({breakdown})"
-    fix = (
-        f"free space on {where}, lower ckpt.keep_last (now {cfg.ckpt.keep_last}), or set run.output_dir to a "
-        "larger filesystem"
-    )
-    if free < total:
-        return CheckResult("disk", FAIL, message, fix, details)
-    if free < DISK_WARN_MARGIN * total:
-        return CheckResult("disk", WARN, message + f": less than {DISK_WARN_MARGIN}× headroom", fix, details)
-    return CheckResult("disk", PASS, message, None, details)
 
 
 # ---------------------------------------------------------------- output directory
@@ -719,14 +647,17 @@ def run_preflight(
     *,
     gpu_probe: GpuProbe | None = None,
     disk_usage: DiskUsage | None = None,
+    shm_usage: DiskUsage | None = None,
 ) -> list[CheckResult]:
-    """Every preflight check, in order; `gpu_probe` and `disk_usage` replace the real probes (tests, replays)."""
+    """Every preflight check, in order; `gpu_probe`, `disk_usage` and `shm_usage` (/dev/shm's) replace the real
+    probes (tests, replays)."""
     if gpu_probe is None and os.environ.get(ENV_GPU_REPLAY):
         gpu_probe = replayed_probe  # the machine a gpu.jsonl recorded: its GPUs, as preflight would have seen them
     cuda = check_cuda(cfg, gpu_probe)
     gpu_run = bool(cuda.details.get("gpu_run"))
     lora = check_lora(cfg, cuda, _strategy(cfg, procs_per_node(cfg) * cfg.distributed.nnodes))
     float8 = check_float8(cfg, cuda)
+    shm = check_shared_memory(cfg, shm_usage)
     return [
         check_open_files(*open_files_needed(cfg)),
         check_model_source(cfg),
@@ -735,6 +666,7 @@ def run_preflight(
         *([float8] if float8 is not None else []),
         check_output_dir(cfg),
         check_disk(cfg, disk_usage),
+        *([shm] if shm is not None else []),
         check_ports(cfg),
         check_secrets(cfg),
         check_memory_fit(cfg, gpu_run=gpu_run, gpu_memory_bytes=_gpu_memory_bytes(cuda)),

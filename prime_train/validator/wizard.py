@@ -79,7 +79,8 @@ def _model_shape(model: str) -> tuple[dict[str, Any] | None, int | None]:
     if model == TINY:
         return None, None
     from prime_train.config.schema import Config
-    from prime_train.validator.preflight import count_parameters, model_shape
+    from prime_train.validator.model_shape import model_shape
+    from prime_train.validator.param_count import count_parameters
 
     hf, _ = model_shape(Config.model_validate({"model": {"path": model}}))
     if hf is None:
