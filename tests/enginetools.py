@@ -122,6 +122,24 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
         os.killpg(proc.pid, sig)
 
 
+def sigkill_the_trainer_once(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 600) -> str:
+    """Once the step-`step` checkpoint of the supervised run `proc` (started with `start`) exists, SIGKILL its
+    trainer (the pid events.jsonl names) and wait for the run to end; returns its output. Ends the group either way."""
+    from prime_train.kit.events import read_events
+
+    try:
+        wait_for((run_dir / "checkpoints" / f"step-{step}").is_dir, timeout, f"the step-{step} checkpoint")
+        trainer = next(
+            e["pid"] for e in read_events(run_dir / "events.jsonl")
+            if e["event"] == "process_started" and e["process"] == "trainer"
+        )  # fmt: skip
+        os.kill(trainer, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        kill_group(proc)
+    return out
+
+
 def kill_everything_once(proc: subprocess.Popen, ready: Path, timeout: float = 300) -> list:
     """Once `ready` exists, kill -9 the CLI and every process under it at once, as a machine dies: torchrun starts
     each rank in a session of its own, so killing the CLI's group alone would leave ranks that notice their

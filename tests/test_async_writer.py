@@ -6,8 +6,6 @@ weights as a run never stopped, a kill -9 of the trainer still reads as a kill, 
 from __future__ import annotations
 
 import json
-import os
-import signal
 
 import pytest
 import torch
@@ -15,12 +13,11 @@ from enginetools import (
     TINY,
     cli,
     final_weights,
-    kill_group,
     losses_by_step,
     run_train,
+    sigkill_the_trainer_once,
     start,
     tiny_overrides,
-    wait_for,
 )
 
 from prime_train.kit.events import read_events
@@ -39,23 +36,15 @@ def test_a_run_killed_after_a_save_by_the_checkpoint_process_resumes_as_if_never
         "ckpt.async_writer": "process", "supervisor.backoff_initial_s": 0.5, "supervisor.poll_interval_s": 0.5,
     })  # fmt: skip
     proc = start(cli("run", str(TINY), *args))
-    try:
-        wait_for((run_dir / "checkpoints" / "step-10").is_dir, 300, "the step-10 checkpoint (written by the process)")
-        trainer = next(
-            e["pid"] for e in read_events(run_dir / "events.jsonl")
-            if e["event"] == "process_started" and e["process"] == "trainer"
-        )  # fmt: skip
-        os.kill(trainer, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=600)
-    finally:
-        kill_group(proc, signal.SIGKILL)
+    out = sigkill_the_trainer_once(proc, run_dir, 10, timeout=300)  # step-10: written by the process
     assert proc.returncode == 0, out[-4000:]
 
     events = read_events(run_dir / "events.jsonl")
     (failure,) = [e for e in events if e["event"] == "failure"]
-    # the checkpoint process's EOFError on the dead trainer's pipe is in that attempt's log, and is not the cause
-    assert "EOFError" in (run_dir / "logs" / "attempt-1" / "trainer.log").read_text()
+    # the checkpoint process, orphaned, mostly prints an EOFError (or a reset connection) into that attempt's log on
+    # its way out: an echo, not the cause (tests/test_logscan.py holds both as recorded)
     assert "SIGKILL" in failure["message"], failure
+    assert not [e for e in events if e["event"] == "log_finding" and e["name"] == "python_exception"]
     resumed = [e for e in events if e["event"] == "attempt_started"][-1]["resume_from"]
     assert resumed in (10, 20)
     assert all(e["leftover_pids"] == [] for e in events if e["event"] == "attempt_ended")

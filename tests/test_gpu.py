@@ -8,8 +8,6 @@ Run on a GPU machine with one command: `pytest -m gpu` (in this project's lent-G
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 
 import pytest
@@ -20,12 +18,11 @@ from enginetools import (
     cli,
     env,
     free_port,
-    kill_group,
     losses_by_step,
     run_train,
+    sigkill_the_trainer_once,
     start,
     tiny_overrides,
-    wait_for,
 )
 
 from prime_train.contract import read_json
@@ -49,16 +46,7 @@ def killed_at_step_20_and_resumed(tmp_path, name: str, **overrides):
     proc = start(cli("run", str(TINY), *tiny_overrides(tmp_path, name, **{
         "ckpt.interval": 20, "supervisor.backoff_initial_s": 0.5, **overrides,
     })))  # fmt: skip
-    try:
-        wait_for((run_dir / "checkpoints" / "step-20").is_dir, 600, "the step-20 checkpoint")
-        trainer = next(
-            e["pid"] for e in read_events(run_dir / "events.jsonl")
-            if e["event"] == "process_started" and e["process"] == "trainer"
-        )  # fmt: skip
-        os.kill(trainer, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=900)
-    finally:
-        kill_group(proc)
+    out = sigkill_the_trainer_once(proc, run_dir, 20, timeout=900)
     assert proc.returncode == 0, out[-4000:]
     resumed = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "attempt_started"]
     assert resumed[-1]["resume_from"] == 20

@@ -978,10 +978,25 @@ _DCP_PROCESS_ORPHANED = [
 ]
 
 
+# the same process when the trainer died while handing over a save request's shared-memory handles
+_DCP_PROCESS_RESET = [
+    *_DCP_PROCESS_ORPHANED[:8],
+    '  File "/venv/lib/python3.11/site-packages/torch/multiprocessing/reductions.py", line 538, in rebuild_storage_fd',
+    "    fd = df.detach()",
+    '  File "/root/.pyenv/versions/3.11.7/lib/python3.11/multiprocessing/resource_sharer.py", line 86, in '
+    "get_connection",
+    "    c = Client(address, authkey=process.current_process().authkey)",
+    '  File "/root/.pyenv/versions/3.11.7/lib/python3.11/multiprocessing/connection.py", line 395, in _recv',
+    "    chunk = read(handle, remaining)",
+    "ConnectionResetError: [Errno 104] Connection reset by peer",
+]
+
+
 def test_the_checkpoint_process_reading_its_dead_trainers_pipe_is_no_finding_but_its_own_errors_are():
-    # a kill -9 read as "crash: EOFError" before: the supervisor's cause must stay the trainer's SIGKILL
-    scanner, found = _feed(_DCP_PROCESS_ORPHANED)
-    assert found + scanner.finish() == []
+    # a kill -9 read as "crash: EOFError" (and once "ConnectionResetError") before: the cause must stay the SIGKILL
+    for echo in (_DCP_PROCESS_ORPHANED, _DCP_PROCESS_RESET):
+        scanner, found = _feed(echo)
+        assert found + scanner.finish() == []
     # the same process failing on its own (a write error) is still a crash
     failing = [*_DCP_PROCESS_ORPHANED[:-1], "RuntimeError: checkpoint write failed"]
     scanner, found = _feed(failing)

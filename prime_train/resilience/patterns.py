@@ -537,9 +537,12 @@ CONTEXT_PATTERNS: tuple[tuple[str, Pattern], ...] = (
 )
 # Tracebacks that echo the trainer's death rather than cause it: (mark, exception line). They make no finding, so the
 # cause stays what the trainer's own exit says. DCP's checkpoint process (ckpt.async_writer = 'process') waits on a
-# pipe from the trainer; when the trainer dies (kill -9, the OOM killer) it reads end-of-file and prints this on the
-# way out, into the trainer's log (seen here: a kill -9 read as "crash: EOFError" until this entry).
-ECHO_TRACEBACKS: tuple[tuple[str, re.Pattern[str]], ...] = (("dcp_checkpoint_process", re.compile(r"^EOFError\s*$")),)
+# pipe from the trainer; when the trainer dies (kill -9, the OOM killer) it reads end-of-file, or, dying while a save
+# request's shared-memory handles were being passed, a reset connection, and prints it on the way out into the
+# trainer's log (both seen here: a kill -9 read as "crash: EOFError" until this entry).
+ECHO_TRACEBACKS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("dcp_checkpoint_process", re.compile(r"^(?:EOFError|ConnectionResetError|BrokenPipeError)\b")),
+)
 
 # A gradient norm that stays NaN/inf is a diverged run, not the fp16 loss scaler skipping a step:
 # this many logged non-finite norms in a row, with no finite one between, make it fatal.

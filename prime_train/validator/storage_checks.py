@@ -92,11 +92,16 @@ def check_disk(cfg: Config, disk_usage: DiskUsage | None = None) -> CheckResult:
         f"free space on {where}, lower ckpt.keep_last (now {cfg.ckpt.keep_last}), or set run.output_dir to a "
         "larger filesystem"
     )
-    if free < total:
-        return CheckResult("disk", FAIL, message, fix, details)
-    if free < DISK_WARN_MARGIN * total:
-        return CheckResult("disk", WARN, message + f": less than {DISK_WARN_MARGIN}× headroom", fix, details)
-    return CheckResult("disk", PASS, message, None, details)
+    return _against_free("disk", free, total, message, fix, details)
+
+
+def _against_free(name: str, free: int, need: int, message: str, fix: str, details: dict[str, Any]) -> CheckResult:
+    """Fails below `need`, warns below DISK_WARN_MARGIN times it."""
+    if free < need:
+        return CheckResult(name, FAIL, message, fix, details)
+    if free < DISK_WARN_MARGIN * need:
+        return CheckResult(name, WARN, message + f": less than {DISK_WARN_MARGIN}× headroom", fix, details)
+    return CheckResult(name, PASS, message, None, details)
 
 
 def check_shared_memory(cfg: Config, shm_usage: DiskUsage | None = None) -> CheckResult | None:
@@ -132,8 +137,4 @@ def check_shared_memory(cfg: Config, shm_usage: DiskUsage | None = None) -> Chec
         f"give the container a larger {where} (docker run --shm-size, a Kubernetes emptyDir with medium: Memory) or "
         "set ckpt.async_writer = 'thread'"
     )
-    if free < need:
-        return CheckResult("shared memory", FAIL, message, fix, details)
-    if free < DISK_WARN_MARGIN * need:
-        return CheckResult("shared memory", WARN, message + f": less than {DISK_WARN_MARGIN}× headroom", fix, details)
-    return CheckResult("shared memory", PASS, message, None, details)
+    return _against_free("shared memory", free, need, message, fix, details)
