@@ -27,6 +27,12 @@ def _check_names(key: str, names: list[str], kind: str, examples: str, one: str)
         raise ValueError(f"lora.{key} names {one} twice")
 
 
+def target_names(entry: str, name: str) -> bool:
+    """Whether a LoRA target entry (lora.target_modules, lora.target_parameters) names the layer or tensor `name`:
+    it is the name, or the name ends in '.<entry>' (peft's rule). The engine and the calculator both match by it."""
+    return name == entry or name.endswith("." + entry)
+
+
 def adapter_scaling(alpha: float, rank: int, *, rslora: bool = False) -> float:
     """LoRA's multiplier of B @ A: alpha / rank, or rank-stabilised alpha / sqrt(rank) (peft's rule for both)."""
     return alpha / (math.sqrt(rank) if rslora else rank)

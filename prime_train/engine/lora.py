@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from prime_train.config.methods import adapter_scaling
+from prime_train.config.methods import adapter_scaling, target_names
 from prime_train.config.schema import LORA_ALL_LINEAR, LoraConfig
 from prime_train.engine.metrics import EngineConfigError
 from prime_train.engine.model import decoder_layers
@@ -120,11 +120,6 @@ def linear_module_names(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
-def _names(entry: str, name: str) -> bool:
-    """Whether a target entry names the module or tensor `name`: it is the name, or the name ends in '.<entry>'."""
-    return name == entry or name.endswith("." + entry)
-
-
 def resolve_targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
     """The layer names LoRA is applied to: 'all-linear' resolved against the model, or the configured names, each
     checked to name at least one linear layer of a decoder block (EngineConfigError listing them otherwise)."""
@@ -143,7 +138,7 @@ def resolve_targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
         for name, module in layer.named_modules()
         if isinstance(module, linear) and name
     ]
-    unmatched = [t for t in cfg.target_modules if not any(_names(t, n) for n in in_blocks)]
+    unmatched = [t for t in cfg.target_modules if not any(target_names(t, n) for n in in_blocks)]
     if unmatched:
         shown = ", ".join(repr(t) for t in unmatched)
         raise EngineConfigError(
@@ -192,9 +187,9 @@ def resolve_target_parameters(model: nn.Module, cfg: LoraConfig) -> list[str]:
     others = [_clean(n).replace(".base_layer", "") for n, p in _unwrap(model).named_parameters() if p.dim() != 3]
     problems = []
     for entry in cfg.target_parameters:
-        if stray := next((n for n in others if _names(entry, n) and not is_adapter_key(n)), None):
+        if stray := next((n for n in others if target_names(entry, n) and not is_adapter_key(n)), None):
             problems.append(f"{entry!r} names {stray}, which is not a fused expert tensor")
-        elif not any(_names(entry, n) for n in experts):
+        elif not any(target_names(entry, n) for n in experts):
             problems.append(f"{entry!r} matches no fused expert tensor in the decoder blocks")
     if problems:
         raise EngineConfigError(
@@ -533,7 +528,7 @@ def renamed_on_load(model: nn.Module, targets: list[str]) -> list[str]:
         return []
     family = _MODEL_TO_CONVERSION_PATTERN.get(getattr(getattr(model, "config", None), "model_type", None))
     names = _MOE_TARGET_MODULE_MAPPING.get(family) or {}
-    return [t for t in targets if any(_names(n, t) for n in names)]
+    return [t for t in targets if any(target_names(n, t) for n in names)]
 
 
 def _peft_version() -> str:

@@ -50,6 +50,12 @@ def engine_strategy(cfg: Config, world_size: int) -> str:
     return auto_strategy(world_size // (d.tp_size * d.pp_size), d.zero_stage is not None or d.cpu_offload, d.tp_size)
 
 
+def resolved_strategy(cfg: Config, world_size: int) -> str:
+    """engine_strategy, and 'none' for one process whatever distributed.strategy says (the engine trains it unwrapped:
+    engine/parallel.py resolve_strategy)."""
+    return engine_strategy(cfg, world_size) if world_size > 1 else "none"
+
+
 def auto_strategy(replicas: int, sharded: bool, tp_size: int) -> str:
     """What the engine's distributed.strategy = 'auto' runs over `replicas` data-parallel replicas: nothing with one,
     FSDP2 with ZeRO options or beside tensor parallelism (DDP cannot reduce its DTensors), else DDP."""

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from prime_train.config.methods import target_names
+
 # Field defaults of transformers' config classes (5.x), for the fields the counter reads. Hub config.json files
 # leave out whatever equals the default (gemma-3-4b-it's text_config omits heads and vocabulary), so counting from
 # the file alone needs them. None means "derived": num_key_value_heads = heads, head_dim = hidden / heads.
@@ -499,14 +501,10 @@ class AdapterCount:
 
 
 def _named(entries: list[str], layers: list[Linear]) -> tuple[list[Linear], list[str]]:
-    """The layers some entry names (its name is the entry or ends in '.<entry>', engine/lora.py's rule), and the
-    entries that name none."""
-
-    def names(entry: str, lin: Linear) -> bool:
-        return lin.name == entry or lin.name.endswith("." + entry)
-
-    hit = [lin for lin in layers if any(names(e, lin) for e in entries)]
-    return hit, [e for e in entries if not any(names(e, lin) for lin in layers)]
+    """The layers some entry names (config.methods.target_names, the engine's rule), and the entries that name
+    none."""
+    hit = [lin for lin in layers if any(target_names(e, lin.name) for e in entries)]
+    return hit, [e for e in entries if not any(target_names(e, lin.name) for lin in layers)]
 
 
 def count_adapters(

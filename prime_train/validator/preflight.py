@@ -32,7 +32,7 @@ from prime_train.kit.gpu import ENV_GPU_REPLAY, replayed_probe
 from prime_train.launch import node_rank, procs_per_node, rendezvous_endpoint, visible_gpu_count
 from prime_train.validator.checks import FAIL, PASS, WARN, CheckResult
 from prime_train.validator.lora_checks import check_lora
-from prime_train.validator.memory import engine_strategy, estimate, inputs_from_config
+from prime_train.validator.memory import estimate, inputs_from_config, resolved_strategy
 from prime_train.validator.memory_breakdown import STATE_PARTS
 from prime_train.validator.memory_inputs import MemoryInputError
 from prime_train.validator.model_files import hub_model_unavailable
@@ -520,10 +520,6 @@ def check_secrets(cfg: Config) -> CheckResult:
 # ---------------------------------------------------------------- memory fit
 
 
-def _strategy(cfg: Config, world_size: int) -> str:
-    return engine_strategy(cfg, world_size) if world_size > 1 else "none"
-
-
 def estimate_memory(cfg: Config, hf: dict[str, Any], *, on_gpu: bool) -> dict[str, Any]:
     """Bytes one training process needs, by part, from the memory calculator (`prime-train memory`).
 
@@ -532,7 +528,7 @@ def estimate_memory(cfg: Config, hf: dict[str, Any], *, on_gpu: bool) -> dict[st
     """
     nproc = procs_per_node(cfg)
     world = nproc * cfg.distributed.nnodes
-    strategy = _strategy(cfg, world)
+    strategy = resolved_strategy(cfg, world)
     precision = "bf16" if cfg.train.precision == "bf16" or (on_gpu and cfg.train.precision == "auto") else "fp32"
     report = estimate(
         inputs_from_config(
@@ -655,7 +651,7 @@ def run_preflight(
         gpu_probe = replayed_probe  # the machine a gpu.jsonl recorded: its GPUs, as preflight would have seen them
     cuda = check_cuda(cfg, gpu_probe)
     gpu_run = bool(cuda.details.get("gpu_run"))
-    lora = check_lora(cfg, cuda, _strategy(cfg, procs_per_node(cfg) * cfg.distributed.nnodes))
+    lora = check_lora(cfg, cuda, resolved_strategy(cfg, procs_per_node(cfg) * cfg.distributed.nnodes))
     float8 = check_float8(cfg, cuda)
     shm = check_shared_memory(cfg, shm_usage)
     return [

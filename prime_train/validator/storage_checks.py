@@ -14,7 +14,7 @@ from prime_train.config.schema import Config
 from prime_train.launch import procs_per_node
 from prime_train.validator.checks import FAIL, PASS, WARN, CheckResult
 from prime_train.validator.lora_checks import adapters
-from prime_train.validator.memory import engine_strategy
+from prime_train.validator.memory import resolved_strategy
 from prime_train.validator.model_shape import model_shape
 from prime_train.validator.param_count import count_parameters
 
@@ -74,15 +74,12 @@ def check_disk(cfg: Config, disk_usage: DiskUsage | None = None) -> CheckResult:
             None,
             details,
         )
-    hf, source = model_shape(cfg)
-    if hf is None:
+    need, source = _run_checkpoint_need(cfg)
+    if need is None:
         return CheckResult(
             "disk", WARN, f"{human_bytes(free)} free on {where}; checkpoint size unknown: {source}", None, details
         )
-    num_params = count_parameters(hf)
-    ad = adapters(cfg)
-    need = checkpoint_disk_need(cfg, num_params, ad.trainable if ad is not None else None)
-    details.update(need, num_params=num_params)
+    details.update(need)
     total = need["total_bytes"]
     breakdown = f"{need['checkpoints']} checkpoint(s) × {human_bytes(need['checkpoint_bytes'])}"
     if need["export_bytes"]:
@@ -93,6 +90,20 @@ def check_disk(cfg: Config, disk_usage: DiskUsage | None = None) -> CheckResult:
         "larger filesystem"
     )
     return _against_free("disk", free, total, message, fix, details)
+
+
+def _run_checkpoint_need(cfg: Config) -> tuple[dict[str, int] | None, str]:
+    """checkpoint_disk_need of the run's model (with LoRA, of its adapters) and its num_params; None, and why, when
+    the model's shape is unknown."""
+    hf, source = model_shape(cfg)
+    if hf is None:
+        return None, source
+    num_params = count_parameters(hf)
+    ad = adapters(cfg)
+    return {
+        **checkpoint_disk_need(cfg, num_params, ad.trainable if ad is not None else None),
+        "num_params": num_params,
+    }, source
 
 
 def _against_free(name: str, free: int, need: int, message: str, fix: str, details: dict[str, Any]) -> CheckResult:
@@ -118,15 +129,13 @@ def check_shared_memory(cfg: Config, shm_usage: DiskUsage | None = None) -> Chec
         fix = "run where /dev/shm exists, or set ckpt.async_writer = 'thread'"
         return CheckResult("shared memory", FAIL, f"ckpt.async_writer = 'process' stages saves in {where}: {e}", fix)
     details: dict[str, Any] = {"path": where, "free_bytes": free}
-    hf, source = model_shape(cfg)
-    if hf is None:
+    per_checkpoint, source = _run_checkpoint_need(cfg)
+    if per_checkpoint is None:
         unknown = f"{human_bytes(free)} free in {where}; checkpoint size unknown: {source}"
         return CheckResult("shared memory", WARN, unknown, None, details)
-    ad = adapters(cfg)
-    per_checkpoint = checkpoint_disk_need(cfg, count_parameters(hf), ad.trainable if ad is not None else None)
     nproc = procs_per_node(cfg)
     world = nproc * cfg.distributed.nnodes
-    sharded = world > 1 and engine_strategy(cfg, world) in ("fsdp", "hsdp")
+    sharded = resolved_strategy(cfg, world) in ("fsdp", "hsdp")
     need = per_checkpoint["checkpoint_bytes"] * nproc // (world if sharded else 1)
     details["need_bytes"] = need
     message = (
